@@ -1,0 +1,117 @@
+"""Input options and contexts: ``InputOptions``, ``InputContext``, ``InputReplicationMode``."""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["InputReplicationMode", "InputOptions", "InputContext"]
+
+
+class InputReplicationMode(enum.Enum):
+    """How ``distribute_datasets_from_function`` calls ``dataset_fn``.
+
+    ``PER_WORKER``: once per worker; the worker's replicas take consecutive batches.
+    ``PER_REPLICA``: once per replica; each replica reads its own dataset.
+    """
+
+    PER_WORKER = "PER_WORKER"
+    PER_REPLICA = "PER_REPLICA"
+
+
+class InputOptions:
+    """Options for distributing a dataset (``tf.distribute.InputOptions``).
+
+    Args:
+      experimental_fetch_to_device: move each replica's slice to its device (``True``)
+        or keep it on the host (``False``).
+      experimental_replication_mode: an ``InputReplicationMode`` (``PER_REPLICA`` only
+        with ``distribute_datasets_from_function``).
+      experimental_place_dataset_on_device: kept for TensorFlow compatibility; needs
+        ``PER_REPLICA`` and ``experimental_fetch_to_device=False``.
+      experimental_per_replica_buffer_size: how many steps are prepared ahead.
+
+    Example::
+
+        options = data.InputOptions(experimental_fetch_to_device=False)
+        dist = strategy.experimental_distribute_dataset(loader, options)
+    """
+
+    def __init__(
+        self,
+        experimental_fetch_to_device: bool = True,
+        experimental_replication_mode: InputReplicationMode = InputReplicationMode.PER_WORKER,
+        experimental_place_dataset_on_device: bool = False,
+        experimental_per_replica_buffer_size: int = 1,
+    ):
+        mode = InputReplicationMode(experimental_replication_mode)
+        if experimental_place_dataset_on_device and mode is not InputReplicationMode.PER_REPLICA:
+            raise ValueError(
+                "When `experimental_place_dataset_on_device` is set for dataset placement, you must "
+                "also specify `PER_REPLICA` for the replication mode"
+            )
+        if experimental_place_dataset_on_device and experimental_fetch_to_device:
+            raise ValueError(
+                "`experimental_place_dataset_on_device` can not be set to True when "
+                "experimental_fetch_to_device is True and replication mode is set to `PER_REPLICA`"
+            )
+        if not isinstance(experimental_per_replica_buffer_size, int) or experimental_per_replica_buffer_size < 0:
+            raise ValueError(
+                "experimental_per_replica_buffer_size must be a non-negative int, got "
+                f"{experimental_per_replica_buffer_size!r}."
+            )
+        self.experimental_fetch_to_device = bool(experimental_fetch_to_device)
+        self.experimental_replication_mode = mode
+        self.experimental_place_dataset_on_device = bool(experimental_place_dataset_on_device)
+        self.experimental_per_replica_buffer_size = experimental_per_replica_buffer_size
+
+    def __repr__(self) -> str:
+        return (
+            f"InputOptions(experimental_fetch_to_device={self.experimental_fetch_to_device}, "
+            f"experimental_replication_mode={self.experimental_replication_mode}, "
+            f"experimental_per_replica_buffer_size={self.experimental_per_replica_buffer_size})"
+        )
+
+
+class InputContext:
+    """What ``dataset_fn`` is told about the input pipeline it builds.
+
+    Example::
+
+        def dataset_fn(ctx):
+            batch = ctx.get_per_replica_batch_size(64)
+            return DataLoader(my_dataset_shard(ctx.input_pipeline_id, ctx.num_input_pipelines), batch_size=batch)
+    """
+
+    def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0, num_replicas_in_sync: int = 1):
+        self._num_input_pipelines = num_input_pipelines
+        self._input_pipeline_id = input_pipeline_id
+        self._num_replicas_in_sync = num_replicas_in_sync
+
+    @property
+    def num_input_pipelines(self) -> int:
+        return self._num_input_pipelines
+
+    @property
+    def input_pipeline_id(self) -> int:
+        return self._input_pipeline_id
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._num_replicas_in_sync
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """``global_batch_size // num_replicas_in_sync``; ``ValueError`` when not divisible."""
+        if global_batch_size % self._num_replicas_in_sync != 0:
+            raise ValueError(
+                f"The `global_batch_size` {global_batch_size!r} is not divisible by "
+                f"`num_replicas_in_sync` {self._num_replicas_in_sync!r} "
+            )
+        return global_batch_size // self._num_replicas_in_sync
+
+    def __str__(self) -> str:
+        return (
+            f"tf.distribute.InputContext(input pipeline id {self._input_pipeline_id}, "
+            f"total: {self._num_input_pipelines})"
+        )
+
+    __repr__ = __str__

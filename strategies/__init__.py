@@ -1,0 +1,80 @@
+"""The distribution runtime: TensorFlow's ``tf.distribute`` programming model on torch.
+
+Example::
+
+    >>> import torch, strategies as ds
+    >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    >>> out = strategy.run(lambda: torch.tensor([1.0, 2.0]) * (ds.get_replica_context().replica_id_in_sync_group + 1))
+    >>> strategy.reduce("SUM", out, axis=None)
+    tensor([3., 6.])
+"""
+
+from .central_storage import CentralStorageStrategy
+from .context import (
+    experimental_set_strategy,
+    get_cross_replica_context,
+    get_replica_context,
+    get_strategy,
+    has_strategy,
+    in_cross_replica_context,
+)
+from .cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice
+from .devices import get_logical_cpu_count, list_logical_devices, set_logical_cpu_count
+from .distribute_lib import Strategy, StrategyExtended, ValueContext
+from .mirrored import MirroredStrategy
+from .module import DistributedModule
+from .one_device import OneDeviceStrategy
+from .reduce_util import (
+    CommunicationImplementation,
+    CommunicationOptions,
+    ReduceOp,
+    VariableAggregation,
+    VariableSynchronization,
+)
+from .runner import ReplicaContext
+from .values import DistributedValues, Mirrored, PerReplica
+from .variables import (
+    CentralStorageVariable,
+    DistributedVariable,
+    LocalVariable,
+    MirroredVariable,
+    SyncOnReadVariable,
+    Variable,
+)
+
+__all__ = [
+    "CentralStorageStrategy",
+    "CentralStorageVariable",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "CrossDeviceOps",
+    "DistributedModule",
+    "DistributedValues",
+    "DistributedVariable",
+    "LocalVariable",
+    "Mirrored",
+    "MirroredStrategy",
+    "MirroredVariable",
+    "NcclAllReduce",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReductionToOneDevice",
+    "ReplicaContext",
+    "Strategy",
+    "StrategyExtended",
+    "SyncOnReadVariable",
+    "ValueContext",
+    "Variable",
+    "VariableAggregation",
+    "VariableSynchronization",
+    "experimental_set_strategy",
+    "get_cross_replica_context",
+    "get_logical_cpu_count",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "list_logical_devices",
+    "set_logical_cpu_count",
+]

@@ -1,0 +1,348 @@
+"""Cross-device ops: the one place where values of several replicas are combined.
+
+A ``CrossDeviceOps`` turns ``(per-replica value, destinations)`` pairs into reduced
+values on the destination devices. ``batch_reduce`` packs many tensors into few
+batched operations (``CommunicationOptions.bytes_per_pack``), so a model with
+hundreds of parameters costs a handful of reductions, not hundreds.
+
+* ``ReductionToOneDevice``: sums on one device, in replica order (so results never
+  depend on thread timing), then copies the result to every destination. Tensors
+  that must cross physical devices travel as one flat buffer per pack; tensors that
+  already share memory (logical CPUs) are summed pack by pack with multi-tensor
+  (``torch._foreach_*``) kernels, without the copy into a flat buffer.
+* ``NcclAllReduce``: NCCL all-reduce of flat packs across several GPUs of one process.
+
+Example::
+
+    >>> import torch, strategies as ds
+    >>> ops = ds.ReductionToOneDevice()
+    >>> value = ds.PerReplica((torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])), ("cpu:0", "cpu:1"))
+    >>> ops.reduce("SUM", value, destinations=["cpu:0", "cpu:1"]).values
+    (tensor([4., 6.]), tensor([4., 6.]))
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .devices import canonicalize, canonicalize_list, physical_key, torch_device
+from .reduce_util import CommunicationOptions, ReduceOp, as_reduce_op
+from .values import DistributedValues, Mirrored, local_results
+from .variables import Variable
+
+__all__ = ["CrossDeviceOps", "ReductionToOneDevice", "NcclAllReduce", "group_by_size", "destination_devices"]
+
+
+def destination_devices(destinations) -> tuple[str, ...]:
+    """The canonical devices named by ``destinations``.
+
+    A variable or distributed value means its devices; a device string (or
+    ``torch.device``) one device; a list of device strings those devices.
+    """
+    if isinstance(destinations, Variable):
+        return tuple(component.device for component in local_results(destinations))
+    if isinstance(destinations, DistributedValues):
+        return tuple(destinations.devices)
+    if isinstance(destinations, (str, torch.device)):
+        return (canonicalize(destinations),)
+    if isinstance(destinations, (list, tuple)):
+        if not destinations:
+            raise ValueError("destinations can not be empty")
+        if all(isinstance(d, (str, torch.device)) for d in destinations):
+            return canonicalize_list(destinations, "destinations")
+    raise ValueError(
+        "destinations must be one of a `DistributedValues` object, a strategies.Variable object, a device "
+        f"string or a list of device strings; got {type(destinations).__name__}: {destinations!r}."
+    )
+
+
+def component_tensors(value) -> list:
+    """The tensors of a distributed value (variables give their components' tensors)."""
+    out = []
+    for item in local_results(value):
+        if isinstance(item, Variable):
+            item = item._read()
+        elif not isinstance(item, torch.Tensor):
+            item = torch.as_tensor(item)
+        out.append(item)
+    return out
+
+
+def group_by_size(nbytes: list[int], bytes_per_pack: int) -> list[list[int]]:
+    """Splits indices into consecutive packs of at most ``bytes_per_pack`` bytes.
+
+    ``0`` puts everything in one pack; a tensor larger than the budget gets a pack of
+    its own.
+
+    Example::
+
+        >>> group_by_size([4, 8, 12, 16, 20], 24)
+        [[0, 1, 2], [3], [4]]
+    """
+    if bytes_per_pack == 0:
+        return [list(range(len(nbytes)))] if nbytes else []
+    packs: list[list[int]] = []
+    used = 0
+    for index, size in enumerate(nbytes):
+        if not packs or used + size > bytes_per_pack:
+            packs.append([])
+            used = 0
+        packs[-1].append(index)
+        used += size
+    return packs
+
+
+def _check_shapes(tensors, what="value") -> None:
+    shape = tensors[0].shape
+    for tensor in tensors:
+        if tensor.shape != shape:
+            shapes = ", ".join(f"replica {i}: {tuple(t.shape)}" for i, t in enumerate(tensors))
+            raise ValueError(
+                f"Cannot reduce a {what} whose shape differs across replicas ({shapes}). Values reduced "
+                "across replicas must have the same shape; for per-example values whose batch sizes "
+                "differ, use strategy.reduce(op, value, axis=0) or strategy.gather(value, axis=0)."
+            )
+
+
+def _mean(total: torch.Tensor, count: int) -> torch.Tensor:
+    return total / count
+
+
+def _result(tensors_by_device: list, devices: tuple):
+    return tensors_by_device[0] if len(devices) == 1 else Mirrored(tensors_by_device, devices)
+
+
+class CrossDeviceOps:
+    """Base class of cross-device reductions (``tf.distribute.CrossDeviceOps``).
+
+    Subclasses implement ``reduce_implementation``/``batch_reduce_implementation``;
+    the public methods validate and normalize their arguments.
+    """
+
+    def reduce(self, reduce_op, per_replica_value, destinations, options=None):
+        """Reduces ``per_replica_value`` onto ``destinations``: a ``Mirrored``, or a tensor for one device."""
+        return self.batch_reduce(reduce_op, [(per_replica_value, destinations)], options)[0]
+
+    def batch_reduce(self, reduce_op, value_destination_pairs, options=None) -> list:
+        """Reduces many ``(value, destinations)`` pairs in one batched operation; one result per pair."""
+        op = as_reduce_op(reduce_op)
+        options = CommunicationOptions() if options is None else options
+        pairs = []
+        for value, destinations in value_destination_pairs:
+            tensors = component_tensors(value)
+            _check_shapes(tensors)
+            pairs.append((tensors, destination_devices(destinations), _source_devices(value, len(tensors))))
+        return self.batch_reduce_implementation(op, pairs, options)
+
+    def broadcast(self, tensor, destinations):
+        """Copies ``tensor`` to every destination device: a ``Mirrored`` (a tensor for one device)."""
+        devices = destination_devices(destinations)
+        return _result(_broadcast(tensor, devices), devices)
+
+    def gather(self, per_replica_value, axis: int, destinations):
+        """Concatenates the components along ``axis`` onto each destination device."""
+        devices = destination_devices(destinations)
+        tensors = component_tensors(per_replica_value)
+        target = torch_device(devices[0])
+        moved = [t.to(target, non_blocking=True) for t in tensors]
+        try:
+            gathered = torch.cat(moved, dim=axis)
+        except (RuntimeError, IndexError) as error:
+            shapes = ", ".join(f"replica {i}: {tuple(t.shape)}" for i, t in enumerate(tensors))
+            raise ValueError(
+                f"Cannot gather along axis {axis}: the components ({shapes}) must have at least {axis + 1} "
+                f"dimension(s) and may differ only along axis {axis}. ({error})"
+            ) from None
+        return _result(_broadcast(gathered, devices), devices)
+
+    def batch_reduce_implementation(self, reduce_op: ReduceOp, pairs, options: CommunicationOptions) -> list:
+        raise NotImplementedError
+
+
+def _source_devices(value, count):
+    if isinstance(value, Variable):
+        return tuple(c.device for c in local_results(value))
+    if isinstance(value, DistributedValues):
+        return tuple(value.devices)
+    return (None,) * count
+
+
+def _broadcast(tensor: torch.Tensor, devices) -> list:
+    """One tensor per destination. Destinations sharing memory (logical CPUs) get views of
+    one buffer: distinct objects (so each replica owns its result) without a copy."""
+    out = []
+    copies: dict = {physical_key_of(tensor): tensor}
+    for device in devices:
+        key = physical_key(device)
+        if key not in copies:
+            copies[key] = tensor.to(torch_device(device), non_blocking=True)
+            out.append(copies[key])
+        else:
+            out.append(copies[key] if not out else copies[key].view_as(copies[key]))
+    return out
+
+
+def physical_key_of(tensor: torch.Tensor) -> str:
+    device = tensor.device
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
+
+
+class ReductionToOneDevice(CrossDeviceOps):
+    """Sums on one device in replica order, then copies the result to every destination.
+
+    Args:
+      reduce_to_device: where the sum is computed; by default the first destination.
+
+    Sums are taken in replica order (``((v0 + v1) + v2) + ...``), so the same inputs
+    give bit-identical results whatever thread finishes first. Batched reductions
+    follow ``bytes_per_pack``: one multi-tensor kernel per pack where the tensors share
+    memory, one flat buffer per pack where they must be moved.
+
+    Example::
+
+        strategy = strategies.MirroredStrategy(
+            ["cpu:0", "cpu:1"], cross_device_ops=strategies.ReductionToOneDevice())
+    """
+
+    def __init__(self, reduce_to_device=None):
+        self.reduce_to_device = None if reduce_to_device is None else canonicalize(reduce_to_device)
+
+    def batch_reduce_implementation(self, reduce_op, pairs, options) -> list:
+        results: list = [None] * len(pairs)
+        groups: dict = {}
+        for index, (tensors, destinations, _) in enumerate(pairs):
+            if len(tensors) == 1 and physical_key_of(tensors[0]) == physical_key(destinations[0]):
+                # One replica and no copy needed: nothing to add (bit-identical, no work).
+                results[index] = _result(_broadcast(tensors[0], destinations), destinations)
+                continue
+            reduce_device = self.reduce_to_device or destinations[0]
+            key = (
+                tensors[0].dtype,
+                len(tensors),
+                tuple(physical_key_of(t) for t in tensors),
+                physical_key(reduce_device),
+                destinations,
+            )
+            groups.setdefault(key, []).append(index)
+        for (_, count, sources, target_key, destinations), indices in groups.items():
+            reduce_device = torch_device(self.reduce_to_device or destinations[0])
+            nbytes = [pairs[i][0][0].numel() * pairs[i][0][0].element_size() for i in indices]
+            for pack in group_by_size(nbytes, options.bytes_per_pack):
+                members = [indices[p] for p in pack]
+                per_replica = [[pairs[i][0][r] for i in members] for r in range(count)]
+                if all(source == target_key for source in sources) and not self._force_flat:
+                    reduced = _sum_packed_foreach(per_replica, reduce_op, count)
+                else:
+                    reduced = _sum_packed_flat(per_replica, reduce_op, count, reduce_device)
+                for i, tensor in zip(members, reduced):
+                    results[i] = _result(_broadcast(tensor, destinations), destinations)
+        return results
+
+    _force_flat = False  # tests set this to check the flat-buffer path against the multi-tensor one
+
+
+def _sum_packed_foreach(per_replica: list, reduce_op: ReduceOp, count: int) -> list:
+    if count == 1:
+        return list(per_replica[0])  # one replica: its values are the sum and the mean
+    total = torch._foreach_add(per_replica[0], per_replica[1])
+    for tensors in per_replica[2:]:
+        torch._foreach_add_(total, tensors)
+    if reduce_op is ReduceOp.MEAN:
+        if total[0].is_floating_point() or total[0].is_complex():
+            torch._foreach_div_(total, count)
+        else:
+            total = [_mean(t, count) for t in total]
+    return total
+
+
+def _sum_packed_flat(per_replica: list, reduce_op: ReduceOp, count: int, device: torch.device) -> list:
+    shapes = [t.shape for t in per_replica[0]]
+    sizes = [t.numel() for t in per_replica[0]]
+    flats = [torch.cat([t.reshape(-1) for t in tensors]).to(device, non_blocking=True) for tensors in per_replica]
+    total = flats[0] + flats[1] if count > 1 else flats[0]
+    for flat in flats[2:]:
+        total += flat
+    if reduce_op is ReduceOp.MEAN:
+        total = _mean(total, count)
+    return [piece.view(shape) for piece, shape in zip(total.split(sizes), shapes)]
+
+
+class NcclAllReduce(CrossDeviceOps):
+    """NCCL all-reduce across the GPUs of one process, in flat packs.
+
+    Args:
+      num_packs: how many flat buffers each group of tensors is split into (``0``: one
+        all-reduce per tensor).
+
+    Values whose destinations are not exactly their own GPUs (a CPU destination, a
+    different device set) fall back to ``ReductionToOneDevice``. Unlike that op, the
+    order in which NCCL adds the replicas' values is NCCL's (deterministic for a fixed
+    set of GPUs, but not strictly replica order).
+
+    Example::
+
+        strategy = strategies.MirroredStrategy(["cuda:0", "cuda:1"],
+                                               cross_device_ops=strategies.NcclAllReduce())
+    """
+
+    def __init__(self, num_packs: int = 1):
+        if num_packs < 0:
+            raise ValueError(f"NCCL all-reduce requires num_packs >= 0, but {num_packs} is specified")
+        self.num_packs = num_packs
+        self._fallback = ReductionToOneDevice()
+
+    def batch_reduce_implementation(self, reduce_op, pairs, options) -> list:
+        results: list = [None] * len(pairs)
+        nccl_groups: dict = {}
+        fallback = []
+        for index, (tensors, destinations, _) in enumerate(pairs):
+            devices = tuple(physical_key_of(t) for t in tensors)
+            usable = (
+                len(tensors) > 1
+                and all(d.startswith("cuda") for d in devices)
+                and len(set(devices)) == len(devices)
+                and tuple(physical_key(d) for d in destinations) == devices
+            )
+            if usable:
+                nccl_groups.setdefault((tensors[0].dtype, devices), []).append(index)
+            else:
+                fallback.append(index)
+        if fallback:
+            reduced = self._fallback.batch_reduce_implementation(reduce_op, [pairs[i] for i in fallback], options)
+            for i, value in zip(fallback, reduced):
+                results[i] = value
+        for (_, devices), indices in nccl_groups.items():
+            count = len(devices)
+            if self.num_packs == 0:
+                packs = [[i] for i in indices]
+            else:
+                nbytes = [pairs[i][0][0].numel() * pairs[i][0][0].element_size() for i in indices]
+                packs = [[indices[p] for p in pack] for pack in group_by_size(nbytes, options.bytes_per_pack)]
+            for members in packs:
+                per_replica = [[pairs[i][0][r] for i in members] for r in range(count)]
+                reduced = _nccl_all_reduce(per_replica, reduce_op, count, self.num_packs or 1)
+                for position, i in enumerate(members):
+                    destinations = pairs[i][1]
+                    results[i] = Mirrored([reduced[r][position] for r in range(count)], destinations)
+        return results
+
+
+def _nccl_all_reduce(per_replica, reduce_op, count, num_packs):
+    from torch.cuda import nccl
+
+    shapes = [t.shape for t in per_replica[0]]
+    sizes = [t.numel() for t in per_replica[0]]
+    flats = [torch.cat([t.reshape(-1) for t in tensors]) for tensors in per_replica]
+    total = flats[0].numel()
+    chunk = max(1, total // max(1, num_packs))
+    bounds = list(range(0, total, chunk))[:num_packs] + [total]
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        nccl.all_reduce([flat[start:stop] for flat in flats])
+    out = []
+    for flat in flats:
+        if reduce_op is ReduceOp.MEAN:
+            flat = _mean(flat, count)
+        out.append([piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes)])
+    return out

@@ -1,0 +1,177 @@
+"""Device names: parsing torch and TensorFlow spellings into one canonical form.
+
+Every device in this package is a canonical string ``"cpu:N"`` or ``"cuda:N"``
+(``"mps:0"`` where Apple's backend exists). ``"cpu:0"``, ``"cpu:1"``, ... are
+*logical* CPU devices: distinct replicas that all live in host memory, exactly as
+TensorFlow's logical CPU devices (``tf.config.set_logical_device_configuration``).
+How many exist is set with :func:`set_logical_cpu_count` (default: 8, or the
+number of cores if larger).
+
+Example::
+
+    >>> canonicalize("/job:localhost/replica:0/task:0/device:CPU:1")
+    'cpu:1'
+    >>> canonicalize("GPU:0")          # doctest: +SKIP  (needs a GPU)
+    'cuda:0'
+    >>> torch_device("cpu:3")
+    device(type='cpu')
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+import torch
+
+__all__ = [
+    "canonicalize",
+    "canonicalize_list",
+    "torch_device",
+    "physical_key",
+    "list_logical_devices",
+    "set_logical_cpu_count",
+    "get_logical_cpu_count",
+    "default_device",
+]
+
+_logical_cpus = max(8, os.cpu_count() or 1)
+
+_TF_FULL = re.compile(r"^(?:/job:[^/]+)?(?:/replica:\d+)?(?:/task:\d+)?/device:([a-z_]+):(\d+)$")
+_SHORT = re.compile(r"^/?([a-z_]+)(?::(\d+))?$")
+_TYPE_ALIASES = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "mps": "mps"}
+
+
+def set_logical_cpu_count(count: int) -> None:
+    """Sets how many logical CPU devices (``cpu:0`` ... ``cpu:{count-1}``) exist.
+
+    The counterpart of TensorFlow's ``tf.config.set_logical_device_configuration``
+    for CPUs. Strategies already built keep their devices.
+
+    Example::
+
+        strategies.set_logical_cpu_count(16)
+        strategy = strategies.MirroredStrategy([f"cpu:{i}" for i in range(16)])
+    """
+    global _logical_cpus
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ValueError(f"set_logical_cpu_count() needs a positive int, got {count!r}.")
+    _logical_cpus = count
+    canonicalize.cache_clear()
+
+
+def get_logical_cpu_count() -> int:
+    """Returns the number of logical CPU devices (see :func:`set_logical_cpu_count`)."""
+    return _logical_cpus
+
+
+def _cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _mps_available() -> bool:
+    backend = getattr(torch.backends, "mps", None)
+    return bool(backend is not None and backend.is_available())
+
+
+def list_logical_devices() -> list[str]:
+    """Every device a strategy may use here, canonical spelling, CPUs first.
+
+    Example::
+
+        >>> list_logical_devices()[:2]
+        ['cpu:0', 'cpu:1']
+    """
+    devices = [f"cpu:{i}" for i in range(_logical_cpus)]
+    devices += [f"cuda:{i}" for i in range(_cuda_count())]
+    if _mps_available():
+        devices.append("mps:0")
+    return devices
+
+
+def _available_text() -> str:
+    gpus = _cuda_count()
+    text = f"cpu:0 ... cpu:{_logical_cpus - 1} (logical CPUs; strategies.set_logical_cpu_count() sets how many)"
+    text += f", cuda:0 ... cuda:{gpus - 1}" if gpus else ", and no CUDA device"
+    return text
+
+
+@functools.lru_cache(maxsize=256)
+def _canonicalize_str(spec: str) -> str:
+    text = spec.strip().lower()
+    match = _TF_FULL.match(text) or _SHORT.match(text)
+    if match is None or match.group(1) not in _TYPE_ALIASES:
+        raise ValueError(
+            f"Unknown device {spec!r}: expected a torch or TensorFlow device name such as "
+            f"'cpu:0', 'cuda:1', 'GPU:0' or '/job:localhost/replica:0/task:0/device:CPU:0'. "
+            f"Available devices: {_available_text()}."
+        )
+    kind = _TYPE_ALIASES[match.group(1)]
+    if match.group(2) is not None:
+        index = int(match.group(2))
+    elif kind == "cuda" and _cuda_count():
+        index = torch.cuda.current_device()
+    else:
+        index = 0
+    limit = {"cpu": _logical_cpus, "cuda": _cuda_count(), "mps": 1 if _mps_available() else 0}[kind]
+    if index >= limit:
+        raise ValueError(f"Device {spec!r} is not available. Available devices: {_available_text()}.")
+    return f"{kind}:{index}"
+
+
+def canonicalize(device) -> str:
+    """Returns the canonical ``"type:index"`` name of ``device``.
+
+    Accepts torch spellings (``"cpu"``, ``"cuda:1"``, ``torch.device``), TensorFlow
+    spellings (``"GPU:0"``, ``"/gpu:0"``, ``"CPU:1"``, ``"/device:CPU:0"``,
+    ``"/job:localhost/replica:0/task:0/device:CPU:0"``), case-insensitively.
+    ``"cpu"`` means ``"cpu:0"`` and ``"cuda"`` the current CUDA device.
+    Raises ``ValueError`` naming the device and what is available when it is unknown
+    or not present on this machine.
+    """
+    if isinstance(device, torch.device):
+        device = device.type if device.index is None else f"{device.type}:{device.index}"
+    if not isinstance(device, str):
+        raise ValueError(f"A device must be a string or torch.device, got {type(device).__name__}: {device!r}.")
+    return _canonicalize_str(device)
+
+
+canonicalize.cache_clear = _canonicalize_str.cache_clear  # type: ignore[attr-defined]
+
+
+def canonicalize_list(devices, what: str = "devices") -> tuple[str, ...]:
+    """Canonicalizes a list of devices; rejects an empty list and duplicates."""
+    if isinstance(devices, (str, torch.device)):
+        devices = [devices]
+    result = tuple(canonicalize(d) for d in devices)
+    if not result:
+        raise ValueError(f"`{what}` must name at least one device.")
+    duplicates = sorted({d for d in result if result.count(d) > 1})
+    if duplicates:
+        raise ValueError(f"No duplicates allowed in `{what}` argument: {list(devices)!r} names {duplicates} twice.")
+    return result
+
+
+@functools.lru_cache(maxsize=256)
+def torch_device(device: str) -> torch.device:
+    """The ``torch.device`` holding the memory of a canonical device.
+
+    Logical CPUs all map to ``torch.device("cpu")``.
+    """
+    kind, _, index = canonicalize(device).partition(":")
+    return torch.device("cpu") if kind == "cpu" else torch.device(kind, int(index))
+
+
+def physical_key(device: str) -> str:
+    """Identifies the memory a device's tensors live in (all logical CPUs share ``"cpu"``)."""
+    return str(torch_device(device))
+
+
+def default_device() -> str:
+    """The canonical name of torch's current default device (the default strategy's)."""
+    getter = getattr(torch, "get_default_device", None)
+    dev = getter() if getter is not None else torch.device("cpu")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return canonicalize(dev)

@@ -1,0 +1,72 @@
+"""``MirroredStrategy``: one process, one replica per device, variables kept in sync."""
+
+from __future__ import annotations
+
+import torch
+
+from .cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice, destination_devices
+from .devices import canonicalize_list
+from .distribute_lib import Strategy, StrategyExtended
+
+__all__ = ["MirroredStrategy"]
+
+
+def local_gpus() -> list[str]:
+    return [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def _default_cross_device_ops(devices) -> CrossDeviceOps:
+    gpus = [d for d in devices if d.startswith("cuda")]
+    nccl = getattr(torch.cuda, "nccl", None)
+    if len(gpus) == len(devices) > 1 and nccl is not None and nccl.is_available([torch.empty(0)]) is not None:
+        return NcclAllReduce()
+    return ReductionToOneDevice()
+
+
+class MirroredExtended(StrategyExtended):
+    """Variables are mirrored: one copy per replica device, equal after every write."""
+
+    def _create_variable(self, spec):
+        colocated = self._colocated_with()
+        devices = destination_devices(colocated) if colocated is not None else self._worker_devices
+        return self._create_distributed_variable(spec, devices)
+
+    _module_variable = StrategyExtended._replicated_module_variable
+
+
+class MirroredStrategy(Strategy):
+    """Synchronous training on several devices of one process (``tf.distribute.MirroredStrategy``).
+
+    Args:
+      devices: the replica devices (``["cpu:0", "cpu:1"]``, ``["cuda:0", "cuda:1"]``,
+        TensorFlow spellings too). ``None`` uses every visible GPU, or ``["cpu:0"]``
+        when there is none. ``"cpu:N"`` are logical CPU devices.
+      cross_device_ops: a ``CrossDeviceOps``; by default ``NcclAllReduce`` on several
+        GPUs, else ``ReductionToOneDevice``.
+
+    Each replica runs on its own thread (replica 0 on the caller's); variables created
+    in ``scope()`` are ``MirroredVariable``s (``SyncOnReadVariable`` for
+    ``synchronization=ON_READ``); ``run`` returns ``PerReplica`` values.
+
+    Example::
+
+        >>> import torch, strategies as ds
+        >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> with strategy.scope():
+        ...     v = ds.Variable(1.0)
+        >>> def merge_fn(strategy, value):
+        ...     reduced = strategy.extended.batch_reduce_to("SUM", [(value, v)])[0]
+        ...     return strategy.extended.update(v, lambda c, x: c.assign(x), args=(reduced,))
+        >>> _ = strategy.run(lambda: ds.get_replica_context().merge_call(merge_fn, args=(torch.tensor(1.0),)))
+        >>> [float(c) for c in v.values]
+        [2.0, 2.0]
+    """
+
+    def __init__(self, devices=None, cross_device_ops: CrossDeviceOps | None = None):
+        if not devices:
+            devices = local_gpus() or ["cpu:0"]
+        devices = canonicalize_list(devices, "devices")
+        if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
+            raise ValueError(f"cross_device_ops must be a strategies.CrossDeviceOps, got {cross_device_ops!r}.")
+        ops = cross_device_ops or _default_cross_device_ops(devices)
+        super().__init__(MirroredExtended(self, devices, devices, ops))

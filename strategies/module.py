@@ -1,0 +1,193 @@
+"""``DistributedModule``: a torch module replicated over a strategy's replicas.
+
+torch has no variable creator, so a module built outside ``scope()`` is distributed
+explicitly with ``strategy.distribute_module(module)`` (the ``Trainer`` does it for
+you). Replica 0 **is** the user's module (moved to the first device if needed), so
+after training the user's own object holds the trained weights.
+
+Each parameter and buffer is mapped once to a distributed variable: parameters are
+mirrored (central under ``CentralStorageStrategy``), floating buffers such as
+batch-norm statistics are ``SyncOnRead``/``MEAN``, integer buffers
+``SyncOnRead``/``ONLY_FIRST_REPLICA``. Per step nothing is rebuilt.
+
+Example::
+
+    >>> import torch, strategies as ds
+    >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    >>> model = torch.nn.Linear(3, 1)
+    >>> dmodel = strategy.distribute_module(model)
+    >>> dmodel.module is model
+    True
+    >>> out = strategy.run(lambda x: dmodel(x), args=(torch.ones(2, 3),))
+    >>> len(strategy.experimental_local_results(out))
+    2
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+
+import torch
+
+from . import context
+from .reduce_util import VariableAggregation, VariableSynchronization
+
+__all__ = ["DistributedModule"]
+
+
+def _buffer_aggregation(tensor: torch.Tensor) -> VariableAggregation:
+    if tensor.is_floating_point() or tensor.is_complex():
+        return VariableAggregation.MEAN
+    return VariableAggregation.ONLY_FIRST_REPLICA
+
+
+class DistributedModule:
+    """A module with one replica per device of its strategy.
+
+    Inside ``strategy.run`` calling it calls the local replica; elsewhere replica 0
+    (the user's module). ``trainable_variables``, ``non_trainable_variables`` and
+    ``variables`` are the distributed variables; ``state_dict()`` is the aggregated,
+    strategy-independent state and ``load_state_dict()`` writes every replica.
+    """
+
+    def __init__(self, strategy, module: torch.nn.Module):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"distribute_module() needs a torch.nn.Module, got {type(module).__name__}.")
+        self._strategy = strategy
+        extended = strategy.extended
+        devices = extended._torch_devices
+        first = module.to(devices[0]) if _module_device(module) not in (None, devices[0]) else module
+        replicas = [first] + [copy.deepcopy(first).to(device) for device in devices[1:]]
+        self._replicas = tuple(replicas)
+        self._variables: OrderedDict = OrderedDict()
+        with strategy.scope():
+            for name, param in first.named_parameters():
+                tensors = [r.get_parameter(name) for r in replicas]
+                self._variables[name] = extended._module_variable(
+                    name, tensors, param.requires_grad, VariableSynchronization.ON_WRITE, VariableAggregation.NONE
+                )
+            for name, buffer in first.named_buffers():
+                if buffer is None:
+                    continue
+                tensors = [r.get_buffer(name) for r in replicas]
+                self._variables[name] = extended._module_variable(
+                    name, tensors, False, VariableSynchronization.ON_READ, _buffer_aggregation(buffer)
+                )
+
+    # --- access ----------------------------------------------------------------------
+    @property
+    def strategy(self):
+        return self._strategy
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """Replica 0: the user's own module."""
+        return self._replicas[0]
+
+    @property
+    def replicas(self) -> tuple:
+        """One module per replica, in replica order."""
+        return self._replicas
+
+    @property
+    def variables(self) -> list:
+        """Every parameter and buffer as a distributed variable."""
+        return list(self._variables.values())
+
+    @property
+    def trainable_variables(self) -> list:
+        return [v for v in self._variables.values() if v.trainable]
+
+    @property
+    def non_trainable_variables(self) -> list:
+        return [v for v in self._variables.values() if not v.trainable]
+
+    def named_variables(self) -> OrderedDict:
+        """``{parameter or buffer name: distributed variable}`` in module order."""
+        return OrderedDict(self._variables)
+
+    def local_module(self) -> torch.nn.Module:
+        """The replica of the replica context running this code (replica 0 elsewhere)."""
+        ctx = context.current_mode().replica_context
+        if ctx is not None and not ctx._is_default and ctx.strategy is self._strategy:
+            return self._replicas[ctx.replica_id_in_sync_group]
+        return self._replicas[0]
+
+    def __call__(self, *args, **kwargs):
+        return self.local_module()(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> DistributedModule:
+        for replica in self._replicas:
+            replica.train(mode)
+        return self
+
+    def eval(self) -> DistributedModule:
+        return self.train(False)
+
+    @property
+    def training(self) -> bool:
+        return self._replicas[0].training
+
+    # --- state -----------------------------------------------------------------------
+    def state_dict(self) -> OrderedDict:
+        """The aggregated state: parameters once, buffers as their cross-replica aggregate.
+
+        The keys are those of ``module.state_dict()``; the result does not depend on the
+        strategy, so it loads under any other one (or into the bare module).
+        """
+        state = self._replicas[0].state_dict()
+        with _cross_replica(self._strategy):
+            for name in state:
+                variable = self._variables.get(name)
+                if variable is not None:
+                    state[name] = variable.read_value().detach()
+        return state
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Loads ``state_dict`` into every replica; returns missing and unexpected keys like torch."""
+        expected = self._replicas[0].state_dict()
+        missing = [k for k in expected if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(self._replicas[0]).__name__}: missing keys {missing}, "
+                f"unexpected keys {unexpected}. Pass strict=False to load the keys that match."
+            )
+        with _cross_replica(self._strategy):
+            for name, value in state_dict.items():
+                variable = self._variables.get(name)
+                if variable is not None:
+                    variable.assign(value)
+        extra = {k: v for k, v in state_dict.items() if k in expected and k not in self._variables}
+        if extra:
+            for replica in self._replicas:
+                replica.load_state_dict(extra, strict=False)
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def __repr__(self) -> str:
+        return f"DistributedModule({type(self._replicas[0]).__name__}, strategy={self._strategy!r})"
+
+
+def _module_device(module: torch.nn.Module):
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        return tensor.device
+    return None
+
+
+class _cross_replica:
+    """Enters ``strategy``'s scope unless already in its cross-replica context."""
+
+    def __init__(self, strategy):
+        self._strategy = strategy
+        self._scope = None
+
+    def __enter__(self):
+        mode = context.current_mode()
+        if not (mode.strategy is self._strategy and mode.cross_replica is not None):
+            self._scope = self._strategy.scope()
+            self._scope.__enter__()
+
+    def __exit__(self, *exc):
+        if self._scope is not None:
+            self._scope.__exit__(*exc)

@@ -1,0 +1,537 @@
+"""The replica runner: persistent replica threads, replica contexts and ``merge_call``.
+
+``call_for_each_replica`` runs ``fn`` once per replica. Replica 0 runs on the
+caller's thread; replicas 1..n-1 run on persistent worker threads (one *crew* per
+concurrent call, reused from call to call). With one replica nothing changes thread.
+
+``merge_call`` is a rendezvous: every replica hands in its arguments and waits; the
+last one to arrive runs ``merge_fn`` once, in cross-replica context, with the
+arguments regrouped, then releases the others, each with its part of the result.
+Nothing here can hang: a replica that raises, or returns while others wait in
+``merge_call``, wakes them, and ``run`` raises the replica's exception, or
+``RuntimeError("Some replicas made a different number of replica_context().merge_call() calls.")``.
+A ``CommunicationOptions.timeout_seconds`` bounds each wait.
+
+Replicas may run concurrently (TensorFlow runs them one at a time); every reduction
+combines values in replica order, so results do not depend on thread timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+
+import torch
+
+from . import context, nest
+from .reduce_util import CommunicationOptions, ReduceOp, as_reduce_op
+from .values import PerReplica, regroup, select_replica
+
+__all__ = ["ReplicaContext", "MERGE_CALL_MISMATCH"]
+
+MERGE_CALL_MISMATCH = "Some replicas made a different number of replica_context().merge_call() calls."
+
+
+class _Aborted(BaseException):
+    """Stops a replica because another replica failed (never escapes ``run``)."""
+
+
+def require_replica_context(replica_ctx) -> None:
+    current = context.current_mode().replica_context
+    if current is replica_ctx:
+        return
+    if current is None:
+        raise RuntimeError(
+            "Need to be inside `call_for_each_replica()`: this ReplicaContext's merge_call/all_reduce/"
+            "all_gather can only be called from its own replica function (inside strategy.run())."
+        )
+    if current.strategy is replica_ctx.strategy:
+        raise RuntimeError("Mismatching ReplicaContext: this replica context belongs to another replica or run.")
+    raise RuntimeError(f"Mismatching tf.distribute.Strategy objects: {current.strategy} is not {replica_ctx.strategy}.")
+
+
+class ReplicaContext:
+    """The context of one replica inside ``strategy.run`` (``tf.distribute.ReplicaContext``).
+
+    Example::
+
+        def step(x):
+            ctx = strategies.get_replica_context()
+            total = ctx.all_reduce("SUM", x.sum())          # same value on every replica
+            return total, ctx.replica_id_in_sync_group
+
+        strategy.run(step, args=(per_replica_batch,))
+    """
+
+    _is_default = False
+
+    def __init__(self, strategy, replica_id: int, state=None):
+        self._strategy = strategy
+        self._replica_id = replica_id
+        self._state = state
+
+    @property
+    def strategy(self):
+        """The strategy running this replica."""
+        return self._strategy
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        """This replica's index, ``0 <= id < num_replicas_in_sync`` (a Python int)."""
+        return self._replica_id
+
+    @property
+    def devices(self) -> tuple:
+        """The device(s) of this replica."""
+        return (self._strategy.extended.worker_devices[self._replica_id],)
+
+    def merge_call(self, merge_fn, args=(), kwargs=None):
+        """Runs ``merge_fn(strategy, *args, **kwargs)`` once, in cross-replica context.
+
+        Every replica must call it. Arguments are regrouped across replicas (values
+        that differ become ``PerReplica``; the same object on every replica stays
+        itself); each replica gets its own part of the result.
+
+        Example::
+
+            def merge_fn(strategy, value):
+                return strategy.reduce("SUM", value, axis=None)
+
+            def step():
+                ctx = strategies.get_replica_context()
+                return ctx.merge_call(merge_fn, args=(torch.tensor(1.0),))
+        """
+        require_replica_context(self)
+        return self._merge_call(merge_fn, tuple(args), dict(kwargs or {}))
+
+    def _merge_call(self, merge_fn, args, kwargs):
+        if self._state is None:
+            strategy = self._strategy
+            with context.entered(context.Mode(strategy, None, strategy)):
+                return merge_fn(strategy, *args, **kwargs)
+        return self._state.merge_call(self._replica_id, merge_fn, args, kwargs)
+
+    def all_reduce(self, reduce_op, value, options=None):
+        """Reduces ``value`` (any nest of tensors) across replicas in one batched reduction.
+
+        Every replica gets the result. Gradients flow: the gradient of an all-reduce is
+        the same all-reduce of the incoming gradients.
+        """
+        require_replica_context(self)
+        op = as_reduce_op(reduce_op)
+        flat = [_as_tensor(v) for v in nest.flatten(value)]
+        if self._state is None:
+            return nest.pack_sequence_as(value, flat)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in flat):
+            reduced = _AllReduce.apply(self, op, options, *flat)
+        else:
+            reduced = self._merge_call(_batch_all_reduce, (op, flat, options), {})
+        return nest.pack_sequence_as(value, list(reduced))
+
+    def all_gather(self, value, axis: int, options=None):
+        """Concatenates ``value`` (any nest of tensors) of every replica along ``axis``.
+
+        Shapes may differ only along ``axis``. Gradients flow back to each replica's slice.
+        """
+        require_replica_context(self)
+        flat = [_as_tensor(v) for v in nest.flatten(value)]
+        if self._state is None:
+            return nest.pack_sequence_as(value, flat)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in flat):
+            gathered = _AllGather.apply(self, axis, options, *flat)
+        else:
+            gathered = [g for g, _ in self._merge_call(_batch_all_gather, (axis, flat), {})]
+        return nest.pack_sequence_as(value, list(gathered))
+
+    def __repr__(self) -> str:
+        return f"ReplicaContext(strategy={self._strategy!r}, replica_id_in_sync_group={self._replica_id})"
+
+
+class DefaultReplicaContext(ReplicaContext):
+    """The replica context of the default strategy (outside any scope): one replica, inline."""
+
+    _is_default = True
+
+
+def _as_tensor(value):
+    return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+
+
+def _per_replica(strategy, value):
+    if isinstance(value, PerReplica):
+        return value
+    return PerReplica([value] * strategy.num_replicas_in_sync)
+
+
+def _batch_all_reduce(strategy, op, flat_values, options):
+    values = [_per_replica(strategy, v) for v in flat_values]
+    return strategy.extended.batch_reduce_to(op, [(v, v) for v in values], options)
+
+
+def _batch_all_gather(strategy, axis, flat_values):
+    out = []
+    for value in flat_values:
+        value = _per_replica(strategy, value)
+        sizes = tuple(t.shape[axis] if t.dim() > axis else 0 for t in value.values)
+        out.append((strategy.extended._gather_to(value, axis, value), PerReplicaConstant(sizes)))
+    return out
+
+
+class PerReplicaConstant:
+    """A merge result passed unchanged to every replica."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, replica_ctx, op, options, *tensors):
+        ctx.replica_ctx, ctx.op, ctx.options = replica_ctx, op, options
+        reduced = replica_ctx._merge_call(_batch_all_reduce, (op, list(tensors), options), {})
+        # Replicas on one host may share the result tensor; autograd needs one per replica.
+        return tuple(t.clone() for t in reduced)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        reduced = ctx.replica_ctx._merge_call(_batch_all_reduce, (ctx.op, list(grads), ctx.options), {})
+        return (None, None, None, *reduced)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, replica_ctx, axis, options, *tensors):
+        ctx.replica_ctx, ctx.axis, ctx.options = replica_ctx, axis, options
+        results = replica_ctx._merge_call(_batch_all_gather, (axis, list(tensors)), {})
+        ctx.sizes = [sizes.value for _, sizes in results]
+        return tuple(g.clone() for g, _ in results)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        reduced = ctx.replica_ctx._merge_call(_batch_all_reduce, (ReduceOp.SUM, list(grads), ctx.options), {})
+        replica_id = ctx.replica_ctx.replica_id_in_sync_group
+        out = []
+        for grad, sizes in zip(reduced, ctx.sizes):
+            start = sum(sizes[:replica_id])
+            out.append(grad.narrow(ctx.axis, start, sizes[replica_id]))
+        return (None, None, None, *out)
+
+
+# --- one call_for_each_replica -----------------------------------------------------------
+
+
+class _RunState:
+    """Shared state of one multi-replica call: the merge_call rendezvous and the outcome."""
+
+    def __init__(self, strategy, count: int, timeout: float | None):
+        self.strategy = strategy
+        self.count = count
+        self.timeout = timeout
+        self.cond = threading.Condition(threading.Lock())
+        self.arrived = 0
+        self.generation = 0
+        self.requests: list = [None] * count
+        self.results: list = []
+        self.finished = 0
+        self.done = 0
+        self.aborted = False
+        self.abort_error: BaseException | None = None
+        self.errors: dict = {}
+        self.outputs: list = [None] * count
+
+    def _abort(self, error=None) -> None:
+        if not self.aborted:
+            self.aborted = True
+            self.abort_error = error
+        self.cond.notify_all()
+
+    def merge_call(self, replica_id, merge_fn, args, kwargs):
+        with self.cond:
+            if self.aborted:
+                raise _Aborted()
+            if self.finished:
+                self._abort(RuntimeError(MERGE_CALL_MISMATCH))
+                raise _Aborted()
+            self.requests[replica_id] = (merge_fn, args, kwargs)
+            self.arrived += 1
+            if self.arrived < self.count:
+                generation = self.generation
+                deadline = None if self.timeout is None else time.monotonic() + self.timeout
+                while self.generation == generation and not self.aborted:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        missing = [i for i, r in enumerate(self.requests) if r is None]
+                        self._abort(
+                            TimeoutError(
+                                f"merge_call timed out after {self.timeout} s (CommunicationOptions.timeout_seconds): "
+                                f"replica(s) {missing} did not reach it."
+                            )
+                        )
+                        break
+                    self.cond.wait(remaining)
+                if self.generation == generation:
+                    raise _Aborted()
+                return self.results[replica_id]
+            requests, self.requests = self.requests, [None] * self.count
+        try:
+            results = self._run_merge(requests)
+        except BaseException as error:  # noqa: BLE001 - every failure must release the others
+            with self.cond:
+                self._abort(error)
+            raise _Aborted() from None
+        with self.cond:
+            self.results = results
+            self.arrived = 0
+            self.generation += 1
+            self.cond.notify_all()
+        return results[replica_id]
+
+    def _run_merge(self, requests):
+        strategy = self.strategy
+        merge_fn = requests[0][0]  # replica 0's merge_fn, as TensorFlow does
+        args = regroup([r[1] for r in requests]) if requests[0][1] else ()
+        kwargs = regroup([r[2] for r in requests]) if requests[0][2] else {}
+        with context.entered(context.Mode(strategy, None, strategy)):
+            result = merge_fn(strategy, *args, **kwargs)
+        return [_select(replica_id, result) for replica_id in range(self.count)]
+
+    def finish(self, replica_id, output) -> None:
+        with self.cond:
+            self.outputs[replica_id] = output
+            self.finished += 1
+            self.done += 1
+            if self.arrived:
+                self._abort(RuntimeError(MERGE_CALL_MISMATCH))
+            self.cond.notify_all()
+
+    def fail(self, replica_id, error) -> None:
+        with self.cond:
+            if not isinstance(error, _Aborted):
+                self.errors[replica_id] = error
+            self.done += 1
+            self._abort()
+            self.cond.notify_all()
+
+    def wait_all(self) -> None:
+        with self.cond:
+            while self.done < self.count:
+                self.cond.wait()
+
+    def outcome(self):
+        if self.errors:
+            raise self.errors[min(self.errors)]
+        if self.abort_error is not None:
+            raise self.abort_error
+        return self.outputs
+
+
+def _select(replica_id, result):
+    if isinstance(result, PerReplicaConstant):
+        return result
+    if nest.is_nested(result):
+        return nest.map_structure(lambda v: _select(replica_id, v), result)
+    return select_replica(replica_id, result)
+
+
+# --- torch thread-local state ---------------------------------------------------------
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4
+        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
+
+
+def _autocast_dtype(device_type: str):
+    getter = getattr(torch, "get_autocast_dtype", None)
+    if getter is not None:
+        return getter(device_type)
+    return torch.get_autocast_cpu_dtype() if device_type == "cpu" else torch.get_autocast_gpu_dtype()
+
+
+def capture_torch_state() -> tuple:
+    """Grad mode, inference mode and autocast state of the calling thread."""
+    autocast = tuple((d, _autocast_dtype(d)) for d in ("cpu", "cuda") if _autocast_enabled(d))
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
+
+
+_FRESH_THREAD_STATE = (True, False, ())
+
+
+@contextlib.contextmanager
+def torch_state(state: tuple, device: torch.device, current: tuple | None = None):
+    """Puts ``state`` and the replica's CUDA device in force on this thread."""
+    with contextlib.ExitStack() as stack:
+        if state != current:
+            grad, inference, autocast = state
+            if inference:
+                stack.enter_context(torch.inference_mode())
+            stack.enter_context(torch.set_grad_enabled(grad))
+            for device_type, dtype in autocast:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype))
+        if device.type == "cuda":
+            stack.enter_context(torch.cuda.device(device))
+        yield
+
+
+# --- persistent replica threads --------------------------------------------------------
+
+
+class _Worker(threading.Thread):
+    def __init__(self, name: str):
+        super().__init__(name=name, daemon=True)
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run(self) -> None:
+        get = self.tasks.get
+        while True:
+            task = get()
+            if task is None:
+                return
+            task()
+            task = None  # an idle thread keeps no reference to the strategy or the user's fn
+
+
+class ReplicaRunner:
+    """Runs a function once per replica on persistent threads (see the module docstring)."""
+
+    def __init__(self, strategy_name: str, devices: tuple, torch_devices: tuple):
+        self._name = strategy_name
+        self._devices = devices
+        self._torch_devices = torch_devices
+        self._lock = threading.Lock()
+        self._idle: list = []
+        self._crews: list = []
+        self._closed = False
+
+    def _acquire(self) -> list:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"The replica threads of {self._name} were shut down.")
+            if self._idle:
+                return self._idle.pop()
+            index = len(self._crews)
+            crew = [_Worker(f"{self._name}-crew{index}-replica{r}") for r in range(1, len(self._devices))]
+            for worker in crew:
+                worker.start()
+            self._crews.append(crew)
+            return crew
+
+    def _release(self, crew) -> None:
+        with self._lock:
+            if self._closed:
+                for worker in crew:
+                    worker.tasks.put(None)
+            else:
+                self._idle.append(crew)
+
+    def _discard(self, crew) -> None:
+        with self._lock:
+            if crew in self._crews:
+                self._crews.remove(crew)
+        for worker in crew:
+            worker.tasks.put(None)
+
+    def shutdown(self) -> None:
+        """Stops every idle thread; threads still running stop when their call ends."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for crew in idle:
+            for worker in crew:
+                worker.tasks.put(None)
+
+    def thread_count(self) -> int:
+        with self._lock:
+            return sum(len(crew) for crew in self._crews)
+
+    def run(self, strategy, fn, args, kwargs, timeout):
+        """Calls ``fn`` once per replica; returns the list of the replicas' outputs."""
+        count = len(self._devices)
+        state = _RunState(strategy, count, timeout)
+        torch_state_now = capture_torch_state()
+        crew = self._acquire()
+        try:
+            for replica_id, worker in enumerate(crew, start=1):
+                task = _ReplicaTask(
+                    state,
+                    replica_id,
+                    fn,
+                    select_replica(replica_id, args),
+                    select_replica(replica_id, kwargs),
+                    torch_state_now,
+                    self._torch_devices[replica_id],
+                    _FRESH_THREAD_STATE,
+                )
+                worker.tasks.put(task)
+            _ReplicaTask(
+                state,
+                0,
+                fn,
+                select_replica(0, args),
+                select_replica(0, kwargs),
+                torch_state_now,
+                self._torch_devices[0],
+                torch_state_now,
+            )()
+            state.wait_all()
+        except BaseException:
+            # Interrupted while waiting (KeyboardInterrupt): release every replica and
+            # retire this crew; its threads end when their current call does.
+            with state.cond:
+                state._abort()
+            self._discard(crew)
+            raise
+        self._release(crew)
+        return state.outcome()
+
+
+class _ReplicaTask:
+    __slots__ = ("state", "replica_id", "fn", "args", "kwargs", "torch_state", "device", "thread_state")
+
+    def __init__(self, state, replica_id, fn, args, kwargs, torch_state_, device, thread_state):
+        self.state = state
+        self.replica_id = replica_id
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+        self.torch_state = torch_state_
+        self.device = device
+        self.thread_state = thread_state
+
+    def __call__(self) -> None:
+        state = self.state
+        mode = context.Mode(state.strategy, ReplicaContext(state.strategy, self.replica_id, state))
+        context.push(mode)
+        try:
+            if state.aborted:
+                raise _Aborted()
+            with torch_state(self.torch_state, self.device, self.thread_state):
+                output = self.fn(*self.args, **self.kwargs)
+        except BaseException as error:  # noqa: BLE001 - recorded and re-raised by run()
+            context.pop(mode)
+            state.fail(self.replica_id, error)
+        else:
+            context.pop(mode)
+            state.finish(self.replica_id, output)
+
+
+def inline_call(strategy, fn, args, kwargs, device: torch.device):
+    """Runs the single replica of ``strategy`` on the calling thread."""
+    mode = context.Mode(strategy, ReplicaContext(strategy, 0, None))
+    with context.entered(mode):
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+
+def default_options(options: CommunicationOptions | None) -> CommunicationOptions:
+    return options if options is not None else CommunicationOptions()

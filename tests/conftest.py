@@ -1,0 +1,58 @@
+"""Shared fixtures: one fixture parameterises over the four strategies of DESIGN.md."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import strategies as ds
+
+STRATEGY_IDS = ["default", "one_device", "mirrored2", "central_storage2"]
+
+
+def make_strategy(name: str):
+    """A fresh strategy by id: default, one_device, mirrored<N>, central_storage<N>."""
+    if name == "default":
+        return ds.get_strategy()
+    if name == "one_device":
+        return ds.OneDeviceStrategy("cpu")
+    if name.startswith("mirrored"):
+        count = int(name[len("mirrored") :])
+        return ds.MirroredStrategy([f"cpu:{i}" for i in range(count)])
+    if name.startswith("central_storage"):
+        count = int(name[len("central_storage") :])
+        return ds.CentralStorageStrategy([f"cpu:{i}" for i in range(count)], parameter_device="cpu:0")
+    raise ValueError(name)
+
+
+@pytest.fixture(params=STRATEGY_IDS)
+def strategy(request):
+    """default / OneDevice("cpu") / Mirrored(["cpu:0","cpu:1"]) / CentralStorage(["cpu:0","cpu:1"])."""
+    return make_strategy(request.param)
+
+
+@pytest.fixture(params=["mirrored2", "central_storage2"])
+def multi_strategy(request):
+    """The two-replica strategies."""
+    return make_strategy(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _clean_context():
+    """Every test starts and ends in the default context with torch's default modes."""
+    from strategies import context
+
+    assert context.stack_depth() == 0
+    yield
+    depth = context.stack_depth()
+    ds.experimental_set_strategy(None) if depth else None
+    assert context.stack_depth() == 0, "a test left a strategy scope entered"
+    assert torch.is_grad_enabled()
+
+
+gpu = pytest.mark.gpu
+
+
+def requires_gpus(count: int):
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return pytest.mark.skipif(have < count, reason=f"needs {count} CUDA GPU(s), this machine has {have}")
