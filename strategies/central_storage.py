@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .cross_device_ops import ReductionToOneDevice
-from .devices import canonicalize, canonicalize_list, physical_key, torch_device
+from .devices import canonicalize, canonicalize_list, torch_device
 from .distribute_lib import Strategy, StrategyExtended
 from .mirrored import local_gpus
 from .reduce_util import VariableSynchronization
@@ -34,7 +34,7 @@ class CentralStorageExtended(StrategyExtended):
             return self._replicated_module_variable(name, tensors, trainable, synchronization, aggregation)
         device = self._parameter_devices[0]
         first = tensors[0]
-        if physical_key(device) == str(first.device):
+        if torch_device(device) == first.device:
             stored = first  # replica 0's parameter is the stored value: the user's module stays current
         else:
             stored = first.detach().to(torch_device(device)).requires_grad_(first.requires_grad)

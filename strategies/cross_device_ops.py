@@ -23,11 +23,13 @@ Example::
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from .devices import canonicalize, canonicalize_list, physical_key, torch_device
+from .devices import canonicalize, canonicalize_list, torch_device
 from .reduce_util import CommunicationOptions, ReduceOp, as_reduce_op
-from .values import DistributedValues, Mirrored, local_results
+from .values import DistributedValues, Mirrored, PerReplica, local_results
 from .variables import Variable
 
 __all__ = ["CrossDeviceOps", "ReductionToOneDevice", "NcclAllReduce", "group_by_size", "destination_devices"]
@@ -39,10 +41,10 @@ def destination_devices(destinations) -> tuple[str, ...]:
     A variable or distributed value means its devices; a device string (or
     ``torch.device``) one device; a list of device strings those devices.
     """
+    if isinstance(destinations, DistributedValues):
+        return destinations.devices
     if isinstance(destinations, Variable):
         return tuple(component.device for component in local_results(destinations))
-    if isinstance(destinations, DistributedValues):
-        return tuple(destinations.devices)
     if isinstance(destinations, (str, torch.device)):
         return (canonicalize(destinations),)
     if isinstance(destinations, (list, tuple)):
@@ -58,6 +60,10 @@ def destination_devices(destinations) -> tuple[str, ...]:
 
 def component_tensors(value) -> list:
     """The tensors of a distributed value (variables give their components' tensors)."""
+    if type(value) is PerReplica:
+        values = value._values
+        if all(type(v) is torch.Tensor for v in values):
+            return values
     out = []
     for item in local_results(value):
         if isinstance(item, Variable):
@@ -92,13 +98,13 @@ def group_by_size(nbytes: list[int], bytes_per_pack: int) -> list[list[int]]:
     return packs
 
 
-def _check_shapes(tensors, what="value") -> None:
+def _check_shapes(tensors) -> None:
     shape = tensors[0].shape
     for tensor in tensors:
         if tensor.shape != shape:
             shapes = ", ".join(f"replica {i}: {tuple(t.shape)}" for i, t in enumerate(tensors))
             raise ValueError(
-                f"Cannot reduce a {what} whose shape differs across replicas ({shapes}). Values reduced "
+                f"Cannot reduce a value whose shape differs across replicas ({shapes}). Values reduced "
                 "across replicas must have the same shape; for per-example values whose batch sizes "
                 "differ, use strategy.reduce(op, value, axis=0) or strategy.gather(value, axis=0)."
             )
@@ -108,15 +114,40 @@ def _mean(total: torch.Tensor, count: int) -> torch.Tensor:
     return total / count
 
 
-def _result(tensors_by_device: list, devices: tuple):
-    return tensors_by_device[0] if len(devices) == 1 else Mirrored(tensors_by_device, devices)
+@functools.lru_cache(maxsize=1024)
+def _memory_of(devices: tuple) -> tuple:
+    """The torch device holding each canonical device's memory (logical CPUs share one)."""
+    return tuple(torch_device(d) for d in devices)
+
+
+def _broadcast(tensor: torch.Tensor, devices: tuple, memories: tuple | None = None):
+    """``tensor`` on every destination: a tensor for one device, else a ``Mirrored``.
+
+    Destinations sharing the tensor's memory (logical CPUs) share the tensor itself: no
+    copy. Treat reduction results as read-only.
+    """
+    memories = memories or _memory_of(devices)
+    if len(devices) == 1:
+        return tensor if tensor.device == memories[0] else tensor.to(memories[0], non_blocking=True)
+    source = tensor.device
+    if all(memory == source for memory in memories):
+        return Mirrored((tensor,) * len(devices), devices)
+    copies = {source: tensor}
+    out = []
+    for memory in memories:
+        copy = copies.get(memory)
+        if copy is None:
+            copy = copies[memory] = tensor.to(memory, non_blocking=True)
+        out.append(copy)
+    return Mirrored(out, devices)
 
 
 class CrossDeviceOps:
     """Base class of cross-device reductions (``tf.distribute.CrossDeviceOps``).
 
-    Subclasses implement ``reduce_implementation``/``batch_reduce_implementation``;
-    the public methods validate and normalize their arguments.
+    Subclasses implement ``batch_reduce_implementation(op, pairs, options)`` over
+    ``(component tensors, destination devices)`` pairs; the public methods validate and
+    normalize their arguments.
     """
 
     def reduce(self, reduce_op, per_replica_value, destinations, options=None):
@@ -131,13 +162,12 @@ class CrossDeviceOps:
         for value, destinations in value_destination_pairs:
             tensors = component_tensors(value)
             _check_shapes(tensors)
-            pairs.append((tensors, destination_devices(destinations), _source_devices(value, len(tensors))))
+            pairs.append((tensors, destination_devices(destinations)))
         return self.batch_reduce_implementation(op, pairs, options)
 
     def broadcast(self, tensor, destinations):
         """Copies ``tensor`` to every destination device: a ``Mirrored`` (a tensor for one device)."""
-        devices = destination_devices(destinations)
-        return _result(_broadcast(tensor, devices), devices)
+        return _broadcast(tensor, destination_devices(destinations))
 
     def gather(self, per_replica_value, axis: int, destinations):
         """Concatenates the components along ``axis`` onto each destination device."""
@@ -153,40 +183,10 @@ class CrossDeviceOps:
                 f"Cannot gather along axis {axis}: the components ({shapes}) must have at least {axis + 1} "
                 f"dimension(s) and may differ only along axis {axis}. ({error})"
             ) from None
-        return _result(_broadcast(gathered, devices), devices)
+        return _broadcast(gathered, devices)
 
     def batch_reduce_implementation(self, reduce_op: ReduceOp, pairs, options: CommunicationOptions) -> list:
         raise NotImplementedError
-
-
-def _source_devices(value, count):
-    if isinstance(value, Variable):
-        return tuple(c.device for c in local_results(value))
-    if isinstance(value, DistributedValues):
-        return tuple(value.devices)
-    return (None,) * count
-
-
-def _broadcast(tensor: torch.Tensor, devices) -> list:
-    """One tensor per destination. Destinations sharing memory (logical CPUs) get views of
-    one buffer: distinct objects (so each replica owns its result) without a copy."""
-    out = []
-    copies: dict = {physical_key_of(tensor): tensor}
-    for device in devices:
-        key = physical_key(device)
-        if key not in copies:
-            copies[key] = tensor.to(torch_device(device), non_blocking=True)
-            out.append(copies[key])
-        else:
-            out.append(copies[key] if not out else copies[key].view_as(copies[key]))
-    return out
-
-
-def physical_key_of(tensor: torch.Tensor) -> str:
-    device = tensor.device
-    if device.type == "cuda" and device.index is None:
-        return f"cuda:{torch.cuda.current_device()}"
-    return str(device)
 
 
 class ReductionToOneDevice(CrossDeviceOps):
@@ -206,41 +206,41 @@ class ReductionToOneDevice(CrossDeviceOps):
             ["cpu:0", "cpu:1"], cross_device_ops=strategies.ReductionToOneDevice())
     """
 
+    _force_flat = False  # tests set this to check the flat-buffer path against the multi-tensor one
+
     def __init__(self, reduce_to_device=None):
         self.reduce_to_device = None if reduce_to_device is None else canonicalize(reduce_to_device)
 
     def batch_reduce_implementation(self, reduce_op, pairs, options) -> list:
         results: list = [None] * len(pairs)
         groups: dict = {}
-        for index, (tensors, destinations, _) in enumerate(pairs):
-            if len(tensors) == 1 and physical_key_of(tensors[0]) == physical_key(destinations[0]):
+        for index, (tensors, destinations) in enumerate(pairs):
+            target = torch_device(self.reduce_to_device or destinations[0])
+            if len(tensors) == 1 and tensors[0].device == target:
                 # One replica and no copy needed: nothing to add (bit-identical, no work).
-                results[index] = _result(_broadcast(tensors[0], destinations), destinations)
+                results[index] = _broadcast(tensors[0], destinations)
                 continue
-            reduce_device = self.reduce_to_device or destinations[0]
-            key = (
-                tensors[0].dtype,
-                len(tensors),
-                tuple(physical_key_of(t) for t in tensors),
-                physical_key(reduce_device),
-                destinations,
-            )
-            groups.setdefault(key, []).append(index)
-        for (_, count, sources, target_key, destinations), indices in groups.items():
-            reduce_device = torch_device(self.reduce_to_device or destinations[0])
+            key = (tensors[0].dtype, tuple(t.device for t in tensors), target, destinations)
+            group = groups.get(key)
+            if group is None:
+                groups[key] = [index]
+            else:
+                group.append(index)
+        for (_, sources, target, destinations), indices in groups.items():
+            count = len(sources)
+            memories = _memory_of(destinations)
+            local = all(source == target for source in sources) and not self._force_flat
             nbytes = [pairs[i][0][0].numel() * pairs[i][0][0].element_size() for i in indices]
             for pack in group_by_size(nbytes, options.bytes_per_pack):
                 members = [indices[p] for p in pack]
                 per_replica = [[pairs[i][0][r] for i in members] for r in range(count)]
-                if all(source == target_key for source in sources) and not self._force_flat:
+                if local:
                     reduced = _sum_packed_foreach(per_replica, reduce_op, count)
                 else:
-                    reduced = _sum_packed_flat(per_replica, reduce_op, count, reduce_device)
+                    reduced = _sum_packed_flat(per_replica, reduce_op, count, target)
                 for i, tensor in zip(members, reduced):
-                    results[i] = _result(_broadcast(tensor, destinations), destinations)
+                    results[i] = _broadcast(tensor, destinations, memories)
         return results
-
-    _force_flat = False  # tests set this to check the flat-buffer path against the multi-tensor one
 
 
 def _sum_packed_foreach(per_replica: list, reduce_op: ReduceOp, count: int) -> list:
@@ -297,13 +297,13 @@ class NcclAllReduce(CrossDeviceOps):
         results: list = [None] * len(pairs)
         nccl_groups: dict = {}
         fallback = []
-        for index, (tensors, destinations, _) in enumerate(pairs):
-            devices = tuple(physical_key_of(t) for t in tensors)
+        for index, (tensors, destinations) in enumerate(pairs):
+            devices = tuple(t.device for t in tensors)
             usable = (
                 len(tensors) > 1
-                and all(d.startswith("cuda") for d in devices)
+                and all(d.type == "cuda" for d in devices)
                 and len(set(devices)) == len(devices)
-                and tuple(physical_key(d) for d in destinations) == devices
+                and _memory_of(destinations) == devices
             )
             if usable:
                 nccl_groups.setdefault((tensors[0].dtype, devices), []).append(index)

@@ -29,7 +29,6 @@ __all__ = [
     "canonicalize",
     "canonicalize_list",
     "torch_device",
-    "physical_key",
     "list_logical_devices",
     "set_logical_cpu_count",
     "get_logical_cpu_count",
@@ -161,11 +160,6 @@ def torch_device(device: str) -> torch.device:
     """
     kind, _, index = canonicalize(device).partition(":")
     return torch.device("cpu") if kind == "cpu" else torch.device(kind, int(index))
-
-
-def physical_key(device: str) -> str:
-    """Identifies the memory a device's tensors live in (all logical CPUs share ``"cpu"``)."""
-    return str(torch_device(device))
 
 
 def default_device() -> str:

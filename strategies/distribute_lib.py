@@ -195,7 +195,6 @@ class StrategyExtended:
         """
         require_cross_replica(self._strategy)
         op = as_reduce_op(reduce_op)
-        destination_devices(destinations)
         return self._batch_reduce_to(op, [(value, destinations)], self._options.merge(options))[0]
 
     def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None) -> list:
@@ -210,10 +209,7 @@ class StrategyExtended:
         """
         require_cross_replica(self._strategy)
         op = as_reduce_op(reduce_op)
-        pairs = list(value_destination_pairs)
-        for _, destinations in pairs:
-            destination_devices(destinations)
-        return self._batch_reduce_to(op, pairs, self._options.merge(options))
+        return self._batch_reduce_to(op, list(value_destination_pairs), self._options.merge(options))
 
     def _batch_reduce_to(self, op: ReduceOp, pairs, options) -> list:
         results: list = [None] * len(pairs)

@@ -131,8 +131,9 @@ class ReplicaContext:
         if torch.is_grad_enabled() and any(t.requires_grad for t in flat):
             reduced = _AllReduce.apply(self, op, options, *flat)
         else:
-            reduced = self._merge_call(_batch_all_reduce, (op, flat, options), {})
-        return nest.pack_sequence_as(value, list(reduced))
+            # Replicas sharing memory share the reduced tensor: give each its own view.
+            reduced = [t.view_as(t) for t in self._merge_call(_batch_all_reduce, (op, flat, options), {})]
+        return nest.pack_sequence_as(value, reduced)
 
     def all_gather(self, value, axis: int, options=None):
         """Concatenates ``value`` (any nest of tensors) of every replica along ``axis``.
@@ -146,7 +147,7 @@ class ReplicaContext:
         if torch.is_grad_enabled() and any(t.requires_grad for t in flat):
             gathered = _AllGather.apply(self, axis, options, *flat)
         else:
-            gathered = [g for g, _ in self._merge_call(_batch_all_gather, (axis, flat), {})]
+            gathered = [g.view_as(g) for g, _ in self._merge_call(_batch_all_gather, (axis, flat), {})]
         return nest.pack_sequence_as(value, list(gathered))
 
     def __repr__(self) -> str:
@@ -513,8 +514,11 @@ class _ReplicaTask:
         try:
             if state.aborted:
                 raise _Aborted()
-            with torch_state(self.torch_state, self.device, self.thread_state):
+            if self.torch_state == self.thread_state and self.device.type != "cuda":
                 output = self.fn(*self.args, **self.kwargs)
+            else:
+                with torch_state(self.torch_state, self.device, self.thread_state):
+                    output = self.fn(*self.args, **self.kwargs)
         except BaseException as error:  # noqa: BLE001 - recorded and re-raised by run()
             context.pop(mode)
             state.fail(self.replica_id, error)
