@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import re
 import weakref
 
 import numpy as np
@@ -254,6 +255,13 @@ class Variable(metaclass=_VariableMeta):
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
+        if name.endswith("_") and not isinstance(self, LocalVariable):
+            # An in-place tensor method would change one copy only: the replicas would diverge.
+            raise AttributeError(
+                f"{type(self).__name__} '{self._name}' has no in-place tensor method {name}(): it would change "
+                "one copy only. Use assign(), assign_add() or assign_sub(), which keep every copy right, or "
+                "strategy.extended.update(var, fn) to run fn on each component."
+            )
         return getattr(self._read(), name)
 
     def __array__(self, dtype=None, copy=None):
@@ -712,10 +720,15 @@ def _create_in_current_context(spec: VariableSpec):
     return mode.strategy.extended._create_variable(spec)
 
 
+def canonical_name(name: str) -> str:
+    """TensorFlow's canonical variable name: ``foo_1`` and ``scope_1/foo`` match ``foo``/``scope/foo``."""
+    return re.sub(r"_\d$", "", re.sub(r"_\d/", "/", name))
+
+
 def _merge_create_variable(strategy, spec):
     specs = local_results(spec)
     for replica_id, other in enumerate(specs):
-        if other.name != specs[0].name:
+        if canonical_name(other.name) != canonical_name(specs[0].name):
             raise RuntimeError(
                 f"Tried to create variable {other.name} with mismatching name on device {replica_id}: replica 0 "
                 f"created {specs[0].name!r}; every replica must create the same variables in the same order."
