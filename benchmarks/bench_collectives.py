@@ -11,7 +11,9 @@ Run: python benchmarks/bench_collectives.py [--repeats 30]
 from __future__ import annotations
 
 import argparse
+import queue
 import statistics
+import threading
 import time
 
 import torch
@@ -53,7 +55,10 @@ def bench_batch_reduce(repeats: int, count: int = 200, shape=(64, 64)) -> tuple[
         a = extended.batch_reduce_to(ds.ReduceOp.SUM, pairs)
         b = [extended.reduce_to(ds.ReduceOp.SUM, g, v) for g, v in pairs]
     assert all(torch.equal(x.values[1], y.values[1]) for x, y in zip(a, b))
-    return _median_seconds(batched, repeats), _median_seconds(separate, repeats)
+    firsts = [g.values[0] for g in grads]
+    seconds = [g.values[1] for g in grads]
+    floor = _median_seconds(lambda: torch._foreach_add(firsts, seconds), repeats)
+    return _median_seconds(batched, repeats), _median_seconds(separate, repeats), floor
 
 
 def bench_run(repeats: int, inner: int = 200) -> tuple[float, float]:
@@ -65,7 +70,29 @@ def bench_run(repeats: int, inner: int = 200) -> tuple[float, float]:
 
     t_mirrored = _median_seconds(lambda: mirrored.run(trivial), repeats, inner)
     t_one = _median_seconds(lambda: one.run(trivial), repeats, inner)
-    return t_mirrored, t_one
+    return t_mirrored, t_one, _thread_round_trip(repeats, inner)
+
+
+def _thread_round_trip(repeats: int, inner: int) -> float:
+    """The platform floor of one replica hop: a bare ping-pong between two threads."""
+    requests, replies = queue.SimpleQueue(), queue.SimpleQueue()
+
+    def echo():
+        while (item := requests.get()) is not None:
+            replies.put(item)
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+
+    def ping():
+        requests.put(1)
+        replies.get()
+
+    try:
+        return _median_seconds(ping, repeats, inner)
+    finally:
+        requests.put(None)
+        thread.join()
 
 
 def main() -> None:
@@ -74,17 +101,20 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
-    batched, separate = bench_batch_reduce(args.repeats)
+    batched, separate, floor = bench_batch_reduce(args.repeats)
     print("batch_reduce_to, 200 x 64x64 float32, MirroredStrategy(2):")
     print(f"  one batch_reduce_to call : {batched * 1e3:8.3f} ms")
     print(f"  200 reduce_to calls      : {separate * 1e3:8.3f} ms")
     print(f"  speed-up (separate / batched): {separate / batched:.1f}x   (target >= 5x)")
+    print(f"  floor: bare torch._foreach_add of the same 200 pairs: {floor * 1e3:.3f} ms "
+          f"(batched overhead above it: {(batched - floor) * 1e3:.3f} ms)")
 
-    t_mirrored, t_one = bench_run(args.repeats)
+    t_mirrored, t_one, hop = bench_run(args.repeats)
     print("strategy.run(trivial fn) per call:")
     print(f"  MirroredStrategy(2) : {t_mirrored * 1e6:8.1f} us")
     print(f"  OneDeviceStrategy   : {t_one * 1e6:8.1f} us")
     print(f"  ratio Mirrored(2) / OneDevice: {t_mirrored / t_one:.1f}x")
+    print(f"  floor: bare thread round trip (SimpleQueue ping-pong): {hop * 1e6:.1f} us")
 
 
 if __name__ == "__main__":

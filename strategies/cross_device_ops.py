@@ -98,16 +98,13 @@ def group_by_size(nbytes: list[int], bytes_per_pack: int) -> list[list[int]]:
     return packs
 
 
-def _check_shapes(tensors) -> None:
-    shape = tensors[0].shape
-    for tensor in tensors:
-        if tensor.shape != shape:
-            shapes = ", ".join(f"replica {i}: {tuple(t.shape)}" for i, t in enumerate(tensors))
-            raise ValueError(
-                f"Cannot reduce a value whose shape differs across replicas ({shapes}). Values reduced "
-                "across replicas must have the same shape; for per-example values whose batch sizes "
-                "differ, use strategy.reduce(op, value, axis=0) or strategy.gather(value, axis=0)."
-            )
+def _shape_error(tensors) -> None:
+    shapes = ", ".join(f"replica {i}: {tuple(t.shape)}" for i, t in enumerate(tensors))
+    raise ValueError(
+        f"Cannot reduce a value whose shape differs across replicas ({shapes}). Values reduced "
+        "across replicas must have the same shape; for per-example values whose batch sizes "
+        "differ, use strategy.reduce(op, value, axis=0) or strategy.gather(value, axis=0)."
+    )
 
 
 def _mean(total: torch.Tensor, count: int) -> torch.Tensor:
@@ -161,7 +158,10 @@ class CrossDeviceOps:
         pairs = []
         for value, destinations in value_destination_pairs:
             tensors = component_tensors(value)
-            _check_shapes(tensors)
+            shape = tensors[0].shape
+            for tensor in tensors:
+                if tensor.shape != shape:
+                    _shape_error(tensors)
             pairs.append((tensors, destination_devices(destinations)))
         return self.batch_reduce_implementation(op, pairs, options)
 
@@ -214,13 +214,16 @@ class ReductionToOneDevice(CrossDeviceOps):
     def batch_reduce_implementation(self, reduce_op, pairs, options) -> list:
         results: list = [None] * len(pairs)
         groups: dict = {}
+        targets: dict = {}
         for index, (tensors, destinations) in enumerate(pairs):
-            target = torch_device(self.reduce_to_device or destinations[0])
+            target = targets.get(destinations)
+            if target is None:
+                target = targets[destinations] = torch_device(self.reduce_to_device or destinations[0])
             if len(tensors) == 1 and tensors[0].device == target:
                 # One replica and no copy needed: nothing to add (bit-identical, no work).
                 results[index] = _broadcast(tensors[0], destinations)
                 continue
-            key = (tensors[0].dtype, tuple(t.device for t in tensors), target, destinations)
+            key = (tensors[0].dtype, tuple([t.device for t in tensors]), target, destinations)
             group = groups.get(key)
             if group is None:
                 groups[key] = [index]
@@ -230,6 +233,7 @@ class ReductionToOneDevice(CrossDeviceOps):
             count = len(sources)
             memories = _memory_of(destinations)
             local = all(source == target for source in sources) and not self._force_flat
+            shared = all(memory == target for memory in memories)
             nbytes = [pairs[i][0][0].numel() * pairs[i][0][0].element_size() for i in indices]
             for pack in group_by_size(nbytes, options.bytes_per_pack):
                 members = [indices[p] for p in pack]
@@ -238,8 +242,13 @@ class ReductionToOneDevice(CrossDeviceOps):
                     reduced = _sum_packed_foreach(per_replica, reduce_op, count)
                 else:
                     reduced = _sum_packed_flat(per_replica, reduce_op, count, target)
-                for i, tensor in zip(members, reduced):
-                    results[i] = _broadcast(tensor, destinations, memories)
+                if shared and len(destinations) > 1:
+                    copies = len(destinations)
+                    for i, tensor in zip(members, reduced):
+                        results[i] = Mirrored((tensor,) * copies, destinations)
+                else:
+                    for i, tensor in zip(members, reduced):
+                        results[i] = _broadcast(tensor, destinations, memories)
         return results
 
 

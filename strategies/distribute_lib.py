@@ -285,10 +285,9 @@ class StrategyExtended:
         after_update = getattr(var, "_after_update", None)
         if after_update is not None:
             after_update()
-        if group:
-            return regroup(updates, wrap_class=Mirrored)
-        grouped = regroup(updates, wrap_class=Mirrored) if len(updates) > 1 else updates[0]
-        return nest.map_structure(local_results, grouped)
+        devices = destination_devices(var) if isinstance(var, (Variable, DistributedValues)) else None
+        grouped = regroup(updates, wrap_class=Mirrored, devices=devices)
+        return grouped if group else nest.map_structure(local_results, grouped)
 
     # --- variables -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -550,10 +549,17 @@ class Strategy:
         if axis is None:
             if distributed:
                 if isinstance(value, Mirrored | MirroredVariable) and op is ReduceOp.MEAN:
-                    return tensors[0]
+                    return tensors[0].clone()  # equal everywhere already; a snapshot, not the live copy
                 return self._extended._reduce_tensors(op, tensors, device)
             return tensors[0] * count if op is ReduceOp.SUM and count != 1 else tensors[0]
-        sums = [t.sum(dim=axis) for t in tensors]
+        for t in tensors:
+            if not -t.dim() <= axis < t.dim():
+                raise ValueError(
+                    f"Invalid reduction axis {axis} for per-replica values of shape {tuple(t.shape)}; use "
+                    "axis=None to combine whole values across replicas."
+                )
+        # Integers keep their dtype (torch would widen them to int64), as TensorFlow does.
+        sums = [t.sum(dim=axis, dtype=t.dtype if _is_integer(t) else None) for t in tensors]
         total = self._extended._reduce_tensors(ReduceOp.SUM, sums, device)
         if not distributed and count != 1:
             total = total * count
@@ -638,6 +644,8 @@ class Strategy:
         from data import InputReplicationMode, make_v1_iterator
 
         mode = InputReplicationMode.PER_WORKER if replication_mode is None else replication_mode
+        if not isinstance(mode, InputReplicationMode) and mode in ("PER_WORKER", "PER_REPLICA"):
+            mode = InputReplicationMode(mode)
         if mode is not InputReplicationMode.PER_WORKER:
             raise ValueError(f"Input replication mode not supported: {mode!r}")
         return make_v1_iterator(self.distribute_datasets_from_function(input_fn))
@@ -686,6 +694,10 @@ class Strategy:
         if not isinstance(config, Mapping):
             raise TypeError(f"update_config_proto() needs a mapping of settings, got {type(config).__name__}.")
         return copy.deepcopy(dict(config))
+
+
+def _is_integer(tensor: torch.Tensor) -> bool:
+    return not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
 
 
 def _tensor_of(value):

@@ -296,8 +296,9 @@ class _RunState:
     def _run_merge(self, requests):
         strategy = self.strategy
         merge_fn = requests[0][0]  # replica 0's merge_fn, as TensorFlow does
-        args = regroup([r[1] for r in requests]) if requests[0][1] else ()
-        kwargs = regroup([r[2] for r in requests]) if requests[0][2] else {}
+        devices = strategy.extended.worker_devices
+        args = regroup([r[1] for r in requests], devices=devices) if requests[0][1] else ()
+        kwargs = regroup([r[2] for r in requests], devices=devices) if requests[0][2] else {}
         with context.entered(context.Mode(strategy, None, strategy)):
             result = merge_fn(strategy, *args, **kwargs)
         return [_select(replica_id, result) for replica_id in range(self.count)]

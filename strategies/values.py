@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 from . import context, nest
+from .devices import canonicalize
 
 __all__ = [
     "DistributedValues",
@@ -46,7 +47,7 @@ class DistributedValues:
 
     def __init__(self, values, devices=None):
         self._values = tuple(values)
-        self._devices = tuple(devices) if devices is not None else None
+        self._devices = tuple(devices) if devices is not None else _infer_devices(self._values)
 
     @property
     def values(self) -> tuple:
@@ -55,9 +56,7 @@ class DistributedValues:
 
     @property
     def devices(self) -> tuple:
-        """The canonical device of each component."""
-        if self._devices is None:
-            self._devices = _infer_devices(self._values)
+        """The canonical device of each component (given, or inferred when the value was made)."""
         return self._devices
 
     def _local_results(self) -> tuple:
@@ -109,8 +108,7 @@ def _local_index(count: int) -> int:
 
 
 def _infer_devices(values) -> tuple:
-    from .devices import canonicalize  # local: devices imports torch only
-
+    """The current strategy's replica devices when the count matches, else each value's device."""
     strategy = context.get_strategy()
     worker_devices = strategy.extended.worker_devices
     if len(worker_devices) == len(values):
