@@ -106,8 +106,10 @@ def main() -> None:
     print(f"  one batch_reduce_to call : {batched * 1e3:8.3f} ms")
     print(f"  200 reduce_to calls      : {separate * 1e3:8.3f} ms")
     print(f"  speed-up (separate / batched): {separate / batched:.1f}x   (target >= 5x)")
-    print(f"  floor: bare torch._foreach_add of the same 200 pairs: {floor * 1e3:.3f} ms "
-          f"(batched overhead above it: {(batched - floor) * 1e3:.3f} ms)")
+    print(
+        f"  floor: bare torch._foreach_add of the same 200 pairs: {floor * 1e3:.3f} ms "
+        f"(batched overhead above it: {(batched - floor) * 1e3:.3f} ms)"
+    )
 
     t_mirrored, t_one, hop = bench_run(args.repeats)
     print("strategy.run(trivial fn) per call:")
