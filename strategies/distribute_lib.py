@@ -72,7 +72,11 @@ class _Scope:
             if strategy is default:
                 raise RuntimeError("Must not nest tf.distribute.Strategy scopes.")
             raise _mixing_error(mode.strategy, strategy)
-        self._mode = context.Mode(strategy, None, strategy)
+        if strategy is default:
+            # The default strategy's scope changes nothing: still its replica context.
+            self._mode = context.Mode(strategy, _DEFAULT_REPLICA_CONTEXT, None)
+        else:
+            self._mode = context.Mode(strategy, None, strategy)
         context.push(self._mode)
         return strategy
 
@@ -174,14 +178,15 @@ class StrategyExtended:
         with strategy.scope():
             return self._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
 
-    def _call_for_each_replica(self, fn, args, kwargs):
+    def _call_for_each_replica(self, fn, args, kwargs, timeout=None):
         if self._runner is None:
             if args:
                 args = select_replica(0, args)
             if kwargs:
                 kwargs = select_replica(0, kwargs)
             return inline_call(self._strategy, fn, args, kwargs, self._torch_devices[0])
-        outputs = self._runner.run(self._strategy, fn, args, kwargs, self._options.timeout_seconds)
+        timeout = self._options.timeout_seconds if timeout is None else timeout
+        outputs = self._runner.run(self._strategy, fn, args, kwargs, timeout)
         return regroup(outputs, devices=self._worker_devices)
 
     # --- reductions ------------------------------------------------------------------
@@ -493,7 +498,9 @@ class Strategy:
         distributed variables and other values are passed as they are. Returns the
         replicas' results regrouped: a ``PerReplica`` per leaf, the object itself where
         every replica returned the very same object, a plain value with one replica.
-        Nests keep their shape.
+        Nests keep their shape. ``options`` may be a ``CommunicationOptions`` whose
+        ``timeout_seconds`` bounds every ``merge_call``/collective wait of this call
+        (``TimeoutError`` naming the replicas that did not arrive).
 
         Example::
 
@@ -506,8 +513,13 @@ class Strategy:
             raise ValueError(f"positional args must be a list or tuple, got {type(args)}")
         if kwargs is not None and not isinstance(kwargs, Mapping):
             raise ValueError(f"kwargs must be a mapping, got {type(kwargs)}")
+        timeout = None
+        if isinstance(options, CommunicationOptions):
+            timeout = options.timeout_seconds
+        elif options is not None:
+            raise TypeError(f"run(options=...) takes a strategies.CommunicationOptions or None, got {options!r}.")
         with _Scope(self):
-            return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+            return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}), timeout)
 
     experimental_run_v2 = run
 
@@ -718,7 +730,11 @@ class _DefaultExtended(StrategyExtended):
     def parameter_devices(self) -> tuple:
         return (default_device(),)
 
-    def _call_for_each_replica(self, fn, args, kwargs):
+    def _call_for_each_replica(self, fn, args, kwargs, timeout=None):
+        if args:
+            args = select_replica(0, args)
+        if kwargs:
+            kwargs = select_replica(0, kwargs)
         mode = context.current_mode()
         if mode.replica_context is _DEFAULT_REPLICA_CONTEXT:
             return fn(*args, **kwargs)

@@ -27,7 +27,7 @@ import torch
 
 from . import context, nest
 from .reduce_util import CommunicationOptions, ReduceOp, as_reduce_op
-from .values import PerReplica, regroup, select_replica
+from .values import Mirrored, PerReplica, regroup, select_replica
 
 __all__ = ["ReplicaContext", "MERGE_CALL_MISMATCH"]
 
@@ -131,9 +131,8 @@ class ReplicaContext:
         if torch.is_grad_enabled() and any(t.requires_grad for t in flat):
             reduced = _AllReduce.apply(self, op, options, *flat)
         else:
-            # Replicas sharing memory share the reduced tensor: give each its own view.
-            reduced = [t.view_as(t) for t in self._merge_call(_batch_all_reduce, (op, flat, options), {})]
-        return nest.pack_sequence_as(value, reduced)
+            reduced = self._merge_call(_batch_all_reduce, (op, flat, options), {})
+        return nest.pack_sequence_as(value, list(reduced))
 
     def all_gather(self, value, axis: int, options=None):
         """Concatenates ``value`` (any nest of tensors) of every replica along ``axis``.
@@ -147,7 +146,7 @@ class ReplicaContext:
         if torch.is_grad_enabled() and any(t.requires_grad for t in flat):
             gathered = _AllGather.apply(self, axis, options, *flat)
         else:
-            gathered = [g.view_as(g) for g, _ in self._merge_call(_batch_all_gather, (axis, flat), {})]
+            gathered = [g for g, _ in self._merge_call(_batch_all_gather, (axis, flat), {})]
         return nest.pack_sequence_as(value, list(gathered))
 
     def __repr__(self) -> str:
@@ -170,9 +169,25 @@ def _per_replica(strategy, value):
     return PerReplica([value] * strategy.num_replicas_in_sync)
 
 
+def _owned(result):
+    """A Mirrored whose replicas get tensors of their own (reductions share one host tensor).
+
+    Runs inside the merge_fn, before the replicas resume, so no replica can be writing
+    to the tensor being copied.
+    """
+    if not isinstance(result, Mirrored):
+        return result
+    seen: set = set()
+    values = []
+    for value in result.values:
+        values.append(value.clone() if id(value) in seen else value)
+        seen.add(id(value))
+    return Mirrored(values, result.devices)
+
+
 def _batch_all_reduce(strategy, op, flat_values, options):
     values = [_per_replica(strategy, v) for v in flat_values]
-    return strategy.extended.batch_reduce_to(op, [(v, v) for v in values], options)
+    return [_owned(r) for r in strategy.extended.batch_reduce_to(op, [(v, v) for v in values], options)]
 
 
 def _batch_all_gather(strategy, axis, flat_values):
@@ -180,7 +195,7 @@ def _batch_all_gather(strategy, axis, flat_values):
     for value in flat_values:
         value = _per_replica(strategy, value)
         sizes = tuple(t.shape[axis] if t.dim() > axis else 0 for t in value.values)
-        out.append((strategy.extended._gather_to(value, axis, value), PerReplicaConstant(sizes)))
+        out.append((_owned(strategy.extended._gather_to(value, axis, value)), PerReplicaConstant(sizes)))
     return out
 
 
@@ -195,9 +210,7 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, replica_ctx, op, options, *tensors):
         ctx.replica_ctx, ctx.op, ctx.options = replica_ctx, op, options
-        reduced = replica_ctx._merge_call(_batch_all_reduce, (op, list(tensors), options), {})
-        # Replicas on one host may share the result tensor; autograd needs one per replica.
-        return tuple(t.clone() for t in reduced)
+        return tuple(replica_ctx._merge_call(_batch_all_reduce, (op, list(tensors), options), {}))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -211,7 +224,7 @@ class _AllGather(torch.autograd.Function):
         ctx.replica_ctx, ctx.axis, ctx.options = replica_ctx, axis, options
         results = replica_ctx._merge_call(_batch_all_gather, (axis, list(tensors)), {})
         ctx.sizes = [sizes.value for _, sizes in results]
-        return tuple(g.clone() for g, _ in results)
+        return tuple(g for g, _ in results)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -242,6 +255,7 @@ class _RunState:
         self.finished = 0
         self.done = 0
         self.aborted = False
+        self.abort_time = 0.0
         self.abort_error: BaseException | None = None
         self.errors: dict = {}
         self.outputs: list = [None] * count
@@ -250,6 +264,7 @@ class _RunState:
         if not self.aborted:
             self.aborted = True
             self.abort_error = error
+            self.abort_time = time.monotonic()
         self.cond.notify_all()
 
     def merge_call(self, replica_id, merge_fn, args, kwargs):
@@ -320,10 +335,21 @@ class _RunState:
             self._abort()
             self.cond.notify_all()
 
-    def wait_all(self) -> None:
+    def wait_all(self) -> bool:
+        """Waits for every replica; after an abort, stragglers get ``timeout`` more seconds.
+
+        Returns False when some replica is still running user code after that grace.
+        """
         with self.cond:
             while self.done < self.count:
-                self.cond.wait()
+                if self.aborted and self.timeout is not None:
+                    remaining = self.abort_time + self.timeout - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    self.cond.wait(remaining)
+                else:
+                    self.cond.wait()
+        return True
 
     def outcome(self):
         if self.errors:
@@ -459,31 +485,28 @@ class ReplicaRunner:
         count = len(self._devices)
         state = _RunState(strategy, count, timeout)
         torch_state_now = capture_torch_state()
+        devices = self._torch_devices
         crew = self._acquire()
         try:
             for replica_id, worker in enumerate(crew, start=1):
-                task = _ReplicaTask(
-                    state,
-                    replica_id,
-                    fn,
-                    select_replica(replica_id, args),
-                    select_replica(replica_id, kwargs),
-                    torch_state_now,
-                    self._torch_devices[replica_id],
-                    _FRESH_THREAD_STATE,
+                replica_args = select_replica(replica_id, args) if args else args
+                replica_kwargs = select_replica(replica_id, kwargs) if kwargs else kwargs
+                worker.tasks.put(
+                    _ReplicaTask(
+                        state,
+                        replica_id,
+                        fn,
+                        replica_args,
+                        replica_kwargs,
+                        torch_state_now,
+                        devices[replica_id],
+                        _FRESH_THREAD_STATE,
+                    )
                 )
-                worker.tasks.put(task)
-            _ReplicaTask(
-                state,
-                0,
-                fn,
-                select_replica(0, args),
-                select_replica(0, kwargs),
-                torch_state_now,
-                self._torch_devices[0],
-                torch_state_now,
-            )()
-            state.wait_all()
+            replica_args = select_replica(0, args) if args else args
+            replica_kwargs = select_replica(0, kwargs) if kwargs else kwargs
+            _ReplicaTask(state, 0, fn, replica_args, replica_kwargs, torch_state_now, devices[0], torch_state_now)()
+            finished = state.wait_all()
         except BaseException:
             # Interrupted while waiting (KeyboardInterrupt): release every replica and
             # retire this crew; its threads end when their current call does.
@@ -491,7 +514,12 @@ class ReplicaRunner:
                 state._abort()
             self._discard(crew)
             raise
-        self._release(crew)
+        if finished:
+            self._release(crew)
+        else:
+            # A replica is stuck in user code past the timeout: retire its crew (its threads
+            # end when that code returns) and report the failure now.
+            self._discard(crew)
         return state.outcome()
 
 
