@@ -62,7 +62,10 @@ def component_tensors(value) -> list:
     """The tensors of a distributed value (variables give their components' tensors)."""
     if type(value) is PerReplica:
         values = value._values
-        if all(type(v) is torch.Tensor for v in values):
+        for v in values:
+            if type(v) is not torch.Tensor:
+                break
+        else:
             return values
     out = []
     for item in local_results(value):
@@ -105,6 +108,14 @@ def _shape_error(tensors) -> None:
         "across replicas must have the same shape; for per-example values whose batch sizes "
         "differ, use strategy.reduce(op, value, axis=0) or strategy.gather(value, axis=0)."
     )
+
+
+def _packs(pairs, indices: list, bytes_per_pack: int) -> list:
+    """The pairs ``indices`` (one dtype and device set) split into packs of at most ``bytes_per_pack``."""
+    if bytes_per_pack == 0:
+        return [indices]
+    nbytes = [pairs[i][0][0].numel() * pairs[i][0][0].element_size() for i in indices]
+    return [[indices[p] for p in pack] for pack in group_by_size(nbytes, bytes_per_pack)]
 
 
 def _mean(total: torch.Tensor, count: int) -> torch.Tensor:
@@ -234,9 +245,7 @@ class ReductionToOneDevice(CrossDeviceOps):
             memories = _memory_of(destinations)
             local = all(source == target for source in sources) and not self._force_flat
             shared = all(memory == target for memory in memories)
-            nbytes = [pairs[i][0][0].numel() * pairs[i][0][0].element_size() for i in indices]
-            for pack in group_by_size(nbytes, options.bytes_per_pack):
-                members = [indices[p] for p in pack]
+            for members in _packs(pairs, indices, options.bytes_per_pack):
                 per_replica = [[pairs[i][0][r] for i in members] for r in range(count)]
                 if local:
                     reduced = _sum_packed_foreach(per_replica, reduce_op, count)
@@ -244,8 +253,9 @@ class ReductionToOneDevice(CrossDeviceOps):
                     reduced = _sum_packed_flat(per_replica, reduce_op, count, target)
                 if shared and len(destinations) > 1:
                     copies = len(destinations)
+                    make = Mirrored._make
                     for i, tensor in zip(members, reduced):
-                        results[i] = Mirrored((tensor,) * copies, destinations)
+                        results[i] = make((tensor,) * copies, destinations)
                 else:
                     for i, tensor in zip(members, reduced):
                         results[i] = _broadcast(tensor, destinations, memories)
@@ -327,8 +337,7 @@ class NcclAllReduce(CrossDeviceOps):
             if self.num_packs == 0:
                 packs = [[i] for i in indices]
             else:
-                nbytes = [pairs[i][0][0].numel() * pairs[i][0][0].element_size() for i in indices]
-                packs = [[indices[p] for p in pack] for pack in group_by_size(nbytes, options.bytes_per_pack)]
+                packs = _packs(pairs, indices, options.bytes_per_pack)
             for members in packs:
                 per_replica = [[pairs[i][0][r] for i in members] for r in range(count)]
                 reduced = _nccl_all_reduce(per_replica, reduce_op, count, self.num_packs or 1)

@@ -59,6 +59,14 @@ class DistributedValues:
         """The canonical device of each component (given, or inferred when the value was made)."""
         return self._devices
 
+    @classmethod
+    def _make(cls, values: tuple, devices: tuple):
+        """Builds one from a tuple of components and their devices, without checks (hot paths)."""
+        obj = cls.__new__(cls)
+        obj._values = values
+        obj._devices = devices
+        return obj
+
     def _local_results(self) -> tuple:
         return self._values
 
