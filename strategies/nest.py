@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["is_nested", "flatten", "map_structure", "pack_sequence_as", "assert_same_structure"]
+__all__ = ["is_nested", "flatten", "map_structure", "pack_sequence_as"]
 
 
 class StructureMismatchError(ValueError, AssertionError):
@@ -127,8 +127,3 @@ def pack_sequence_as(structure, flat_sequence):
     if expected != len(flat):
         raise StructureMismatchError(f"pack_sequence_as() needs {expected} leaves for the structure, got {len(flat)}.")
     return map_structure(take, structure)
-
-
-def assert_same_structure(first, second) -> None:
-    """Raises ``StructureMismatchError`` unless ``first`` and ``second`` nest alike."""
-    map_structure(lambda *_: None, first, second)

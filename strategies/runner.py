@@ -26,7 +26,7 @@ import time
 import torch
 
 from . import context, nest
-from .reduce_util import CommunicationOptions, ReduceOp, as_reduce_op
+from .reduce_util import ReduceOp, as_reduce_op
 from .values import Mirrored, PerReplica, regroup, select_replica
 
 __all__ = ["ReplicaContext", "MERGE_CALL_MISMATCH"]
@@ -476,10 +476,6 @@ class ReplicaRunner:
             for worker in crew:
                 worker.tasks.put(None)
 
-    def thread_count(self) -> int:
-        with self._lock:
-            return sum(len(crew) for crew in self._crews)
-
     def run(self, strategy, fn, args, kwargs, timeout):
         """Calls ``fn`` once per replica; returns the list of the replicas' outputs."""
         count = len(self._devices)
@@ -564,7 +560,3 @@ def inline_call(strategy, fn, args, kwargs, device: torch.device):
             with torch.cuda.device(device):
                 return fn(*args, **kwargs)
         return fn(*args, **kwargs)
-
-
-def default_options(options: CommunicationOptions | None) -> CommunicationOptions:
-    return options if options is not None else CommunicationOptions()

@@ -245,9 +245,6 @@ class Variable(metaclass=_VariableMeta):
         """The value as a NumPy array (a copy)."""
         return self._read().detach().cpu().numpy().copy()
 
-    def get_shape(self) -> torch.Size:
-        return self.shape
-
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return func(*_unwrap(args), **_unwrap(kwargs or {}))
@@ -523,9 +520,6 @@ class DistributedVariable(DistributedValues, Variable):
     def _assign_cross_replica(self, op, value):
         self._distribute_strategy.extended.update(self, _assign_component(op), args=(value,))
         return self
-
-    def _short_name(self):
-        return self._name
 
     def _short_repr(self, name=None, device=None) -> str:
         return self._values[0]._short_repr()
