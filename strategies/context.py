@@ -90,6 +90,26 @@ def entered(mode: Mode):
         stack.pop()
 
 
+def mixing_error(current, new) -> RuntimeError:
+    return RuntimeError(f"Mixing different tf.distribute.Strategy objects: {current} is not {new}")
+
+
+@contextlib.contextmanager
+def enter_or_assert_strategy(strategy):
+    """Enters ``strategy``'s scope when no strategy is current; refuses a different one.
+
+    Inside ``strategy``'s own scope, replica or merge_fn it changes nothing.
+    """
+    current = current_mode().strategy
+    if current is strategy:
+        yield
+        return
+    if current is not default_strategy():
+        raise mixing_error(current, strategy)
+    with strategy.scope():
+        yield
+
+
 def push(mode: Mode) -> None:
     _local.stack.append(mode)
 

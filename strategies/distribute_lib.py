@@ -37,10 +37,6 @@ __all__ = ["Strategy", "StrategyExtended", "ValueContext"]
 _CROSS_REPLICA_ONLY = "Method requires being in cross-replica context, use get_replica_context().merge_call()"
 
 
-def _mixing_error(current, new) -> RuntimeError:
-    return RuntimeError(f"Mixing different tf.distribute.Strategy objects: {current} is not {new}")
-
-
 def require_cross_replica(strategy, message: str = _CROSS_REPLICA_ONLY) -> None:
     """Raises unless we are in ``strategy``'s cross-replica context or the default context."""
     mode = context.current_mode()
@@ -48,9 +44,9 @@ def require_cross_replica(strategy, message: str = _CROSS_REPLICA_ONLY) -> None:
     if ctx is not None and not ctx._is_default:
         if ctx.strategy is strategy:
             raise RuntimeError(message)
-        raise _mixing_error(ctx.strategy, strategy)
+        raise context.mixing_error(ctx.strategy, strategy)
     if mode.strategy is not strategy and mode.strategy is not context.default_strategy():
-        raise _mixing_error(mode.strategy, strategy)
+        raise context.mixing_error(mode.strategy, strategy)
 
 
 class _Scope:
@@ -67,11 +63,11 @@ class _Scope:
         if mode.replica_context is not None and not mode.replica_context._is_default:
             if mode.strategy is strategy:
                 raise RuntimeError(_CROSS_REPLICA_ONLY)
-            raise _mixing_error(mode.strategy, strategy)
+            raise context.mixing_error(mode.strategy, strategy)
         if mode.strategy is not strategy and mode.strategy is not default:
             if strategy is default:
                 raise RuntimeError("Must not nest tf.distribute.Strategy scopes.")
-            raise _mixing_error(mode.strategy, strategy)
+            raise context.mixing_error(mode.strategy, strategy)
         if strategy is default:
             # The default strategy's scope changes nothing: still its replica context.
             self._mode = context.Mode(strategy, _DEFAULT_REPLICA_CONTEXT, None)
@@ -275,7 +271,7 @@ class StrategyExtended:
                 "extended.update() requires cross-replica context: inside strategy.run(), call it from a "
                 "merge_fn, e.g. get_replica_context().merge_call(lambda s: s.extended.update(var, fn, args))."
             )
-        with _maybe_scope(self._strategy):
+        with context.enter_or_assert_strategy(self._strategy):
             return self._update(var, fn, tuple(args), dict(kwargs or {}), group)
 
     def _update(self, var, fn, args, kwargs, group):
@@ -428,16 +424,6 @@ def _all_tensors(value):
 
 
 @contextlib.contextmanager
-def _maybe_scope(strategy):
-    mode = context.current_mode()
-    if mode.strategy is strategy:
-        yield
-        return
-    with strategy.scope():
-        yield
-
-
-@contextlib.contextmanager
 def _cuda_device(device):
     if isinstance(device, str) and device.startswith("cuda"):
         with torch.cuda.device(torch_device(device)):
@@ -550,7 +536,7 @@ class Strategy:
         op = as_reduce_op(reduce_op)
         if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)):
             raise TypeError(f"`axis` must be None or an int, got {axis!r}.")
-        with _maybe_scope(self):
+        with context.enter_or_assert_strategy(self):
             return nest.map_structure(lambda leaf: self._reduce_leaf(op, leaf, axis), value)
 
     def _reduce_leaf(self, op, value, axis):
@@ -598,7 +584,7 @@ class Strategy:
                 return v
             return self._extended._gather_to(v, axis, self._extended.worker_devices[0])
 
-        with _maybe_scope(self):
+        with context.enter_or_assert_strategy(self):
             return nest.map_structure(leaf, value)
 
     def experimental_local_results(self, value) -> tuple:

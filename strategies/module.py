@@ -137,7 +137,7 @@ class DistributedModule:
         strategy, so it loads under any other one (or into the bare module).
         """
         state = self._replicas[0].state_dict()
-        with _cross_replica(self._strategy):
+        with context.enter_or_assert_strategy(self._strategy):
             for name in state:
                 variable = self._variables.get(name)
                 if variable is not None:
@@ -154,7 +154,7 @@ class DistributedModule:
                 f"Error(s) in loading state_dict for {type(self._replicas[0]).__name__}: missing keys {missing}, "
                 f"unexpected keys {unexpected}. Pass strict=False to load the keys that match."
             )
-        with _cross_replica(self._strategy):
+        with context.enter_or_assert_strategy(self._strategy):
             for name, value in state_dict.items():
                 variable = self._variables.get(name)
                 if variable is not None:
@@ -173,21 +173,3 @@ def _module_device(module: torch.nn.Module):
     for tensor in list(module.parameters()) + list(module.buffers()):
         return tensor.device
     return None
-
-
-class _cross_replica:
-    """Enters ``strategy``'s scope unless already in its cross-replica context."""
-
-    def __init__(self, strategy):
-        self._strategy = strategy
-        self._scope = None
-
-    def __enter__(self):
-        mode = context.current_mode()
-        if not (mode.strategy is self._strategy and mode.cross_replica is not None):
-            self._scope = self._strategy.scope()
-            self._scope.__enter__()
-
-    def __exit__(self, *exc):
-        if self._scope is not None:
-            self._scope.__exit__(*exc)

@@ -417,29 +417,6 @@ def _link(component, container) -> None:
     component._tensor._replicafit_container = ref
 
 
-def _enter_or_assert_strategy(strategy):
-    """Enters ``strategy``'s scope when no strategy is current; refuses a different one."""
-    current = context.get_strategy()
-    if current is strategy:
-        return None
-    if current is context.default_strategy():
-        return strategy.scope()
-    raise RuntimeError(f"Mixing different tf.distribute.Strategy objects: {current} is not {strategy}")
-
-
-class _Scoped:
-    def __init__(self, strategy):
-        self._scope = _enter_or_assert_strategy(strategy)
-
-    def __enter__(self):
-        if self._scope is not None:
-            self._scope.__enter__()
-
-    def __exit__(self, *exc):
-        if self._scope is not None:
-            self._scope.__exit__(*exc)
-
-
 def _own_replica_context(strategy):
     """The replica context of ``strategy`` running this code, else ``None``."""
     ctx = context.current_mode().replica_context
@@ -514,7 +491,7 @@ class DistributedVariable(DistributedValues, Variable):
         ctx = _own_replica_context(self._distribute_strategy)
         if ctx is not None:
             return self._assign_in_replica(ctx, op, value)
-        with _Scoped(self._distribute_strategy):
+        with context.enter_or_assert_strategy(self._distribute_strategy):
             return self._assign_cross_replica(op, value)
 
     def _assign_cross_replica(self, op, value):
@@ -696,7 +673,7 @@ class CentralStorageVariable(Variable):
             self._primary._assign(op, value)
             self._after_update()
             return self
-        with _Scoped(self._distribute_strategy):
+        with context.enter_or_assert_strategy(self._distribute_strategy):
             self._distribute_strategy.extended.update(self, _assign_component(op), args=(value,))
         return self
 
