@@ -15,10 +15,17 @@ def local_gpus() -> list[str]:
     return [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
 
+def _nccl_available() -> bool:
+    try:
+        torch.cuda.nccl.version()
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
 def _default_cross_device_ops(devices) -> CrossDeviceOps:
     gpus = [d for d in devices if d.startswith("cuda")]
-    nccl = getattr(torch.cuda, "nccl", None)
-    if len(gpus) == len(devices) > 1 and nccl is not None and nccl.is_available([torch.empty(0)]) is not None:
+    if len(gpus) == len(devices) > 1 and _nccl_available():
         return NcclAllReduce()
     return ReductionToOneDevice()
 
