@@ -81,13 +81,23 @@ def stack_depth() -> int:
 
 @contextlib.contextmanager
 def entered(mode: Mode):
-    """Pushes ``mode`` for the duration of the block."""
+    """Pushes ``mode`` for the duration of the block.
+
+    On the way out the stack is cut back to its depth on entry, so a scope that user
+    code inside left open cannot leak into the caller.
+    """
     stack = _local.stack
+    depth = len(stack)
     stack.append(mode)
     try:
         yield mode
     finally:
-        stack.pop()
+        del stack[depth:]
+
+
+def truncate(depth: int) -> None:
+    """Cuts this thread's stack back to ``depth`` entries."""
+    del _local.stack[depth:]
 
 
 def mixing_error(current, new) -> RuntimeError:

@@ -29,7 +29,16 @@ from .cross_device_ops import CrossDeviceOps, ReductionToOneDevice, component_te
 from .devices import default_device, torch_device
 from .reduce_util import CommunicationOptions, ReduceOp, VariableSynchronization, as_reduce_op
 from .runner import DefaultReplicaContext, ReplicaRunner, inline_call
-from .values import DistributedValues, Mirrored, PerReplica, local_results, regroup, select_replica, value_container
+from .values import (
+    DistributedValues,
+    Mirrored,
+    PerReplica,
+    check_component_counts,
+    local_results,
+    regroup,
+    select_replica,
+    value_container,
+)
 from .variables import LocalVariable, MirroredVariable, SyncOnReadVariable, Variable, VariableSpec
 
 __all__ = ["Strategy", "StrategyExtended", "ValueContext"]
@@ -171,6 +180,7 @@ class StrategyExtended:
     def call_for_each_replica(self, fn, args=(), kwargs=None):
         """Runs ``fn`` once per replica (``strategy.run`` without the argument checks)."""
         strategy = self._strategy
+        check_component_counts((args, kwargs), self._num_replicas_in_sync, "An argument of call_for_each_replica()")
         with strategy.scope():
             return self._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
 
@@ -504,6 +514,8 @@ class Strategy:
             timeout = options.timeout_seconds
         elif options is not None:
             raise TypeError(f"run(options=...) takes a strategies.CommunicationOptions or None, got {options!r}.")
+        count = self.num_replicas_in_sync
+        check_component_counts((args, kwargs), count, "An argument of strategy.run()")
         with _Scope(self):
             return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}), timeout)
 

@@ -27,7 +27,7 @@ import torch
 
 from . import context, nest
 from .reduce_util import ReduceOp, as_reduce_op
-from .values import Mirrored, PerReplica, regroup, select_replica
+from .values import Mirrored, PerReplica, check_component_counts, regroup, select_replica
 
 __all__ = ["ReplicaContext", "MERGE_CALL_MISMATCH"]
 
@@ -249,6 +249,7 @@ class _RunState:
         self.timeout = timeout
         self.cond = threading.Condition(threading.Lock())
         self.arrived = 0
+        self.merging = False
         self.generation = 0
         self.requests: list = [None] * count
         self.results: list = []
@@ -269,6 +270,12 @@ class _RunState:
 
     def merge_call(self, replica_id, merge_fn, args, kwargs):
         with self.cond:
+            if self.done == self.count:
+                raise RuntimeError(
+                    "merge_call (or all_reduce/all_gather, also in a backward pass) was called after "
+                    "strategy.run() returned: differentiate through a collective inside the replica function, "
+                    "on every replica."
+                )
             if self.aborted:
                 raise _Aborted()
             if self.finished:
@@ -277,36 +284,46 @@ class _RunState:
             self.requests[replica_id] = (merge_fn, args, kwargs)
             self.arrived += 1
             if self.arrived < self.count:
-                generation = self.generation
-                deadline = None if self.timeout is None else time.monotonic() + self.timeout
-                while self.generation == generation and not self.aborted:
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        missing = [i for i, r in enumerate(self.requests) if r is None]
-                        self._abort(
-                            TimeoutError(
-                                f"merge_call timed out after {self.timeout} s (CommunicationOptions.timeout_seconds): "
-                                f"replica(s) {missing} did not reach it."
-                            )
-                        )
-                        break
-                    self.cond.wait(remaining)
-                if self.generation == generation:
-                    raise _Aborted()
-                return self.results[replica_id]
+                return self._wait_for_merge(replica_id)
             requests, self.requests = self.requests, [None] * self.count
+            self.merging = True
         try:
             results = self._run_merge(requests)
         except BaseException as error:  # noqa: BLE001 - every failure must release the others
             with self.cond:
+                self.merging = False
                 self._abort(error)
             raise _Aborted() from None
         with self.cond:
             self.results = results
             self.arrived = 0
+            self.merging = False
             self.generation += 1
             self.cond.notify_all()
         return results[replica_id]
+
+    def _wait_for_merge(self, replica_id):
+        """Waits (holding ``cond``) until the merge of this generation is done or the run aborts."""
+        generation = self.generation
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while self.generation == generation and not self.aborted:
+            if self.merging or deadline is None:
+                self.cond.wait()  # merge_fn runs on our side: its own collectives have their own timeouts
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = [i for i, r in enumerate(self.requests) if r is None]
+                self._abort(
+                    TimeoutError(
+                        f"merge_call timed out after {self.timeout} s (CommunicationOptions.timeout_seconds): "
+                        f"replica(s) {missing} did not reach it."
+                    )
+                )
+                break
+            self.cond.wait(remaining)
+        if self.generation == generation:
+            raise _Aborted()
+        return self.results[replica_id]
 
     def _run_merge(self, requests):
         strategy = self.strategy
@@ -316,6 +333,8 @@ class _RunState:
         kwargs = regroup([r[2] for r in requests], devices=devices) if requests[0][2] else {}
         with context.entered(context.Mode(strategy, None, strategy)):
             result = merge_fn(strategy, *args, **kwargs)
+        if not isinstance(result, PerReplicaConstant):
+            check_component_counts(result, self.count, "The result of merge_fn")
         return [_select(replica_id, result) for replica_id in range(self.count)]
 
     def finish(self, replica_id, output) -> None:
@@ -390,20 +409,26 @@ def capture_torch_state() -> tuple:
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
 
 
-_FRESH_THREAD_STATE = (True, False, ())
-
-
 @contextlib.contextmanager
-def torch_state(state: tuple, device: torch.device, current: tuple | None = None):
-    """Puts ``state`` and the replica's CUDA device in force on this thread."""
+def torch_state(state: tuple, device: torch.device, current: tuple):
+    """Puts ``state`` and the replica's CUDA device in force on this thread for the block.
+
+    Every part that differs from ``current`` (the thread's actual state) is set, so
+    state a previous task left behind on a persistent thread never leaks into this one.
+    """
     with contextlib.ExitStack() as stack:
         if state != current:
             grad, inference, autocast = state
-            if inference:
-                stack.enter_context(torch.inference_mode())
+            if inference != current[1]:
+                stack.enter_context(torch.inference_mode(inference))
             stack.enter_context(torch.set_grad_enabled(grad))
-            for device_type, dtype in autocast:
-                stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            wanted, present = dict(autocast), dict(current[2])
+            for device_type in ("cpu", "cuda"):
+                if wanted.get(device_type) != present.get(device_type):
+                    if device_type in wanted:
+                        stack.enter_context(torch.autocast(device_type, dtype=wanted[device_type]))
+                    else:
+                        stack.enter_context(torch.autocast(device_type, enabled=False))
         if device.type == "cuda":
             stack.enter_context(torch.cuda.device(device))
         yield
@@ -423,7 +448,10 @@ class _Worker(threading.Thread):
             task = get()
             if task is None:
                 return
-            task()
+            try:
+                task()
+            except BaseException:  # noqa: BLE001 - a task reports its own outcome; the thread must live on
+                pass
             task = None  # an idle thread keeps no reference to the strategy or the user's fn
 
 
@@ -496,12 +524,12 @@ class ReplicaRunner:
                         replica_kwargs,
                         torch_state_now,
                         devices[replica_id],
-                        _FRESH_THREAD_STATE,
+                        False,
                     )
                 )
             replica_args = select_replica(0, args) if args else args
             replica_kwargs = select_replica(0, kwargs) if kwargs else kwargs
-            _ReplicaTask(state, 0, fn, replica_args, replica_kwargs, torch_state_now, devices[0], torch_state_now)()
+            _ReplicaTask(state, 0, fn, replica_args, replica_kwargs, torch_state_now, devices[0], True)()
             finished = state.wait_all()
         except BaseException:
             # Interrupted while waiting (KeyboardInterrupt): release every replica and
@@ -520,9 +548,9 @@ class ReplicaRunner:
 
 
 class _ReplicaTask:
-    __slots__ = ("state", "replica_id", "fn", "args", "kwargs", "torch_state", "device", "thread_state")
+    __slots__ = ("state", "replica_id", "fn", "args", "kwargs", "torch_state", "device", "on_caller_thread")
 
-    def __init__(self, state, replica_id, fn, args, kwargs, torch_state_, device, thread_state):
+    def __init__(self, state, replica_id, fn, args, kwargs, torch_state_, device, on_caller_thread):
         self.state = state
         self.replica_id = replica_id
         self.fn = fn
@@ -530,25 +558,32 @@ class _ReplicaTask:
         self.kwargs = kwargs
         self.torch_state = torch_state_
         self.device = device
-        self.thread_state = thread_state
+        self.on_caller_thread = on_caller_thread
 
     def __call__(self) -> None:
         state = self.state
-        mode = context.Mode(state.strategy, ReplicaContext(state.strategy, self.replica_id, state))
-        context.push(mode)
+        depth = context.stack_depth()
+        context.push(context.Mode(state.strategy, ReplicaContext(state.strategy, self.replica_id, state)))
         try:
             if state.aborted:
                 raise _Aborted()
-            if self.torch_state == self.thread_state and self.device.type != "cuda":
+            # The caller's thread is already in the wanted state; a worker checks its own.
+            current = self.torch_state if self.on_caller_thread else capture_torch_state()
+            if self.torch_state == current and self.device.type != "cuda":
                 output = self.fn(*self.args, **self.kwargs)
             else:
-                with torch_state(self.torch_state, self.device, self.thread_state):
+                with torch_state(self.torch_state, self.device, current):
                     output = self.fn(*self.args, **self.kwargs)
+        except KeyboardInterrupt:
+            context.truncate(depth)
+            if self.on_caller_thread:
+                raise  # Ctrl-C: run() aborts every replica and raises at once
+            state.fail(self.replica_id, KeyboardInterrupt())
         except BaseException as error:  # noqa: BLE001 - recorded and re-raised by run()
-            context.pop(mode)
+            context.truncate(depth)
             state.fail(self.replica_id, error)
         else:
-            context.pop(mode)
+            context.truncate(depth)
             state.finish(self.replica_id, output)
 
 

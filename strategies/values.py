@@ -81,7 +81,60 @@ class DistributedValues:
     __str__ = __repr__
 
 
-class PerReplica(DistributedValues):
+def _not_a_tensor(self, *args, **kwargs):
+    kind = type(self).__name__
+    raise TypeError(
+        f"A {kind} holds one value per replica and is not a tensor. Pass it to strategy.run(fn, "
+        f"args=(value,)) so that each replica gets its own component, reduce it with strategy.reduce(...), or "
+        f"take its components with strategy.experimental_local_results(value)."
+    )
+
+
+class _Container(DistributedValues):
+    """``PerReplica``/``Mirrored``: containers, not tensors (operators explain what to do instead)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        for leaf in nest.flatten(list(args)):
+            if isinstance(leaf, _Container):
+                _not_a_tensor(leaf)
+        return NotImplemented
+
+
+for _name in (
+    "__add__",
+    "__radd__",
+    "__sub__",
+    "__rsub__",
+    "__mul__",
+    "__rmul__",
+    "__truediv__",
+    "__rtruediv__",
+    "__matmul__",
+    "__rmatmul__",
+    "__pow__",
+    "__neg__",
+    "__float__",
+    "__int__",
+    "__bool__",
+    "__getitem__",
+):
+    setattr(_Container, _name, _not_a_tensor)
+_Container.__hash__ = object.__hash__
+
+
+def check_component_counts(structure, count: int, what: str) -> None:
+    """Raises when a PerReplica/Mirrored in ``structure`` does not have ``count`` components."""
+    for leaf in nest.flatten(structure):
+        if isinstance(leaf, DistributedValues) and not leaf._is_variable and len(leaf._values) != count:
+            raise ValueError(
+                f"{what} holds a {type(leaf).__name__} with {len(leaf._values)} components, but the strategy has "
+                f"{count} replicas: a distributed value must have one component per replica (make it with the "
+                "same strategy, e.g. experimental_distribute_values_from_function)."
+            )
+
+
+class PerReplica(_Container):
     """Values that may differ per replica: what ``strategy.run`` returns.
 
     Passed to ``strategy.run``, each replica receives its own component.
@@ -93,7 +146,7 @@ class PerReplica(DistributedValues):
     """
 
 
-class Mirrored(DistributedValues):
+class Mirrored(_Container):
     """Values equal on every replica, each component on its replica's device.
 
     Returned by ``extended.reduce_to``/``batch_reduce_to`` (several destinations) and
