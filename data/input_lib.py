@@ -78,7 +78,8 @@ class _Placer:
     def place(self, tensor: torch.Tensor, replica_id: int) -> torch.Tensor:
         if not self.fetch:
             return tensor
-        return tensor.to(self.torch_devices[replica_id], non_blocking=True)
+        device = self.torch_devices[replica_id]
+        return tensor.to(device, non_blocking=device.type == "cuda")
 
     def group(self, per_replica_nests):
         """One nest per replica → one nest with ``PerReplica`` leaves (plain with one replica)."""

@@ -118,6 +118,12 @@ def _packs(pairs, indices: list, bytes_per_pack: int) -> list:
     return [[indices[p] for p in pack] for pack in group_by_size(nbytes, bytes_per_pack)]
 
 
+def _move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copies to ``device``: asynchronously onto a GPU (stream-ordered), synchronously to the host,
+    where the CPU reads the result right away."""
+    return tensor.to(device, non_blocking=device.type == "cuda")
+
+
 def _mean(total: torch.Tensor, count: int) -> torch.Tensor:
     return total / count
 
@@ -136,7 +142,7 @@ def _broadcast(tensor: torch.Tensor, devices: tuple, memories: tuple | None = No
     """
     memories = memories or _memory_of(devices)
     if len(devices) == 1:
-        return tensor if tensor.device == memories[0] else tensor.to(memories[0], non_blocking=True)
+        return tensor if tensor.device == memories[0] else _move(tensor, memories[0])
     source = tensor.device
     if all(memory == source for memory in memories):
         return Mirrored((tensor,) * len(devices), devices)
@@ -145,7 +151,7 @@ def _broadcast(tensor: torch.Tensor, devices: tuple, memories: tuple | None = No
     for memory in memories:
         copy = copies.get(memory)
         if copy is None:
-            copy = copies[memory] = tensor.to(memory, non_blocking=True)
+            copy = copies[memory] = _move(tensor, memory)
         out.append(copy)
     return Mirrored(out, devices)
 
@@ -169,6 +175,8 @@ class CrossDeviceOps:
         pairs = []
         for value, destinations in value_destination_pairs:
             tensors = component_tensors(value)
+            if tensors[0].dtype == torch.bool:
+                tensors = [t.to(torch.int64) for t in tensors]  # a SUM of flags counts them, as axis=k does
             shape = tensors[0].shape
             for tensor in tensors:
                 if tensor.shape != shape:
@@ -185,7 +193,7 @@ class CrossDeviceOps:
         devices = destination_devices(destinations)
         tensors = component_tensors(per_replica_value)
         target = torch_device(devices[0])
-        moved = [t.to(target, non_blocking=True) for t in tensors]
+        moved = [_move(t, target) for t in tensors]
         try:
             gathered = torch.cat(moved, dim=axis)
         except (RuntimeError, IndexError) as error:
@@ -279,7 +287,7 @@ def _sum_packed_foreach(per_replica: list, reduce_op: ReduceOp, count: int) -> l
 def _sum_packed_flat(per_replica: list, reduce_op: ReduceOp, count: int, device: torch.device) -> list:
     shapes = [t.shape for t in per_replica[0]]
     sizes = [t.numel() for t in per_replica[0]]
-    flats = [torch.cat([t.reshape(-1) for t in tensors]).to(device, non_blocking=True) for tensors in per_replica]
+    flats = [_move(torch.cat([t.reshape(-1) for t in tensors]), device) for tensors in per_replica]
     total = flats[0] + flats[1] if count > 1 else flats[0]
     for flat in flats[2:]:
         total += flat

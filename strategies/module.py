@@ -117,6 +117,11 @@ class DistributedModule:
     def __call__(self, *args, **kwargs):
         return self.local_module()(*args, **kwargs)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Resets the gradients of every replica (the user's module alone holds only replica 0's)."""
+        for replica in self._replicas:
+            replica.zero_grad(set_to_none=set_to_none)
+
     def train(self, mode: bool = True) -> DistributedModule:
         for replica in self._replicas:
             replica.train(mode)

@@ -33,8 +33,9 @@ import numpy as np
 import torch
 
 from . import context
+from .devices import torch_device
 from .reduce_util import ReduceOp, VariableAggregation, VariableSynchronization
-from .values import DistributedValues, local_results
+from .values import DistributedValues, PerReplica, local_results
 
 __all__ = [
     "Variable",
@@ -247,7 +248,28 @@ class Variable(metaclass=_VariableMeta):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return func(*_unwrap(args), **_unwrap(kwargs or {}))
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if (name.endswith("_") and not name.endswith("__")) or "out" in kwargs:
+            target = kwargs.get("out", args[0] if args else None)
+            if isinstance(target, Variable) and not isinstance(target, LocalVariable):
+                raise TypeError(
+                    f"{name}() would write into {type(target).__name__} '{target.name}' in place, changing one copy "
+                    "only. Use assign(), assign_add() or assign_sub(), or strategy.extended.update(var, fn)."
+                )
+        return func(*_unwrap(args), **_unwrap(kwargs))
+
+    def _component_tensors(self) -> tuple:
+        """Every tensor that holds a copy of this variable."""
+        raise NotImplementedError
+
+    def __setattr__(self, name, value):
+        if name in ("grad", "requires_grad"):
+            # Gradient bookkeeping belongs to every copy, not to this wrapper.
+            for tensor in self._component_tensors():
+                setattr(tensor, name, value)
+            return
+        object.__setattr__(self, name, value)
 
     def __getattr__(self, name):
         if name.startswith("_"):
@@ -392,6 +414,9 @@ class LocalVariable(Variable):
     def _read(self) -> torch.Tensor:
         return self._tensor
 
+    def _component_tensors(self) -> tuple:
+        return (self._tensor,)
+
     def _primary_tensor(self) -> torch.Tensor:
         return self._tensor
 
@@ -480,6 +505,9 @@ class DistributedVariable(DistributedValues, Variable):
     def _primary_tensor(self) -> torch.Tensor:
         return self._values[0]._tensor
 
+    def _component_tensors(self) -> tuple:
+        return tuple(c._tensor for c in self._values)
+
     def _device_name(self) -> str:
         return self._get()._device
 
@@ -522,6 +550,15 @@ class MirroredVariable(DistributedVariable):
 
     def _read(self) -> torch.Tensor:
         return self._get()._tensor
+
+    def _assign_cross_replica(self, op, value):
+        if isinstance(value, PerReplica):
+            raise ValueError(
+                f"In cross-replica context a MirroredVariable takes one value for every copy, but {op}() on "
+                f"'{self._name}' got a PerReplica. Reduce it first (strategy.extended.reduce_to(op, value, var)), or "
+                "write the copies explicitly with strategy.extended.update(var, fn, args=(value,))."
+            )
+        return super()._assign_cross_replica(op, value)
 
     def _assign_in_replica(self, ctx, op, value):
         if self._aggregation is VariableAggregation.NONE:
@@ -615,21 +652,26 @@ class CentralStorageVariable(Variable):
         self._synchronization = primary._synchronization
         devices = strategy.extended.worker_devices
         if replica_tensors is None:
-            replica_tensors = [self._copy_for(device) for device in devices]
+            replica_tensors = [self._copy_for(device, i) for i, device in enumerate(devices)]
         self._replica_tensors = tuple(replica_tensors)
+        source = primary._tensor
+        # Copies in other memory are refreshed after each update; the rest share storage.
+        self._stale_copies = tuple(
+            t for t in self._replica_tensors if t.device != source.device or t.data_ptr() != source.data_ptr()
+        )
         _link(primary, self)
         for tensor in self._replica_tensors:
             tensor._replicafit_container = primary._replicafit_container
 
-    def _copy_for(self, device):
-        from .devices import torch_device
-
+    def _copy_for(self, device, replica_id):
+        """Replica ``replica_id``'s tensor: its own autograd leaf, sharing storage where memory is shared."""
         source = self._primary._tensor
         target = torch_device(device)
         if source.device == target:
-            return source
-        copy = source.detach().to(target).requires_grad_(source.requires_grad)
-        return copy
+            if replica_id == 0:
+                return source
+            return source.detach().requires_grad_(source.requires_grad)
+        return source.detach().to(target).requires_grad_(source.requires_grad)
 
     @property
     def values(self) -> tuple:
@@ -640,6 +682,11 @@ class CentralStorageVariable(Variable):
 
     def _primary_tensor(self) -> torch.Tensor:
         return self._primary._tensor
+
+    def _component_tensors(self) -> tuple:
+        tensors = [self._primary._tensor]
+        tensors += [t for t in self._replica_tensors if t is not tensors[0]]
+        return tuple(tensors)
 
     def _read(self) -> torch.Tensor:
         ctx = _own_replica_context(self._distribute_strategy)
@@ -657,9 +704,8 @@ class CentralStorageVariable(Variable):
         """Refreshes the replicas' copies from the stored value."""
         source = self._primary._tensor
         with torch.no_grad():
-            for tensor in self._replica_tensors:
-                if tensor is not source:
-                    tensor.copy_(source)
+            for tensor in self._stale_copies:
+                tensor.copy_(source)
 
     def _assign(self, op: str, value):
         ctx = _own_replica_context(self._distribute_strategy)

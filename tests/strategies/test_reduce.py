@@ -448,3 +448,13 @@ def test_local_results_one_device_variable():
         v = ds.Variable(1.0)
     result = strategy.experimental_local_results(v)
     assert len(result) == 1 and result[0] is v
+
+
+def test_bool_values_are_counted_not_or_ed():
+    strategy = make_strategy("mirrored2")
+    flags = ds.PerReplica((torch.tensor([True, True]), torch.tensor([True, False])))
+    assert strategy.reduce("SUM", flags, axis=None).tolist() == [2, 1]
+    assert strategy.reduce("MEAN", flags, axis=None).tolist() == [1.0, 0.5]
+    assert strategy.reduce("SUM", flags, axis=0).item() == 3
+    out = strategy.run(lambda f: ds.get_replica_context().all_reduce("SUM", f), args=(flags,))
+    assert [t.tolist() for t in strategy.experimental_local_results(out)] == [[2, 1], [2, 1]]

@@ -1367,3 +1367,105 @@ def test_cross_replica_batch_reduce_to_deterministic():
     assert torch.equal(first, _ordered_sum(inputs))
     for _ in range(5):
         assert torch.equal(strategy.extended.batch_reduce_to("SUM", [(value, "cpu:0")])[0], first)
+
+
+# --- robustness (review findings) ----------------------------------------------------------
+
+
+def test_thread_state_left_by_a_replica_does_not_leak_into_the_next_run():
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+
+    def flip_globally():
+        torch.set_grad_enabled(False)  # function form, never restored by the replica
+        torch.autocast("cpu", dtype=torch.bfloat16).__enter__()
+
+    strategy.run(flip_globally)
+    torch.set_grad_enabled(True)
+    torch.set_autocast_enabled("cpu", False)
+    out = strategy.run(lambda: (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")))
+    assert strategy.experimental_local_results(out) == ((True, False),) or all(
+        v == (True, False) for v in strategy.experimental_local_results(out)
+    )
+
+
+@pytest.mark.timeout(30)
+def test_a_scope_left_open_by_a_merge_fn_neither_hangs_nor_dirties_the_caller():
+    from strategies import context
+
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+
+    def merge_fn(s):
+        s.scope().__enter__()  # never exited
+
+    def fn():
+        if rid() == 0:
+            time.sleep(0.05)  # replica 0 arrives last: the merge_fn runs on the caller's thread
+        get_ctx().merge_call(merge_fn)
+
+    strategy.run(fn)
+    assert context.stack_depth() == 0
+    assert ds.get_replica_context() is not None
+    _check_normal_step(strategy)
+
+
+def get_ctx():
+    return ds.get_replica_context()
+
+
+def test_backward_through_all_reduce_after_run_raises_clearly():
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    w = torch.ones(2, requires_grad=True)
+    out = strategy.run(lambda: get_ctx().all_reduce("SUM", (w * 2).sum()))
+    loss = strategy.reduce("MEAN", out, axis=None)
+    with pytest.raises(RuntimeError, match="after strategy.run\\(\\) returned"):
+        loss.backward()
+
+
+@pytest.mark.timeout(30)
+def test_a_slow_merge_fn_is_not_a_timeout():
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+
+    def merge_fn(_):
+        time.sleep(0.6)
+        return 7
+
+    out = strategy.run(lambda: get_ctx().merge_call(merge_fn), options=ds.CommunicationOptions(timeout_seconds=0.2))
+    assert out == 7
+
+
+@pytest.mark.timeout(30)
+def test_keyboard_interrupt_on_the_caller_thread_stops_run_at_once():
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+
+    def fn():
+        if rid() == 0:
+            raise KeyboardInterrupt
+        time.sleep(1.5)
+
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        strategy.run(fn)
+    assert time.monotonic() - start < 1.0
+    _check_normal_step(strategy)
+
+
+def test_component_count_must_match_the_replicas():
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
+    two = ds.PerReplica((torch.tensor(1.0), torch.tensor(2.0)))
+    with pytest.raises(ValueError, match="2 components, but the strategy has 3 replicas"):
+        strategy.run(lambda x: x, args=(two,))
+    four = ds.PerReplica(tuple(torch.tensor(float(i)) for i in range(4)))
+    with pytest.raises(ValueError, match="4 components"):
+        strategy.run(lambda x: x, kwargs={"x": [four]})
+    with pytest.raises(ValueError, match="result of merge_fn"):
+        strategy.run(lambda: get_ctx().merge_call(lambda _: two))
+
+
+def test_per_replica_is_not_a_tensor():
+    pr = ds.PerReplica((torch.tensor(1.0), torch.tensor(2.0)))
+    with pytest.raises(TypeError, match="not a tensor.*strategy.run"):
+        pr + 1
+    with pytest.raises(TypeError, match="not a tensor"):
+        torch.stack([pr])
+    with pytest.raises(TypeError, match="Mirrored holds one value per replica"):
+        float(ds.Mirrored((torch.tensor(1.0), torch.tensor(1.0))))

@@ -962,3 +962,65 @@ def test_value_container_mirrored_component_1():
         m = ds.Variable(1.0)
     assert strategy.extended.value_container(m.values[1]) is m
     assert strategy.extended.value_container(m.values[0]) is m
+
+
+# --- robustness (review findings) ----------------------------------------------------------
+
+
+def test_central_storage_replicas_have_their_own_autograd_leaves():
+    strategy = make_strategy("central_storage2")
+    with strategy.scope():
+        w = ds.Variable(torch.ones(2))
+    xs = strategy.experimental_distribute_values_from_function(
+        lambda ctx: torch.full((2,), 1.0 if ctx.replica_id_in_sync_group == 0 else 10.0)
+    )
+
+    def step(x):
+        (w * x).sum().backward()
+        return torch.autograd.grad((w * x).sum(), w)[0]
+
+    grads = strategy.experimental_local_results(strategy.run(step, args=(xs,)))
+    assert [g.tolist() for g in grads] == [[1.0, 1.0], [10.0, 10.0]]
+    assert strategy.reduce("SUM", strategy.run(lambda: w.grad), axis=None).tolist() == [11.0, 11.0]
+
+
+@pytest.mark.parametrize("write", ["clamp_", "out", "method"])
+def test_in_place_torch_functions_cannot_split_a_mirrored_variable(write):
+    strategy = make_strategy("mirrored2")
+    with strategy.scope():
+        v = ds.Variable(torch.ones(3), trainable=False)
+    with pytest.raises((TypeError, AttributeError), match="one copy only"):
+        if write == "clamp_":
+            torch.clamp_(v, max=0.5)
+        elif write == "out":
+            torch.mul(torch.ones(3), 2, out=v)
+        else:
+            v.add_(1)
+    assert [c.numpy().tolist() for c in v.values] == [[1.0] * 3, [1.0] * 3]
+
+
+def test_mirrored_variable_refuses_per_replica_in_cross_replica_assign():
+    strategy = make_strategy("mirrored2")
+    with strategy.scope():
+        v = ds.Variable(0.0)
+    with pytest.raises(ValueError, match="one value for every copy"):
+        v.assign(ds.PerReplica((torch.tensor(0.0), torch.tensor(1.0))))
+    assert [float(c) for c in v.values] == [0.0, 0.0]
+
+
+def test_setting_grad_reaches_every_copy(multi_strategy):
+    with multi_strategy.scope():
+        v = ds.Variable(torch.ones(2))
+    multi_strategy.run(lambda: (v * 2).sum().backward())
+    assert all(t.grad is not None for t in v._component_tensors())
+    v.grad = None
+    assert all(t.grad is None for t in v._component_tensors())
+
+
+def test_distributed_module_zero_grad_clears_every_replica():
+    strategy = make_strategy("mirrored2")
+    dm = strategy.distribute_module(torch.nn.Linear(2, 1))
+    strategy.run(lambda: dm(torch.ones(1, 2)).sum().backward())
+    assert all(r.weight.grad is not None for r in dm.replicas)
+    dm.zero_grad()
+    assert all(r.weight.grad is None for r in dm.replicas)
