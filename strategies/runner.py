@@ -403,22 +403,32 @@ def _autocast_dtype(device_type: str):
     return torch.get_autocast_cpu_dtype() if device_type == "cpu" else torch.get_autocast_gpu_dtype()
 
 
+def _default_device() -> torch.device:
+    getter = getattr(torch, "get_default_device", None)
+    return getter() if getter is not None else torch.device("cpu")
+
+
 def capture_torch_state() -> tuple:
-    """Grad mode, inference mode and autocast state of the calling thread."""
+    """Grad mode, inference mode, autocast state and default device of the calling thread."""
     autocast = tuple((d, _autocast_dtype(d)) for d in ("cpu", "cuda") if _autocast_enabled(d))
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, _default_device())
 
 
 @contextlib.contextmanager
 def torch_state(state: tuple, device: torch.device, current: tuple):
     """Puts ``state`` and the replica's CUDA device in force on this thread for the block.
 
+    ``state`` is what ``capture_torch_state`` returned on the caller's thread.
+
     Every part that differs from ``current`` (the thread's actual state) is set, so
     state a previous task left behind on a persistent thread never leaks into this one.
     """
     with contextlib.ExitStack() as stack:
         if state != current:
-            grad, inference, autocast = state
+            grad, inference, autocast, default_device = state
+            if default_device != current[3]:
+                # A GPU default means the replica's own GPU, as TensorFlow places ops on the replica device.
+                stack.enter_context(torch.device(device if default_device.type == device.type else default_device))
             if inference != current[1]:
                 stack.enter_context(torch.inference_mode(inference))
             stack.enter_context(torch.set_grad_enabled(grad))

@@ -1469,3 +1469,13 @@ def test_per_replica_is_not_a_tensor():
         torch.stack([pr])
     with pytest.raises(TypeError, match="Mirrored holds one value per replica"):
         float(ds.Mirrored((torch.tensor(1.0), torch.tensor(1.0))))
+
+
+def test_default_device_is_in_force_in_every_replica():
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    with torch.device("meta"):
+        out = strategy.run(lambda: torch.empty(2).device.type)
+    # every replica made its tensor on the caller's default device
+    assert strategy.experimental_local_results(out) == ("meta", "meta")
+    out = strategy.run(lambda: torch.empty(2).device.type)
+    assert strategy.experimental_local_results(out) == ("cpu", "cpu")
