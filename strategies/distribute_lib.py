@@ -514,8 +514,8 @@ class Strategy:
             timeout = options.timeout_seconds
         elif options is not None:
             raise TypeError(f"run(options=...) takes a strategies.CommunicationOptions or None, got {options!r}.")
-        count = self.num_replicas_in_sync
-        check_component_counts((args, kwargs), count, "An argument of strategy.run()")
+        if args or kwargs:
+            check_component_counts((args, kwargs), self.num_replicas_in_sync, "An argument of strategy.run()")
         with _Scope(self):
             return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}), timeout)
 
