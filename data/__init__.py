@@ -1,31 +1,44 @@
-"""The distributed dataset layer: split global batches across replicas, place them.
+"""The distributed dataset layer: sources of global batches, the split across replicas, prefetch.
 
 Example::
 
     import strategies as ds
+    from data import as_global_batches
     strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
-    for x, y in strategy.experimental_distribute_dataset(loader):   # leaves are PerReplica
-        strategy.run(step, args=(x, y))
+    batches = as_global_batches((x, y), batch_size=64, shuffle=True, seed=0)
+    for xb, yb in strategy.experimental_distribute_dataset(batches):   # leaves are PerReplica
+        strategy.run(step, args=(xb, yb))
 """
 
+from . import datasets
 from .input_lib import (
     DistributedDataset,
     DistributedDatasetsFromFunction,
     DistributedIterator,
+    InputWorkers,
     NumpyDataset,
     make_v1_iterator,
+    split_global_batch,
     split_sizes,
 )
 from .options import InputContext, InputOptions, InputReplicationMode
+from .sources import ArrayBatches, DatasetBatches, as_global_batches, epoch_permutation
 
 __all__ = [
+    "ArrayBatches",
+    "DatasetBatches",
     "DistributedDataset",
     "DistributedDatasetsFromFunction",
     "DistributedIterator",
     "InputContext",
     "InputOptions",
     "InputReplicationMode",
+    "InputWorkers",
     "NumpyDataset",
+    "as_global_batches",
+    "datasets",
+    "epoch_permutation",
     "make_v1_iterator",
+    "split_global_batch",
     "split_sizes",
 ]

@@ -1,8 +1,18 @@
-"""Distributed datasets: TensorFlow's split rule for global batches, and per-replica inputs.
+"""Distributed datasets: TensorFlow's split rule for global batches, per-replica inputs, prefetch.
 
 Split rule (every batch, including the partial last one): with batch size ``b`` and
 ``n`` replicas, ``k = ceil(b / n)``; replica ``i`` gets rows ``[i*k, min((i+1)*k, b))``,
 empty when ``i*k >= b``. Empty replica batches keep the trailing shape and dtype.
+
+Several workers: ``n`` counts the replicas of *all* workers; each worker keeps only its
+own replicas' rows of each global batch, so every replica sees what it would see with
+one process of ``n`` replicas. ``distribute_datasets_from_function`` tells each worker
+its shard through the ``InputContext``.
+
+Iteration prepares the next ``experimental_per_replica_buffer_size`` steps on a
+background thread (split, pinned and copied to the devices); the thread stops when the
+iterator is exhausted, closed or dropped, and an exception raised by the source is
+raised again by ``next()``.
 
 Example::
 
@@ -14,10 +24,14 @@ Example::
 
 from __future__ import annotations
 
+import queue
+import threading
+import weakref
+
 import numpy as np
 import torch
 
-from strategies import nest
+from strategies import context, nest
 from strategies.devices import torch_device
 from strategies.values import PerReplica
 
@@ -25,6 +39,7 @@ from .options import InputContext, InputOptions, InputReplicationMode
 
 __all__ = [
     "split_sizes",
+    "InputWorkers",
     "DistributedDataset",
     "DistributedIterator",
     "DistributedDatasetsFromFunction",
@@ -37,6 +52,35 @@ def split_sizes(batch_size: int, num_replicas: int) -> list[int]:
     """How many rows each replica gets of a batch of ``batch_size`` rows."""
     chunk = -(-batch_size // num_replicas)
     return [max(0, min(chunk, batch_size - i * chunk)) for i in range(num_replicas)]
+
+
+class InputWorkers:
+    """The replicas one process feeds: its devices, and its place among the workers.
+
+    Args:
+      devices: this worker's replica devices, in replica order.
+      num_workers: how many workers (processes) feed replicas.
+      worker_index: this worker's index; its replicas are
+        ``worker_index * len(devices) ... + len(devices) - 1`` of all replicas.
+
+    The strategy supplies this (``strategy.extended._input_workers()``); tests build one
+    to simulate a worker of a larger job in one process.
+    """
+
+    def __init__(self, devices, num_workers: int = 1, worker_index: int = 0):
+        self.devices = tuple(devices)
+        if num_workers < 1 or not 0 <= worker_index < num_workers:
+            raise ValueError(f"worker_index must be in [0, num_workers), got {worker_index} of {num_workers}.")
+        self.num_workers = num_workers
+        self.worker_index = worker_index
+        self.num_local_replicas = len(self.devices)
+        self.num_replicas_in_sync = self.num_local_replicas * num_workers
+        self.first_replica = worker_index * self.num_local_replicas
+
+    @classmethod
+    def of(cls, strategy) -> InputWorkers:
+        devices, num_workers, worker_index = strategy.extended._input_workers()
+        return cls(devices, num_workers, worker_index)
 
 
 def _as_tensor(leaf):
@@ -68,10 +112,10 @@ def _batch_size(leaves) -> int:
 
 
 class _Placer:
-    """Moves a replica's slice to its device (or keeps it on the host)."""
+    """Moves a replica's slice to its device (pinned and asynchronous onto GPUs), or keeps it on the host."""
 
-    def __init__(self, strategy, options: InputOptions):
-        self.devices = strategy.extended.worker_devices
+    def __init__(self, workers: InputWorkers, options: InputOptions):
+        self.devices = workers.devices
         self.torch_devices = [torch_device(d) for d in self.devices]
         self.fetch = options.experimental_fetch_to_device
 
@@ -79,7 +123,9 @@ class _Placer:
         if not self.fetch:
             return tensor
         device = self.torch_devices[replica_id]
-        return tensor.to(device, non_blocking=device.type == "cuda")
+        if device.type == "cuda" and tensor.device.type == "cpu":
+            return tensor.pin_memory().to(device, non_blocking=True)
+        return tensor.to(device)
 
     def group(self, per_replica_nests):
         """One nest per replica → one nest with ``PerReplica`` leaves (plain with one replica)."""
@@ -88,48 +134,125 @@ class _Placer:
         return nest.map_structure(lambda *leaves: PerReplica(leaves, self.devices), *per_replica_nests)
 
 
-def _split_element(element, placer: _Placer):
-    count = len(placer.devices)
+def split_global_batch(element, workers: InputWorkers, placer: _Placer):
+    """This worker's replicas' slices of one global batch, placed and grouped."""
     flat = [_as_tensor(leaf) for leaf in nest.flatten(element)]
     size = _batch_size(flat)
-    bounds, start = [], 0
-    for rows in split_sizes(size, count):
-        bounds.append((start, start + rows))
-        start += rows
+    sizes = split_sizes(size, workers.num_replicas_in_sync)
+    start = sum(sizes[: workers.first_replica])
     per_replica = []
-    for replica_id, (begin, end) in enumerate(bounds):
+    for local_id in range(workers.num_local_replicas):
+        rows = sizes[workers.first_replica + local_id]
         # An empty replica gets the slice [b:b]: right trailing shape and dtype.
-        pieces = [placer.place(leaf[begin:end], replica_id) for leaf in flat]
+        pieces = [placer.place(leaf[start : start + rows], local_id) for leaf in flat]
         per_replica.append(nest.pack_sequence_as(element, pieces))
+        start += rows
     return placer.group(per_replica)
 
 
-class DistributedIterator:
-    """Iterates a ``DistributedDataset``: each step is one global batch split across replicas.
+# --- iteration with prefetch ----------------------------------------------------------------
 
-    ``next(it)`` raises ``StopIteration`` at the end; ``get_next()`` raises
-    ``StopIteration`` too (TensorFlow raises ``OutOfRangeError``).
+_END = object()
+
+
+class _Failure:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _prefetch_loop(produce, buffer: queue.Queue, stop: threading.Event) -> None:
+    """Fills ``buffer`` with steps until the source ends, fails, or ``stop`` is set."""
+    while not stop.is_set():
+        try:
+            item = produce()
+        except StopIteration:
+            item = _END
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer, raised there
+            item = _Failure(error)
+        while not stop.is_set():
+            try:
+                buffer.put(item, timeout=0.05)
+                break
+            except queue.Full:
+                continue
+        if item is _END or isinstance(item, _Failure):
+            return
+
+
+def _shutdown(stop: threading.Event, buffer: queue.Queue, thread: threading.Thread) -> None:
+    stop.set()
+    while True:  # unblock a producer waiting on a full buffer
+        try:
+            buffer.get_nowait()
+        except queue.Empty:
+            break
+    if thread is not threading.current_thread():
+        thread.join(timeout=5)
+
+
+class DistributedIterator:
+    """Iterates a distributed dataset: each step is one global batch split across replicas.
+
+    ``next(it)`` and ``get_next()`` raise ``StopIteration`` at the end (TensorFlow's
+    ``get_next`` raises ``OutOfRangeError``). ``close()`` stops the prefetch thread; so
+    does exhausting or dropping the iterator.
     """
 
-    def __init__(self, source_iterator, step_fn):
-        self._source = source_iterator
-        self._step = step_fn
+    def __init__(self, produce, buffer_size: int = 1):
+        self._produce = produce
+        self._done = False
+        self._prefetch = None
+        if buffer_size > 0:
+            buffer: queue.Queue = queue.Queue(maxsize=buffer_size)
+            stop = threading.Event()
+            thread = threading.Thread(
+                target=_prefetch_loop, args=(produce, buffer, stop), name="replicafit-prefetch", daemon=True
+            )
+            thread.start()
+            self._prefetch = (buffer, thread, weakref.finalize(self, _shutdown, stop, buffer, thread))
 
     def __iter__(self):
         return self
 
     def __next__(self):
         _check_not_in_replica()
-        return self._step(self._source)
+        if self._done:
+            raise StopIteration
+        if self._prefetch is None:
+            try:
+                return self._produce()
+            except StopIteration:
+                self._done = True
+                raise
+        buffer, thread, finalizer = self._prefetch
+        while True:
+            try:
+                item = buffer.get(timeout=0.5)
+                break
+            except queue.Empty:
+                if not thread.is_alive() and buffer.empty():
+                    self._done = True
+                    raise RuntimeError("The input prefetch thread stopped without a result.") from None
+        if item is _END or isinstance(item, _Failure):
+            self._done = True
+            finalizer()
+            if item is _END:
+                raise StopIteration
+            raise item.error
+        return item
 
     def get_next(self):
         """The next step's distributed batch."""
         return self.__next__()
 
+    def close(self) -> None:
+        """Stops prefetching; the iterator is exhausted afterwards."""
+        self._done = True
+        if self._prefetch is not None:
+            self._prefetch[2]()
+
 
 def _check_not_in_replica():
-    from strategies import context
-
     ctx = context.current_mode().replica_context
     if ctx is not None and not ctx._is_default:
         raise ValueError(
@@ -143,10 +266,11 @@ class DistributedDataset:
 
     Iterating yields the source's element nest with every leaf a ``PerReplica`` of the
     replicas' slices (a plain tensor with one replica), placed on the replicas'
-    devices. Re-iterating restarts the source (one epoch per ``iter()``).
+    devices. Re-iterating restarts the source (one epoch per ``iter()``); ``len()`` is
+    the source's, where it has one.
     """
 
-    def __init__(self, dataset, strategy, options: InputOptions | None = None):
+    def __init__(self, dataset, strategy, options: InputOptions | None = None, *, workers: InputWorkers | None = None):
         options = options or InputOptions()
         if options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
             raise NotImplementedError(
@@ -154,15 +278,25 @@ class DistributedDataset:
             )
         if not hasattr(dataset, "__iter__"):
             raise TypeError(
-                f"experimental_distribute_dataset() needs an iterable of global batches, got {type(dataset).__name__}."
+                f"experimental_distribute_dataset() needs an iterable of global batches, got "
+                f"{type(dataset).__name__}; data.as_global_batches() makes one from arrays."
             )
         self._dataset = dataset
-        self._strategy = strategy
-        self._placer = _Placer(strategy, options)
+        self._options = options
+        self._workers = workers or InputWorkers.of(strategy)
+        self._placer = _Placer(self._workers, options)
 
     def __iter__(self) -> DistributedIterator:
-        placer = self._placer
-        return DistributedIterator(iter(self._dataset), lambda source: _split_element(next(source), placer))
+        return self.iterate(iter(self._dataset))
+
+    def iterate(self, batches) -> DistributedIterator:
+        """Distributes the global batches of the iterator ``batches`` (e.g. a resumed epoch)."""
+        workers, placer = self._workers, self._placer
+
+        def produce():
+            return split_global_batch(next(batches), workers, placer)
+
+        return DistributedIterator(produce, self._options.experimental_per_replica_buffer_size)
 
     def __len__(self) -> int:
         return len(self._dataset)
@@ -184,32 +318,36 @@ def _empty_like(element):
 class DistributedDatasetsFromFunction:
     """Per-replica batches from ``dataset_fn(InputContext)`` (``distribute_datasets_from_function``).
 
-    ``PER_WORKER``: one dataset, replicas take consecutive elements; ``PER_REPLICA``:
-    one dataset per replica. When some replicas run out first they get empty batches
-    (same trailing shape and dtype); iteration ends when every replica is out.
+    ``PER_WORKER``: one dataset per worker (its shard: ``InputContext(num_workers,
+    worker_index, num_replicas_in_sync)``), the worker's replicas take consecutive
+    elements; ``PER_REPLICA``: one dataset per replica (``InputContext(num_replicas,
+    replica_id, num_replicas)``). Replicas that run out first get empty batches (same
+    trailing shape and dtype); iteration ends when every replica is out.
     """
 
-    def __init__(self, dataset_fn, strategy, options: InputOptions | None = None):
+    def __init__(
+        self, dataset_fn, strategy, options: InputOptions | None = None, *, workers: InputWorkers | None = None
+    ):
         self._options = options or InputOptions()
-        self._strategy = strategy
-        self._placer = _Placer(strategy, self._options)
-        count = strategy.num_replicas_in_sync
+        self._workers = workers = workers or InputWorkers.of(strategy)
+        self._placer = _Placer(workers, self._options)
+        total = workers.num_replicas_in_sync
         if self._options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
-            self._datasets = [dataset_fn(InputContext(count, i, count)) for i in range(count)]
+            first = workers.first_replica
+            self._datasets = [
+                dataset_fn(InputContext(total, first + i, total)) for i in range(workers.num_local_replicas)
+            ]
         else:
-            self._datasets = [dataset_fn(InputContext(1, 0, count))]
+            self._datasets = [dataset_fn(InputContext(workers.num_workers, workers.worker_index, total))]
 
     def __iter__(self) -> DistributedIterator:
-        count = len(self._placer.devices)
+        count = self._workers.num_local_replicas
         iterators = [iter(d) for d in self._datasets]
         placer = self._placer
         per_replica_sources = len(iterators) > 1
 
-        def step(_):
-            elements = []
-            for replica_id in range(count):
-                source = iterators[replica_id] if per_replica_sources else iterators[0]
-                elements.append(next(source, _END))
+        def produce():
+            elements = [next(iterators[r] if per_replica_sources else iterators[0], _END) for r in range(count)]
             if all(e is _END for e in elements):
                 raise StopIteration
             template = next(e for e in elements if e is not _END)
@@ -219,10 +357,7 @@ class DistributedDatasetsFromFunction:
                 nests.append(nest.map_structure(lambda v, r=replica_id: placer.place(_as_tensor(v), r), element))
             return placer.group(nests)
 
-        return DistributedIterator(None, step)
-
-
-_END = object()
+        return DistributedIterator(produce, self._options.experimental_per_replica_buffer_size)
 
 
 class NumpyDataset(torch.utils.data.Dataset):
@@ -258,6 +393,7 @@ class _V1Iterator:
 
     def initialize(self) -> list:
         """Restarts the iteration; returns the (empty) list of initialization ops."""
+        self._iterator.close()
         self._iterator = iter(self._distributed)
         return []
 

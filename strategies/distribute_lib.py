@@ -176,6 +176,10 @@ class StrategyExtended:
     def _num_replicas_in_sync(self) -> int:
         return len(self._worker_devices)
 
+    def _input_workers(self) -> tuple:
+        """``(this worker's replica devices, number of workers, this worker's index)`` for the data layer."""
+        return self.worker_devices, 1, 0
+
     # --- replicas --------------------------------------------------------------------
     def call_for_each_replica(self, fn, args=(), kwargs=None):
         """Runs ``fn`` once per replica (``strategy.run`` without the argument checks)."""

@@ -1,0 +1,218 @@
+"""Sources of global batches: arrays, tensors and ``torch.utils.data.Dataset``s batched here.
+
+``as_global_batches(source, batch_size=...)`` turns what a user has into a re-iterable
+source of global batches, the one form the distributed layer splits:
+
+* a ``DataLoader`` or any other iterable of batches: used as it is;
+* NumPy arrays, tensors, and tuples/dicts/namedtuples of them (Keras-style ``(x, y)``
+  or ``(x, y, sample_weight)``): ``ArrayBatches``;
+* a map-style ``torch.utils.data.Dataset``: ``DatasetBatches`` (items collated with
+  torch's ``default_collate``).
+
+Batched sources shuffle with a seed per epoch (``set_epoch``) and can start at any
+batch (``iterate(epoch, start)``), so an interrupted epoch resumes with exactly the
+batches it would have seen.
+
+Example::
+
+    >>> import numpy as np
+    >>> batches = as_global_batches((np.arange(10.0), np.arange(10)), batch_size=4)
+    >>> [len(x) for x, y in batches]
+    [4, 4, 2]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from strategies import nest
+
+__all__ = ["as_global_batches", "ArrayBatches", "DatasetBatches", "epoch_permutation"]
+
+DEFAULT_BATCH_SIZE = 32  # Keras' default for arrays
+
+
+def epoch_permutation(size: int, seed: int | None, epoch: int) -> np.ndarray:
+    """The order of ``size`` examples in ``epoch``: a permutation fixed by ``(seed, epoch)``."""
+    rng = np.random.default_rng(None if seed is None else [int(seed), int(epoch)])
+    return rng.permutation(size)
+
+
+def _leaf_tensor(leaf) -> torch.Tensor:
+    if isinstance(leaf, torch.Tensor):
+        return leaf
+    array = np.asarray(leaf)
+    if array.dtype == object:
+        raise ValueError(f"Array leaves must hold numbers, got an object array from {type(leaf).__name__}.")
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _check_batch_size(batch_size) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}.")
+    return batch_size
+
+
+class _Batched:
+    """Shared epoch/shuffle/resume logic of the batched sources."""
+
+    def __init__(self, size: int, batch_size: int, shuffle: bool, seed: int | None, drop_remainder: bool):
+        self._size = size
+        self.batch_size = _check_batch_size(batch_size)
+        self.shuffle = bool(shuffle)
+        self.seed = seed
+        self.drop_remainder = bool(drop_remainder)
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        full, rest = divmod(self._size, self.batch_size)
+        return full + (1 if rest and not self.drop_remainder else 0)
+
+    @property
+    def num_examples(self) -> int:
+        return self._size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Which epoch the next ``iter()`` walks (its shuffle order depends on it)."""
+        self.epoch = int(epoch)
+
+    def order(self, epoch: int | None = None) -> np.ndarray | None:
+        """The example order of ``epoch`` (``None``: in order)."""
+        if not self.shuffle:
+            return None
+        return epoch_permutation(self._size, self.seed, self.epoch if epoch is None else epoch)
+
+    def __iter__(self):
+        return self.iterate(self.epoch)
+
+    def iterate(self, epoch: int | None = None, start: int = 0):
+        """The batches of ``epoch`` from batch number ``start`` on."""
+        order = self.order(epoch)
+        for index in range(start, len(self)):
+            begin = index * self.batch_size
+            end = min(begin + self.batch_size, self._size)
+            yield self._batch(order, begin, end)
+
+    def _batch(self, order, begin: int, end: int):
+        raise NotImplementedError
+
+
+class ArrayBatches(_Batched):
+    """Batches of a nest of arrays/tensors sharing their first dimension.
+
+    Args:
+      arrays: an array, a tensor, or a tuple/dict/namedtuple of them.
+      batch_size: rows per global batch; the last batch may be smaller.
+      shuffle: a new order every epoch, fixed by ``(seed, epoch)``.
+      seed: shuffling seed (``None``: a fresh random order each time).
+      drop_remainder: drop the last, partial batch.
+
+    Example::
+
+        batches = ArrayBatches((x, y), batch_size=64, shuffle=True, seed=0)
+        batches.set_epoch(3)
+        for xb, yb in batches: ...
+    """
+
+    def __init__(
+        self,
+        arrays,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        *,
+        shuffle: bool = False,
+        seed: int | None = None,
+        drop_remainder: bool = False,
+    ):
+        self._structure = arrays
+        self._leaves = [_leaf_tensor(leaf) for leaf in nest.flatten(arrays)]
+        sizes = {leaf.shape[0] if leaf.dim() else None for leaf in self._leaves}
+        if None in sizes or len(sizes) != 1:
+            shapes = [tuple(leaf.shape) for leaf in self._leaves]
+            raise ValueError(f"The arrays must share their first (example) dimension; got shapes {shapes}.")
+        super().__init__(sizes.pop(), batch_size, shuffle, seed, drop_remainder)
+
+    def _batch(self, order, begin, end):
+        if order is None:
+            parts = [leaf[begin:end] for leaf in self._leaves]
+        else:
+            index = torch.from_numpy(order[begin:end])
+            parts = [leaf.index_select(0, index) for leaf in self._leaves]
+        return nest.pack_sequence_as(self._structure, parts)
+
+
+class DatasetBatches(_Batched):
+    """Batches of a map-style ``torch.utils.data.Dataset``, collated like a ``DataLoader``.
+
+    Example::
+
+        batches = DatasetBatches(my_dataset, batch_size=32, shuffle=True, seed=1)
+    """
+
+    def __init__(
+        self,
+        dataset,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        *,
+        shuffle: bool = False,
+        seed: int | None = None,
+        drop_remainder: bool = False,
+        collate_fn=None,
+    ):
+        self.dataset = dataset
+        self.collate_fn = collate_fn or torch.utils.data.default_collate
+        super().__init__(len(dataset), batch_size, shuffle, seed, drop_remainder)
+
+    def _batch(self, order, begin, end):
+        indices = range(begin, end) if order is None else order[begin:end].tolist()
+        return self.collate_fn([self.dataset[i] for i in indices])
+
+
+def _is_array_nest(source) -> bool:
+    if isinstance(source, (torch.Tensor, np.ndarray)):
+        return True
+    if isinstance(source, (tuple, Mapping)) and nest.flatten(source):
+        return all(isinstance(leaf, (torch.Tensor, np.ndarray)) for leaf in nest.flatten(source))
+    return False
+
+
+def as_global_batches(
+    source,
+    batch_size: int | None = None,
+    *,
+    shuffle: bool = False,
+    seed: int | None = None,
+    drop_remainder: bool = False,
+):
+    """A re-iterable source of global batches made from ``source`` (see the module docstring).
+
+    ``batch_size`` (default 32 for arrays, required for a ``Dataset``), ``shuffle``,
+    ``seed`` and ``drop_remainder`` apply to arrays and datasets; a source that is
+    already batched (a ``DataLoader``, a list of batches, a generator) must not get them.
+    A *list* is read as a list of batches; pass a tuple for several arrays.
+    """
+    if _is_array_nest(source):
+        return ArrayBatches(
+            source, batch_size or DEFAULT_BATCH_SIZE, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder
+        )
+    if isinstance(source, torch.utils.data.Dataset) and not isinstance(source, torch.utils.data.IterableDataset):
+        if batch_size is None:
+            raise ValueError(
+                f"A {type(source).__name__} (a torch Dataset of single examples) needs a batch_size "
+                "to be cut into global batches."
+            )
+        return DatasetBatches(source, batch_size, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder)
+    if not hasattr(source, "__iter__"):
+        raise TypeError(
+            f"Cannot make global batches from a {type(source).__name__}: pass a DataLoader or another iterable of "
+            "batches, NumPy arrays or tensors (alone or as a tuple/dict such as (x, y)), or a torch Dataset with a "
+            "batch_size."
+        )
+    if batch_size is not None or shuffle or drop_remainder:
+        raise ValueError(
+            f"A {type(source).__name__} already yields batches: batch_size, shuffle and drop_remainder apply only to "
+            "arrays and Datasets. Set them on the DataLoader instead."
+        )
+    return source
