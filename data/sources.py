@@ -195,7 +195,11 @@ def as_global_batches(
     """
     if _is_array_nest(source):
         return ArrayBatches(
-            source, batch_size or DEFAULT_BATCH_SIZE, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder
+            source,
+            DEFAULT_BATCH_SIZE if batch_size is None else batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            drop_remainder=drop_remainder,
         )
     if isinstance(source, torch.utils.data.Dataset) and not isinstance(source, torch.utils.data.IterableDataset):
         if batch_size is None:

@@ -45,11 +45,13 @@ def load_digits(*, images: bool = False, normalize: bool = False) -> tuple[np.nd
     try:
         with np.load(_DIGITS_FILE, allow_pickle=False) as archive:
             pixels, target = archive["images"], archive["target"]
-    except (OSError, ValueError, KeyError) as error:
+        intact = hashlib.sha256(pixels.tobytes() + target.tobytes()).hexdigest() == _DIGITS_SHA256
+    except Exception as error:  # noqa: BLE001 - any damage (zip, header, contents) means the same thing
         raise RuntimeError(
-            f"The bundled digits file {_DIGITS_FILE} cannot be read ({error}); reinstall replicafit."
+            f"The bundled digits file {_DIGITS_FILE} cannot be read ({type(error).__name__}: {error}); "
+            "reinstall replicafit."
         ) from error
-    if hashlib.sha256(pixels.tobytes() + target.tobytes()).hexdigest() != _DIGITS_SHA256:
+    if not intact:
         raise RuntimeError(
             f"The bundled digits file {_DIGITS_FILE} is damaged (checksum mismatch); reinstall replicafit."
         )
