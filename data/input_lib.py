@@ -118,6 +118,10 @@ class _Placer:
         self.devices = workers.devices
         self.torch_devices = [torch_device(d) for d in self.devices]
         self.fetch = options.experimental_fetch_to_device
+        size = options.experimental_per_replica_buffer_size
+        if size is None:  # prefetch where there is something to overlap: copies onto accelerators
+            size = int(self.fetch and any(d.type != "cpu" for d in self.torch_devices))
+        self.buffer_size = size
 
     def place(self, tensor: torch.Tensor, replica_id: int) -> torch.Tensor:
         if not self.fetch:
@@ -160,32 +164,39 @@ class _Failure:
         self.error = error
 
 
-def _prefetch_loop(produce, buffer: queue.Queue, stop: threading.Event) -> None:
-    """Fills ``buffer`` with steps until the source ends, fails, or ``stop`` is set."""
-    while not stop.is_set():
+class _Buffer:
+    """A bounded hand-off between the prefetch thread and the consumer.
+
+    ``SimpleQueue`` (C-level, cheap to hand over) plus a semaphore of free slots.
+    """
+
+    def __init__(self, size: int):
+        self.items: queue.SimpleQueue = queue.SimpleQueue()
+        self.slots = threading.Semaphore(size)
+        self.stop = threading.Event()
+
+
+def _prefetch_loop(produce, buffer: _Buffer) -> None:
+    """Fills ``buffer`` with steps until the source ends, fails, or ``buffer.stop`` is set."""
+    while True:
+        while not buffer.slots.acquire(timeout=0.05):
+            if buffer.stop.is_set():
+                return
+        if buffer.stop.is_set():
+            return
         try:
             item = produce()
         except StopIteration:
             item = _END
         except BaseException as error:  # noqa: BLE001 - handed to the consumer, raised there
             item = _Failure(error)
-        while not stop.is_set():
-            try:
-                buffer.put(item, timeout=0.05)
-                break
-            except queue.Full:
-                continue
+        buffer.items.put(item)
         if item is _END or isinstance(item, _Failure):
             return
 
 
-def _shutdown(stop: threading.Event, buffer: queue.Queue, thread: threading.Thread) -> None:
-    stop.set()
-    while True:  # unblock a producer waiting on a full buffer
-        try:
-            buffer.get_nowait()
-        except queue.Empty:
-            break
+def _shutdown(buffer: _Buffer, thread: threading.Thread) -> None:
+    buffer.stop.set()
     if thread is not threading.current_thread():
         thread.join(timeout=5)
 
@@ -203,13 +214,12 @@ class DistributedIterator:
         self._done = False
         self._prefetch = None
         if buffer_size > 0:
-            buffer: queue.Queue = queue.Queue(maxsize=buffer_size)
-            stop = threading.Event()
+            buffer = _Buffer(buffer_size)
             thread = threading.Thread(
-                target=_prefetch_loop, args=(produce, buffer, stop), name="replicafit-prefetch", daemon=True
+                target=_prefetch_loop, args=(produce, buffer), name="replicafit-prefetch", daemon=True
             )
             thread.start()
-            self._prefetch = (buffer, thread, weakref.finalize(self, _shutdown, stop, buffer, thread))
+            self._prefetch = (buffer, thread, weakref.finalize(self, _shutdown, buffer, thread))
 
     def __iter__(self):
         return self
@@ -227,12 +237,13 @@ class DistributedIterator:
         buffer, thread, finalizer = self._prefetch
         while True:
             try:
-                item = buffer.get(timeout=0.5)
+                item = buffer.items.get(timeout=0.5)
                 break
             except queue.Empty:
-                if not thread.is_alive() and buffer.empty():
+                if not thread.is_alive() and buffer.items.empty():
                     self._done = True
                     raise RuntimeError("The input prefetch thread stopped without a result.") from None
+        buffer.slots.release()
         if item is _END or isinstance(item, _Failure):
             self._done = True
             finalizer()
@@ -296,7 +307,7 @@ class DistributedDataset:
         def produce():
             return split_global_batch(next(batches), workers, placer)
 
-        return DistributedIterator(produce, self._options.experimental_per_replica_buffer_size)
+        return DistributedIterator(produce, self._placer.buffer_size)
 
     def __len__(self) -> int:
         return len(self._dataset)
@@ -357,7 +368,7 @@ class DistributedDatasetsFromFunction:
                 nests.append(nest.map_structure(lambda v, r=replica_id: placer.place(_as_tensor(v), r), element))
             return placer.group(nests)
 
-        return DistributedIterator(produce, self._options.experimental_per_replica_buffer_size)
+        return DistributedIterator(produce, self._placer.buffer_size)
 
 
 class NumpyDataset(torch.utils.data.Dataset):

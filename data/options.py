@@ -28,7 +28,12 @@ class InputOptions:
         with ``distribute_datasets_from_function``).
       experimental_place_dataset_on_device: kept for TensorFlow compatibility; needs
         ``PER_REPLICA`` and ``experimental_fetch_to_device=False``.
-      experimental_per_replica_buffer_size: how many steps are prepared ahead.
+      experimental_per_replica_buffer_size: how many steps a background thread prepares
+        ahead (split, pinned, copied to the devices). ``None`` (the default) means 1 when
+        a replica device is an accelerator, where copies and device compute overlap with
+        input work, and 0 (each step prepared when asked) on host-only devices, where the
+        split is free and a thread would only compete for the same cores. (TensorFlow's
+        default is 1 everywhere.) ``0`` never uses a thread; ``n >= 1`` always does.
 
     Example::
 
@@ -41,7 +46,7 @@ class InputOptions:
         experimental_fetch_to_device: bool = True,
         experimental_replication_mode: InputReplicationMode = InputReplicationMode.PER_WORKER,
         experimental_place_dataset_on_device: bool = False,
-        experimental_per_replica_buffer_size: int = 1,
+        experimental_per_replica_buffer_size: int | None = None,
     ):
         mode = InputReplicationMode(experimental_replication_mode)
         if experimental_place_dataset_on_device and mode is not InputReplicationMode.PER_REPLICA:
@@ -54,11 +59,9 @@ class InputOptions:
                 "`experimental_place_dataset_on_device` can not be set to True when "
                 "experimental_fetch_to_device is True and replication mode is set to `PER_REPLICA`"
             )
-        if not isinstance(experimental_per_replica_buffer_size, int) or experimental_per_replica_buffer_size < 0:
-            raise ValueError(
-                "experimental_per_replica_buffer_size must be a non-negative int, got "
-                f"{experimental_per_replica_buffer_size!r}."
-            )
+        size = experimental_per_replica_buffer_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+            raise ValueError(f"experimental_per_replica_buffer_size must be None or a non-negative int, got {size!r}.")
         self.experimental_fetch_to_device = bool(experimental_fetch_to_device)
         self.experimental_replication_mode = mode
         self.experimental_place_dataset_on_device = bool(experimental_place_dataset_on_device)

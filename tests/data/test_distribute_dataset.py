@@ -379,7 +379,7 @@ def test_input_options_defaults_and_validation():
     options = data.InputOptions()
     assert options.experimental_fetch_to_device is True
     assert options.experimental_replication_mode is data.InputReplicationMode.PER_WORKER
-    assert options.experimental_per_replica_buffer_size == 1
+    assert options.experimental_per_replica_buffer_size is None  # auto: a thread only with accelerators
     with pytest.raises(ValueError, match="PER_REPLICA"):
         data.InputOptions(experimental_place_dataset_on_device=True)
     with pytest.raises(ValueError):

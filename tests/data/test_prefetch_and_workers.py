@@ -71,11 +71,24 @@ def as_lists(strategy, steps):
 
 
 @pytest.mark.timeout(30)
-def test_default_options_prefetch_on_a_named_thread():
+def test_host_only_devices_prepare_steps_inline_by_default():
+    strategy = make_strategy("mirrored2")
+    source = Counting(5)
+    before = prefetch_threads()
+    steps = list(strategy.experimental_distribute_dataset(source))
+    assert prefetch_threads() - before == set()
+    assert set(source.threads) == {threading.current_thread()}
+    assert as_lists(strategy, steps) == as_lists(
+        strategy, strategy.experimental_distribute_dataset(Counting(5), options(1))
+    )
+
+
+@pytest.mark.timeout(30)
+def test_a_buffer_size_prefetches_on_a_named_thread():
     strategy = make_strategy("mirrored2")
     source = Counting(20)
     before = prefetch_threads()
-    iterator = iter(strategy.experimental_distribute_dataset(source))
+    iterator = iter(strategy.experimental_distribute_dataset(source, options(1)))
     new = prefetch_threads() - before
     assert len(new) == 1
     (thread,) = new
@@ -92,7 +105,7 @@ def test_default_options_prefetch_on_a_named_thread():
 def test_break_then_drop_stops_the_thread():
     strategy = make_strategy("mirrored2")
     source = Counting(100)
-    distributed = strategy.experimental_distribute_dataset(source)
+    distributed = strategy.experimental_distribute_dataset(source, options(1))
     first = None
     for batch in distributed:
         first = batch
@@ -117,7 +130,7 @@ def test_break_then_drop_stops_the_thread():
 def test_exhaustion_stops_the_thread():
     strategy = make_strategy("mirrored2")
     before = prefetch_threads()
-    iterator = iter(strategy.experimental_distribute_dataset(Counting(5)))
+    iterator = iter(strategy.experimental_distribute_dataset(Counting(5), options(1)))
     new = prefetch_threads() - before
     assert len(new) == 1
     steps = list(iterator)
@@ -214,7 +227,7 @@ def test_source_error_from_function_is_raised_by_next():
         return gen()
 
     ran_on = []
-    iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
+    iterator = iter(strategy.distribute_datasets_from_function(dataset_fn, options(1)))
     next(iterator)
     with pytest.raises(KeyError, match="no such shard"):
         next(iterator)
