@@ -243,6 +243,18 @@ class StrategyExtended:
                 results[index] = result
         return results
 
+    def broadcast_to(self, tensor, destinations):
+        """``tensor`` on every device of ``destinations``: a ``Mirrored`` (a tensor for one device).
+
+        Copies where memory differs; replicas sharing host memory share the tensor.
+
+        Example::
+
+            clipped = strategy.extended.broadcast_to(gradient * scale, destinations=var)
+        """
+        require_cross_replica(self._strategy)
+        return self._cross_device_ops.broadcast(_tensor_of(tensor), destinations)
+
     def _reduce_non_distributed(self, op, value, destinations):
         if isinstance(value, Variable):
             value = value._read()
@@ -303,6 +315,16 @@ class StrategyExtended:
         devices = destination_devices(var) if isinstance(var, (Variable, DistributedValues)) else None
         grouped = regroup(updates, wrap_class=Mirrored, devices=devices)
         return grouped if group else nest.map_structure(local_results, grouped)
+
+    def _after_direct_update(self, variables) -> None:
+        """Called after code wrote the copies of ``variables`` directly (multi-tensor updates).
+
+        Keeps what ``update`` keeps: e.g. central variables refresh their replicas' copies.
+        """
+        for variable in variables:
+            after_update = getattr(variable, "_after_update", None)
+            if after_update is not None:
+                after_update()
 
     # --- variables -------------------------------------------------------------------
     @contextlib.contextmanager

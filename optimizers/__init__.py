@@ -1,0 +1,63 @@
+"""Distribution-aware optimizers: ``apply_gradients`` does merge_call → batch_reduce_to → update.
+
+Example::
+
+    import optimizers
+    optimizer = optimizers.get("adam")                       # or optimizers.Adam(1e-3)
+    optimizer = optimizers.SGD(0.1, momentum=0.9, global_clipnorm=1.0)
+    optimizer = optimizers.from_torch(torch.optim.AdamW, lr=1e-3)
+"""
+
+from difflib import get_close_matches
+
+from . import schedules
+from .adam import Adam, AdamW
+from .base import Optimizer
+from .rmsprop import Adagrad, RMSprop
+from .sgd import SGD
+from .torch_optimizer import TorchOptimizer, from_torch
+
+__all__ = [
+    "Adagrad",
+    "Adam",
+    "AdamW",
+    "Optimizer",
+    "RMSprop",
+    "SGD",
+    "TorchOptimizer",
+    "from_torch",
+    "get",
+    "schedules",
+]
+
+_BY_NAME = {"sgd": SGD, "adam": Adam, "adamw": AdamW, "rmsprop": RMSprop, "adagrad": Adagrad}
+
+
+def get(identifier) -> Optimizer:
+    """An optimizer from a name (``"adam"``), a config dict, or an optimizer (returned as is).
+
+    Config dicts are ``{"class_name": "Adam", "config": {...}}`` (Keras' form) or
+    ``{"class_name": "Adam", ...arguments}``.
+
+    Example::
+
+        get("sgd"); get({"class_name": "SGD", "config": {"learning_rate": 0.1, "momentum": 0.9}})
+    """
+    if isinstance(identifier, Optimizer):
+        return identifier
+    if isinstance(identifier, str):
+        cls = _BY_NAME.get(identifier.lower())
+        if cls is None:
+            close = get_close_matches(identifier.lower(), _BY_NAME, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"Unknown optimizer {identifier!r}{hint}; known: {sorted(_BY_NAME)}.")
+        return cls()
+    if isinstance(identifier, dict):
+        config = dict(identifier)
+        name = str(config.pop("class_name", "")).lower()
+        if name not in _BY_NAME:
+            raise ValueError(f"Unknown optimizer class_name {name!r}; known: {sorted(_BY_NAME)}.")
+        return _BY_NAME[name].from_config(config.pop("config", config))
+    raise TypeError(
+        f"Cannot make an optimizer from {type(identifier).__name__}: pass a name, a config dict or an Optimizer."
+    )

@@ -1,0 +1,448 @@
+"""The distribution-aware optimizer base class.
+
+``apply_gradients`` is one fixed pipeline; a subclass writes only the math:
+
+1. drop ``None`` gradients;
+2. in a replica context (inside ``strategy.run``): ``merge_call`` (runs once, in
+   cross-replica context), then ONE ``extended.batch_reduce_to(SUM, grads_and_vars)``;
+   in cross-replica context the given gradients are taken as already reduced;
+3. gradient transforms on the aggregated gradient: ``clipvalue``, ``clipnorm`` (per
+   variable) or ``global_clipnorm``;
+4. for every variable, ``extended.update(var, ...)``: decoupled ``weight_decay``, then
+   ``update_step(gradient, variable, learning_rate)`` on each copy of the variable,
+   on its device (built-ins use one multi-tensor kernel per device and dtype instead);
+5. ``iterations += 1`` (once per apply, not once per replica).
+
+Slot variables made with ``add_variable_from_reference`` live where their variable
+lives (mirrored under ``MirroredStrategy``, on the parameter device under
+``CentralStorageStrategy``), and ``get_slot`` inside ``update_step`` resolves to the copy
+that matches the variable copy being updated. So a subclass is correct under every
+strategy without seeing one.
+
+A complete optimizer (Lion, Chen et al. 2023) in a few lines::
+
+    import torch
+    from optimizers import Optimizer
+
+    class Lion(Optimizer):
+        def __init__(self, learning_rate=1e-4, beta_1=0.9, beta_2=0.99, **kwargs):
+            super().__init__(learning_rate, **kwargs)
+            self.beta_1, self.beta_2 = beta_1, beta_2
+
+        def build(self, variables):
+            super().build(variables)
+            for v in variables:
+                self.add_variable_from_reference(v, "momentum")
+
+        def update_step(self, gradient, variable, learning_rate):
+            m = self.get_slot(variable, "momentum")
+            update = torch.sign(m * self.beta_1 + gradient * (1 - self.beta_1))
+            variable.assign_sub(learning_rate * update)
+            m.assign(m * self.beta_2 + gradient * (1 - self.beta_2))
+
+        def get_config(self):
+            return super().get_config() | {"beta_1": self.beta_1, "beta_2": self.beta_2}
+
+Used in a custom training loop::
+
+    with strategy.scope():
+        optimizer = Lion(learning_rate=1e-3)
+
+    def step(x, y):
+        loss = loss_fn(model(x), y).sum() / global_batch_size
+        grads = torch.autograd.grad(loss, [v.value() for v in model.trainable_variables])
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    strategy.run(step, args=(x, y))
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+import strategies as ds
+from strategies import context
+from strategies.devices import canonicalize
+from strategies.values import local_results, value_container
+
+from . import schedules
+
+__all__ = ["Optimizer"]
+
+
+def _snake_case(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def _check_positive(name: str, value, allow_none: bool = True):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"`{name}` must be a positive number{' or None' if allow_none else ''}, got {value!r}.")
+    return float(value)
+
+
+class Optimizer:
+    """Base class of distribution-aware optimizers (see the module docstring for the pipeline).
+
+    Args:
+      learning_rate: a float, a ``schedules.LearningRateSchedule``, or a callable
+        ``step -> float``.
+      weight_decay: decoupled weight decay: before each update
+        ``variable -= variable * weight_decay * learning_rate``.
+      clipnorm: clip each aggregated gradient to this L2 norm.
+      clipvalue: clip each aggregated gradient's entries to ``[-clipvalue, clipvalue]``.
+      global_clipnorm: scale all aggregated gradients so their joint L2 norm is at most this.
+      name: defaults to the class name in snake case.
+
+    At most one of ``clipnorm``, ``clipvalue``, ``global_clipnorm`` may be set, as in
+    Keras. Unlike Keras 3, clipping applies to the gradient aggregated over replicas.
+    """
+
+    #: Built-ins implement ``_update_many`` over lists of tensors (one kernel per device/dtype).
+    _multi_tensor = False
+
+    def __init__(
+        self, learning_rate=0.001, *, weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None, name=None
+    ):
+        if sum(x is not None for x in (clipnorm, clipvalue, global_clipnorm)) > 1:
+            raise ValueError(
+                "Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set, got "
+                f"clipnorm={clipnorm}, clipvalue={clipvalue}, global_clipnorm={global_clipnorm}."
+            )
+        self.weight_decay = None if weight_decay is None else float(weight_decay)
+        if self.weight_decay is not None and self.weight_decay < 0:
+            raise ValueError(f"`weight_decay` must be >= 0, got {weight_decay!r}.")
+        self.clipnorm = _check_positive("clipnorm", clipnorm)
+        self.clipvalue = _check_positive("clipvalue", clipvalue)
+        self.global_clipnorm = _check_positive("global_clipnorm", global_clipnorm)
+        self.name = name or _snake_case(type(self).__name__)
+        self._learning_rate = self._check_learning_rate(learning_rate)
+        self.iterations = ds.Variable(
+            0,
+            dtype=torch.int64,
+            trainable=False,
+            name=f"{self.name}/iterations",
+            aggregation=ds.VariableAggregation.ONLY_FIRST_REPLICA,
+        )
+        self._variables: list = []  # the model variables built for, in order
+        self._built_ids: set = set()
+        self._slots: dict = {}  # (id(container), slot name) -> slot variable
+        self._slot_names: dict = {}  # id(container) -> [slot names]
+        self._pending_state: dict | None = None
+        self._plans: dict = {}  # multi-tensor plans per variable list
+        self._wrapped: dict = {}  # id(raw tensor) -> (tensor, LocalVariable) for plain parameters
+
+    # --- learning rate ----------------------------------------------------------------------
+    @staticmethod
+    def _check_learning_rate(learning_rate):
+        if isinstance(learning_rate, schedules.LearningRateSchedule) or callable(learning_rate):
+            return learning_rate
+        return _check_positive("learning_rate", learning_rate, allow_none=False)
+
+    @property
+    def learning_rate(self) -> float:
+        """The learning rate of the next update (a schedule is evaluated at ``iterations``)."""
+        return self._current_learning_rate()
+
+    @learning_rate.setter
+    def learning_rate(self, value) -> None:
+        self._learning_rate = self._check_learning_rate(value)
+
+    def _current_learning_rate(self) -> float:
+        rate = self._learning_rate
+        if callable(rate):
+            return float(rate(int(self.iterations)))
+        return rate
+
+    # --- building and slots ------------------------------------------------------------------
+    def build(self, variables) -> None:
+        """Creates per-variable state; subclasses call ``super().build(variables)`` then make slots."""
+        for variable in variables:
+            if id(variable) not in self._built_ids:
+                self._built_ids.add(id(variable))
+                self._variables.append(variable)
+
+    def add_variable_from_reference(self, reference_variable, name: str, initializer="zeros"):
+        """A slot variable shaped like ``reference_variable`` and living on its devices.
+
+        ``initializer``: ``"zeros"``, ``"ones"``, a number, or a callable ``(shape, dtype) ->
+        tensor``.
+        """
+        container = value_container(reference_variable)
+        key = (id(container), name)
+        if key in self._slots:
+            return self._slots[key]
+        template = local_results(container)[0]
+        shape, dtype = template.shape, template.dtype
+        if initializer == "zeros":
+            value = torch.zeros(shape, dtype=dtype)
+        elif initializer == "ones":
+            value = torch.ones(shape, dtype=dtype)
+        elif callable(initializer):
+            value = torch.as_tensor(initializer(shape, dtype), dtype=dtype)
+        else:
+            value = torch.full(shape, float(initializer), dtype=dtype)
+        strategy = getattr(container, "_distribute_strategy", None) or context.get_strategy()
+        with context.enter_or_assert_strategy(strategy), strategy.extended.colocate_vars_with(container):
+            slot = ds.Variable(value, trainable=False, name=f"{container.name}/{name}")
+        self._slots[key] = slot
+        self._slot_names.setdefault(id(container), []).append(name)
+        self._restore_pending_slot(container, name, slot)
+        return slot
+
+    def get_slot(self, variable, name: str):
+        """The slot ``name`` of ``variable``; inside ``update_step``, the copy matching the variable copy."""
+        container = value_container(variable)
+        try:
+            slot = self._slots[(id(container), name)]
+        except KeyError:
+            raise KeyError(
+                f"{type(self).__name__} has no slot {name!r} for variable {getattr(variable, 'name', '?')!r}"
+                "; create it in build() with add_variable_from_reference()."
+            ) from None
+        if variable is container:
+            return slot
+        index = context.current_mode().update_replica or 0
+        return local_results(slot)[index]
+
+    @property
+    def variables(self) -> list:
+        """The optimizer's own variables: ``iterations`` and every slot."""
+        return [self.iterations] + list(self._slots.values())
+
+    # --- applying gradients -------------------------------------------------------------------
+    def apply_gradients(self, grads_and_vars):
+        """Applies gradients to variables (the pipeline of the module docstring).
+
+        In a replica context the gradients are this replica's; they are summed across
+        replicas. In cross-replica context (or outside any strategy) they are applied as
+        given. Returns ``iterations``.
+        """
+        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+        if not pairs:
+            raise ValueError(
+                "No gradients provided for any variable: every gradient is None. Check that the loss "
+                "depends on the variables and that grad mode is enabled."
+            )
+        grads = [g for g, _ in pairs]
+        variables = [self._as_variable(v, i) for i, (_, v) in enumerate(pairs)]
+        ctx = ds.get_replica_context()
+        if ctx is not None and not ctx._is_default:
+            return ctx.merge_call(_merge_apply, args=(self, grads, variables))
+        strategy = self._strategy_of(variables)
+        with context.enter_or_assert_strategy(strategy):
+            return self._apply_aggregated(strategy, grads, variables)
+
+    def apply(self, grads, variables=None):
+        """``apply_gradients(zip(grads, variables))``; ``variables`` defaults to those built for."""
+        variables = self._variables if variables is None else list(variables)
+        grads = list(grads)
+        if len(grads) != len(variables):
+            raise ValueError(f"apply() got {len(grads)} gradients for {len(variables)} variables.")
+        return self.apply_gradients(zip(grads, variables))
+
+    def minimize(self, loss, var_list):
+        """Computes the gradients of ``loss`` (a scalar tensor) for ``var_list`` and applies them."""
+        if callable(loss):
+            loss = loss()
+        var_list = list(var_list)
+        tensors = [v.value() if isinstance(v, ds.Variable) else v for v in var_list]
+        grads = torch.autograd.grad(loss, tensors, allow_unused=True)
+        return self.apply_gradients(zip(grads, var_list))
+
+    def _strategy_of(self, variables):
+        owner = getattr(variables[0], "_distribute_strategy", None)
+        return owner if owner is not None else context.get_strategy()
+
+    def _as_variable(self, variable, position: int):
+        if isinstance(variable, ds.Variable):
+            return value_container(variable)
+        if not isinstance(variable, torch.Tensor):
+            raise TypeError(f"apply_gradients() needs variables or tensors, got {type(variable).__name__}.")
+        container = value_container(variable)
+        if container is not variable:
+            return container
+        entry = self._wrapped.get(id(variable))
+        if entry is None or entry[0] is not variable:
+            name = f"variable_{len(self._wrapped)}"
+            entry = (
+                variable,
+                ds.LocalVariable(variable, name=name, device=canonicalize(variable.device), trainable=True),
+            )
+            self._wrapped[id(variable)] = entry
+        return entry[1]
+
+    def _apply_aggregated(self, strategy, grads, variables):
+        """Cross-replica part: build, transform, update, count. ``grads`` are aggregated."""
+        self._build_for(variables)
+        primaries = [_first_tensor(g) for g in grads]
+        transformed = self._transform(primaries, variables)
+        if transformed is not primaries:
+            grads = [strategy.extended.broadcast_to(g, v) for g, v in zip(transformed, variables)]
+        learning_rate = self._current_learning_rate()
+        self._prepare_step(learning_rate)
+        if self._multi_tensor and type(self)._update_many is not Optimizer._update_many:
+            # Gradients given once for a variable with several copies go to every copy.
+            grads = [_per_copy(strategy, g, v) for g, v in zip(grads, variables)]
+            self._apply_multi_tensor(grads, variables, learning_rate)
+            strategy.extended._after_direct_update(variables)
+        else:
+            for grad, variable in zip(grads, variables):
+                strategy.extended.update(variable, self._update_component, args=(grad, learning_rate), group=False)
+        self.iterations.assign_add(1)
+        return self.iterations
+
+    def _build_for(self, variables) -> None:
+        missing = [v for v in variables if id(v) not in self._built_ids]
+        if missing:
+            strategy = self._strategy_of(missing)
+            with context.enter_or_assert_strategy(strategy):
+                self.build(missing)
+
+    def _update_component(self, variable, gradient, learning_rate):
+        with torch.no_grad():
+            if self.weight_decay:
+                variable.assign_sub(variable.value() * (self.weight_decay * learning_rate))
+            self.update_step(gradient, variable, learning_rate)
+
+    def _prepare_step(self, learning_rate: float) -> None:
+        """Computes per-apply constants once (before any variable is updated)."""
+
+    def update_step(self, gradient, variable, learning_rate) -> None:
+        """Updates one copy of ``variable`` (a ``LocalVariable``) from its aggregated ``gradient``."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement update_step(gradient, variable, learning_rate)."
+        )
+
+    # --- gradient transforms (on the aggregated gradient, computed once) ---------------------
+    def _transform(self, grads: list, variables: list) -> list:
+        if self.clipvalue is not None:
+            return [g.clamp(-self.clipvalue, self.clipvalue) for g in grads]
+        if self.clipnorm is not None:
+            return [g * (self.clipnorm / torch.clamp(torch.linalg.vector_norm(g), min=self.clipnorm)) for g in grads]
+        if self.global_clipnorm is not None:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            scale = self.global_clipnorm / torch.clamp(norm, min=self.global_clipnorm)
+            return [g * scale for g in grads]
+        return grads
+
+    # --- multi-tensor path ----------------------------------------------------------------------
+    def _update_many(self, params: list, grads: list, slots: dict, learning_rate: float) -> None:
+        """Built-ins: updates lists of same-device, same-dtype tensors (slots: name -> list)."""
+        raise NotImplementedError
+
+    def _apply_multi_tensor(self, grads, variables, learning_rate) -> None:
+        plan = self._plan(variables)
+        with torch.no_grad():
+            for group_params, group_slots, positions in plan:
+                group_grads = [local_results(grads[var_index])[copy] for var_index, copy in positions]
+                if self.weight_decay:
+                    torch._foreach_sub_(
+                        group_params, torch._foreach_mul(group_params, self.weight_decay * learning_rate)
+                    )
+                self._update_many(group_params, group_grads, group_slots, learning_rate)
+
+    def _plan(self, variables) -> list:
+        """Groups every copy of every variable by (device, dtype), once per variable list."""
+        key = tuple(id(v) for v in variables)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        groups: dict = {}
+        for var_index, variable in enumerate(variables):
+            names = self._slot_names.get(id(variable), [])
+            slot_copies = {n: local_results(self._slots[(id(variable), n)]) for n in names}
+            for copy, component in enumerate(local_results(variable)):
+                tensor = component._read() if isinstance(component, ds.Variable) else component
+                group = groups.setdefault((tensor.device, tensor.dtype, tuple(names)), ([], {n: [] for n in names}, []))
+                group[0].append(tensor)
+                for n in names:
+                    group[1][n].append(slot_copies[n][copy]._read())
+                group[2].append((var_index, copy))
+        plan = list(groups.values())
+        self._plans[key] = plan
+        return plan
+
+    # --- configuration and state --------------------------------------------------------------
+    def get_config(self) -> dict:
+        """The constructor arguments (a schedule as ``schedules.serialize`` output)."""
+        rate = self._learning_rate
+        if isinstance(rate, schedules.LearningRateSchedule):
+            rate = schedules.serialize(rate)
+        elif callable(rate):
+            raise ValueError(
+                "An optimizer whose learning_rate is a plain callable cannot be serialized; use a "
+                "schedules.LearningRateSchedule."
+            )
+        return {
+            "name": self.name,
+            "learning_rate": rate,
+            "weight_decay": self.weight_decay,
+            "clipnorm": self.clipnorm,
+            "clipvalue": self.clipvalue,
+            "global_clipnorm": self.global_clipnorm,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict):
+        config = dict(config)
+        if isinstance(config.get("learning_rate"), dict):
+            config["learning_rate"] = schedules.deserialize(config["learning_rate"])
+        return cls(**config)
+
+    def state_dict(self) -> dict:
+        """``{"iterations": int, "slots": {variable name: {slot name: tensor}}}`` (strategy-independent)."""
+        slots: dict = {}
+        for variable in self._variables:
+            for name in self._slot_names.get(id(variable), []):
+                slot = self._slots[(id(variable), name)]
+                slots.setdefault(variable.name, {})[name] = local_results(slot)[0]._read().detach().clone()
+        return {"iterations": int(self.iterations), "slots": slots}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores ``state_dict()`` output; slots of variables not built yet are restored when they are."""
+        if not isinstance(state, dict) or "iterations" not in state or "slots" not in state:
+            raise ValueError(
+                "load_state_dict() needs the dict returned by Optimizer.state_dict() (keys 'iterations' and 'slots')."
+            )
+        self.iterations.assign(int(state["iterations"]))
+        self._pending_state = {k: dict(v) for k, v in state["slots"].items()}
+        for variable in self._variables:
+            for name in self._slot_names.get(id(variable), []):
+                self._restore_pending_slot(variable, name, self._slots[(id(variable), name)])
+
+    def _restore_pending_slot(self, variable, name, slot) -> None:
+        if not self._pending_state:
+            return
+        values = self._pending_state.get(variable.name)
+        if values is None or name not in values:
+            return
+        value = values.pop(name)
+        strategy = getattr(slot, "_distribute_strategy", None) or context.get_strategy()
+        with context.enter_or_assert_strategy(strategy):
+            slot.assign(torch.as_tensor(value))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, learning_rate={self._learning_rate!r})"
+
+
+def _first_tensor(value) -> torch.Tensor:
+    first = local_results(value)[0]
+    if isinstance(first, ds.Variable):
+        first = first._read()
+    return first if isinstance(first, torch.Tensor) else torch.as_tensor(first)
+
+
+def _per_copy(strategy, grad, variable):
+    if isinstance(grad, ds.DistributedValues) or len(local_results(variable)) == 1:
+        return grad
+    return strategy.extended.broadcast_to(grad, variable)
+
+
+def _merge_apply(strategy, optimizer, grads, variables):
+    """merge_fn of a replica-context apply: one batched SUM of every gradient, then the update."""
+    reduced = strategy.extended.batch_reduce_to(ds.ReduceOp.SUM, list(zip(grads, variables)))
+    return optimizer._apply_aggregated(strategy, reduced, variables)

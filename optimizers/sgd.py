@@ -1,0 +1,71 @@
+"""Stochastic gradient descent, with Keras 3's momentum and Nesterov formulas."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Optimizer
+
+__all__ = ["SGD"]
+
+
+class SGD(Optimizer):
+    """Gradient descent with optional momentum (Keras 3's ``SGD``).
+
+    Update rule, with ``m`` starting at 0::
+
+        m = momentum * m - learning_rate * g          # momentum > 0
+        w = w + m                                     # or, Nesterov:
+        w = w + momentum * m - learning_rate * g
+        w = w - learning_rate * g                     # momentum == 0
+
+    Example::
+
+        optimizer = SGD(learning_rate=0.1, momentum=0.9, nesterov=True)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    """
+
+    _multi_tensor = True
+
+    def __init__(self, learning_rate=0.01, momentum: float = 0.0, nesterov: bool = False, **kwargs):
+        super().__init__(learning_rate, **kwargs)
+        if not 0 <= momentum <= 1:
+            raise ValueError(f"`momentum` must be in [0, 1], got {momentum!r}.")
+        self.momentum = float(momentum)
+        self.nesterov = bool(nesterov)
+
+    def build(self, variables) -> None:
+        super().build(variables)
+        if self.momentum:
+            for variable in variables:
+                self.add_variable_from_reference(variable, "momentum")
+
+    def update_step(self, gradient, variable, learning_rate) -> None:
+        w = variable.value()
+        if not self.momentum:
+            w.sub_(gradient * learning_rate)
+            return
+        m = self.get_slot(variable, "momentum").value()
+        m.mul_(self.momentum).sub_(gradient * learning_rate)
+        if self.nesterov:
+            w.add_(m * self.momentum - gradient * learning_rate)
+        else:
+            w.add_(m)
+
+    def _update_many(self, params, grads, slots, learning_rate) -> None:
+        if not self.momentum:
+            torch._foreach_sub_(params, torch._foreach_mul(grads, learning_rate))
+            return
+        m = slots["momentum"]
+        torch._foreach_mul_(m, self.momentum)
+        torch._foreach_sub_(m, torch._foreach_mul(grads, learning_rate))
+        if self.nesterov:
+            torch._foreach_add_(
+                params,
+                torch._foreach_sub(torch._foreach_mul(m, self.momentum), torch._foreach_mul(grads, learning_rate)),
+            )
+        else:
+            torch._foreach_add_(params, m)
+
+    def get_config(self) -> dict:
+        return super().get_config() | {"momentum": self.momentum, "nesterov": self.nesterov}
