@@ -61,27 +61,25 @@ class Adam(Optimizer):
         w = variable.value()
         m = self.get_slot(variable, "momentum").value()
         v = self.get_slot(variable, "velocity").value()
-        m.add_((gradient - m) * (1 - self.beta_1))
-        v.add_((gradient * gradient - v) * (1 - self.beta_2))
+        m.lerp_(gradient, 1 - self.beta_1)  # m + (g - m) * (1 - beta_1)
+        v.lerp_(gradient * gradient, 1 - self.beta_2)
         if self.amsgrad:
             v_hat = self.get_slot(variable, "velocity_hat").value()
             torch.maximum(v_hat, v, out=v_hat)
             v = v_hat
-        w.sub_((m * self._alpha) / (v.sqrt() + self.epsilon))
+        w.addcdiv_(m, v.sqrt().add_(self.epsilon), value=-self._alpha)
 
     def _update_many(self, params, grads, slots, learning_rate) -> None:
+        # The same elementwise operations as update_step, one kernel per list.
         m, v = slots["momentum"], slots["velocity"]
-        torch._foreach_add_(m, torch._foreach_mul(torch._foreach_sub(grads, m), 1 - self.beta_1))
-        squares = torch._foreach_mul(grads, grads)
-        torch._foreach_add_(v, torch._foreach_mul(torch._foreach_sub(squares, v), 1 - self.beta_2))
+        torch._foreach_lerp_(m, grads, 1 - self.beta_1)
+        torch._foreach_lerp_(v, torch._foreach_mul(grads, grads), 1 - self.beta_2)
         if self.amsgrad:
             torch._foreach_maximum_(slots["velocity_hat"], v)
             v = slots["velocity_hat"]
         denominator = torch._foreach_sqrt(v)
         torch._foreach_add_(denominator, self.epsilon)
-        update = torch._foreach_mul(m, self._alpha)
-        torch._foreach_div_(update, denominator)
-        torch._foreach_sub_(params, update)
+        torch._foreach_addcdiv_(params, m, denominator, value=-self._alpha)
 
     def get_config(self) -> dict:
         return super().get_config() | {

@@ -443,6 +443,11 @@ def _per_copy(strategy, grad, variable):
 
 
 def _merge_apply(strategy, optimizer, grads, variables):
-    """merge_fn of a replica-context apply: one batched SUM of every gradient, then the update."""
+    """merge_fn of a replica-context apply: one batched SUM of every gradient, then the update.
+
+    A gradient that is the very same object on every replica counts once per replica.
+    """
+    count = strategy.num_replicas_in_sync
+    grads = [g if isinstance(g, ds.DistributedValues) else ds.PerReplica([g] * count) for g in grads]
     reduced = strategy.extended.batch_reduce_to(ds.ReduceOp.SUM, list(zip(grads, variables)))
     return optimizer._apply_aggregated(strategy, reduced, variables)

@@ -43,27 +43,26 @@ class SGD(Optimizer):
     def update_step(self, gradient, variable, learning_rate) -> None:
         w = variable.value()
         if not self.momentum:
-            w.sub_(gradient * learning_rate)
+            w.sub_(gradient, alpha=learning_rate)
             return
         m = self.get_slot(variable, "momentum").value()
-        m.mul_(self.momentum).sub_(gradient * learning_rate)
+        m.mul_(self.momentum).sub_(gradient, alpha=learning_rate)
         if self.nesterov:
-            w.add_(m * self.momentum - gradient * learning_rate)
+            w.add_(m, alpha=self.momentum).sub_(gradient, alpha=learning_rate)
         else:
             w.add_(m)
 
     def _update_many(self, params, grads, slots, learning_rate) -> None:
+        # The same elementwise operations as update_step, one kernel per list.
         if not self.momentum:
-            torch._foreach_sub_(params, torch._foreach_mul(grads, learning_rate))
+            torch._foreach_sub_(params, grads, alpha=learning_rate)
             return
         m = slots["momentum"]
         torch._foreach_mul_(m, self.momentum)
-        torch._foreach_sub_(m, torch._foreach_mul(grads, learning_rate))
+        torch._foreach_sub_(m, grads, alpha=learning_rate)
         if self.nesterov:
-            torch._foreach_add_(
-                params,
-                torch._foreach_sub(torch._foreach_mul(m, self.momentum), torch._foreach_mul(grads, learning_rate)),
-            )
+            torch._foreach_add_(params, m, alpha=self.momentum)
+            torch._foreach_sub_(params, grads, alpha=learning_rate)
         else:
             torch._foreach_add_(params, m)
 

@@ -259,8 +259,13 @@ class StrategyExtended:
         if isinstance(value, Variable):
             value = value._read()
         if op is ReduceOp.SUM and self._num_replicas_in_sync != 1:
+            shown = (
+                value
+                if not isinstance(value, torch.Tensor) or value.numel() <= 8
+                else (f"<tensor of shape {tuple(value.shape)}>")
+            )
             raise ValueError(
-                f"A non-DistributedValues value {value} cannot be reduced with the given reduce op {op}: with "
+                f"A non-DistributedValues value {shown} cannot be reduced with the given reduce op {op}: with "
                 f"{self._num_replicas_in_sync} replicas, SUM of one value is ambiguous. Pass a PerReplica (what "
                 "strategy.run returns), or use strategy.reduce(), which treats a plain value as the same value "
                 "on every replica."
