@@ -58,8 +58,6 @@ Used in a custom training loop::
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 import strategies as ds
@@ -70,10 +68,6 @@ from strategies.values import local_results, value_container
 from . import schedules
 
 __all__ = ["Optimizer"]
-
-
-def _snake_case(name: str) -> str:
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
 def _check_positive(name: str, value, allow_none: bool = True):
@@ -95,7 +89,7 @@ class Optimizer:
       clipnorm: clip each aggregated gradient to this L2 norm.
       clipvalue: clip each aggregated gradient's entries to ``[-clipvalue, clipvalue]``.
       global_clipnorm: scale all aggregated gradients so their joint L2 norm is at most this.
-      name: defaults to the class name in snake case.
+      name: defaults to the class name in lower case (``"adamw"``), as Keras names them.
 
     At most one of ``clipnorm``, ``clipvalue``, ``global_clipnorm`` may be set, as in
     Keras. Unlike Keras 3, clipping applies to the gradient aggregated over replicas.
@@ -118,7 +112,7 @@ class Optimizer:
         self.clipnorm = _check_positive("clipnorm", clipnorm)
         self.clipvalue = _check_positive("clipvalue", clipvalue)
         self.global_clipnorm = _check_positive("global_clipnorm", global_clipnorm)
-        self.name = name or _snake_case(type(self).__name__)
+        self.name = name or type(self).__name__.lower()
         self._learning_rate = self._check_learning_rate(learning_rate)
         self.iterations = ds.Variable(
             0,
@@ -196,6 +190,9 @@ class Optimizer:
     def get_slot(self, variable, name: str):
         """The slot ``name`` of ``variable``; inside ``update_step``, the copy matching the variable copy."""
         container = value_container(variable)
+        wrapped = self._wrapped.get(id(container))
+        if wrapped is not None and wrapped[0] is container:  # a plain parameter we wrapped
+            container = variable = wrapped[1]
         try:
             slot = self._slots[(id(container), name)]
         except KeyError:
@@ -394,8 +391,11 @@ class Optimizer:
         return cls(**config)
 
     def state_dict(self) -> dict:
-        """``{"iterations": int, "slots": {variable name: {slot name: tensor}}}`` (strategy-independent)."""
-        slots: dict = {}
+        """``{"iterations": int, "slots": {variable name: {slot name: tensor}}}`` (strategy-independent).
+
+        Slots restored by ``load_state_dict`` but not built yet are included as they were loaded.
+        """
+        slots: dict = {k: dict(v) for k, v in (self._pending_state or {}).items() if v}
         for variable in self._variables:
             for name in self._slot_names.get(id(variable), []):
                 slot = self._slots[(id(variable), name)]

@@ -81,14 +81,17 @@ class TorchOptimizer(Optimizer):
             for copy, optimizer in enumerate(self._torch_optimizers):
                 for group in optimizer.param_groups:
                     group["lr"] = learning_rate
-                tensors = [self._copy_tensor(v, copy) for v in variables]
-                saved = [t.grad for t in tensors]
-                for tensor, grad in zip(tensors, grads):
-                    tensor.grad = local_results(grad)[copy].detach()
+                # torch steps every parameter that has a .grad: only this apply's gradients may be set.
+                everything = [self._copy_tensor(v, copy) for v in self._variables]
+                saved = [t.grad for t in everything]
+                for tensor in everything:
+                    tensor.grad = None
+                for variable, grad in zip(variables, grads):
+                    self._copy_tensor(variable, copy).grad = local_results(grad)[copy].detach()
                 try:
                     optimizer.step()
                 finally:
-                    for tensor, grad in zip(tensors, saved):
+                    for tensor, grad in zip(everything, saved):
                         tensor.grad = grad
         strategy.extended._after_direct_update(variables)
         self.iterations.assign_add(1)
@@ -117,7 +120,12 @@ class TorchOptimizer(Optimizer):
         """``{"iterations", "torch_state": {variable name: torch state}, "param_groups": [...]}``."""
         names = [v.name for v in self._variables]
         if not self._torch_optimizers:
-            return {"iterations": int(self.iterations), "torch_state": {}, "param_groups": []}
+            pending = self._pending_torch_state or {"torch_state": {}, "param_groups": []}
+            return {
+                "iterations": int(self.iterations),
+                "torch_state": dict(pending["torch_state"]),
+                "param_groups": list(pending["param_groups"]),
+            }
         state = self._torch_optimizers[0].state_dict()
         per_name = {
             names[index]: {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
