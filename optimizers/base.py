@@ -255,6 +255,9 @@ class Optimizer:
         return owner if owner is not None else context.get_strategy()
 
     def _as_variable(self, variable, position: int):
+        entry = self._wrapped.get(id(variable))
+        if entry is not None and entry[0] is variable:
+            return entry[1]
         if isinstance(variable, ds.Variable):
             return value_container(variable)
         if not isinstance(variable, torch.Tensor):
@@ -262,7 +265,6 @@ class Optimizer:
         container = value_container(variable)
         if container is not variable:
             return container
-        entry = self._wrapped.get(id(variable))
         if entry is None or entry[0] is not variable:
             name = f"variable_{len(self._wrapped)}"
             entry = (
@@ -335,7 +337,10 @@ class Optimizer:
         plan = self._plan(variables)
         with torch.no_grad():
             for group_params, group_slots, positions in plan:
-                group_grads = [local_results(grads[var_index])[copy] for var_index, copy in positions]
+                group_grads = [
+                    g if type(g) is torch.Tensor else local_results(g)[copy]
+                    for g, copy in ((grads[var_index], copy) for var_index, copy in positions)
+                ]
                 if self.weight_decay:
                     torch._foreach_sub_(
                         group_params, torch._foreach_mul(group_params, self.weight_decay * learning_rate)
@@ -430,6 +435,8 @@ class Optimizer:
 
 
 def _first_tensor(value) -> torch.Tensor:
+    if type(value) is torch.Tensor:
+        return value
     first = local_results(value)[0]
     if isinstance(first, ds.Variable):
         first = first._read()
@@ -437,7 +444,11 @@ def _first_tensor(value) -> torch.Tensor:
 
 
 def _per_copy(strategy, grad, variable):
-    if isinstance(grad, ds.DistributedValues) or len(local_results(variable)) == 1:
+    if (
+        type(variable) is ds.LocalVariable
+        or isinstance(grad, ds.DistributedValues)
+        or len(local_results(variable)) == 1
+    ):
         return grad
     return strategy.extended.broadcast_to(grad, variable)
 

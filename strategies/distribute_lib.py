@@ -327,9 +327,8 @@ class StrategyExtended:
         Keeps what ``update`` keeps: e.g. central variables refresh their replicas' copies.
         """
         for variable in variables:
-            after_update = getattr(variable, "_after_update", None)
-            if after_update is not None:
-                after_update()
+            if variable._after_update is not None:
+                variable._after_update()
 
     # --- variables -------------------------------------------------------------------
     @contextlib.contextmanager

@@ -175,6 +175,7 @@ class Variable(metaclass=_VariableMeta):
     """
 
     _is_variable = True
+    _after_update = None  # kinds that keep extra copies refresh them here after an update
 
     # --- what every kind implements ------------------------------------------------
     def _read(self) -> torch.Tensor:
