@@ -1,0 +1,47 @@
+"""Keras-style training on the distribution runtime: ``Trainer(...).fit(model, dataset)``.
+
+Example::
+
+    from trainer import Trainer
+    trainer = Trainer(strategy=strategy, optimizer="adam", loss="cross_entropy", metrics=["accuracy"], seed=0)
+    history = trainer.fit(model, (x, y), batch_size=64, epochs=10, validation_split=0.2)
+"""
+
+from . import callbacks, checkpoint, losses, metrics
+from .callbacks import (
+    BackupAndRestore,
+    Callback,
+    CallbackList,
+    CSVLogger,
+    EarlyStopping,
+    History,
+    LambdaCallback,
+    LearningRateScheduler,
+    ModelCheckpoint,
+    ProgbarLogger,
+    ReduceLROnPlateau,
+    TerminateOnNaN,
+)
+from .checkpoint import CheckpointError
+from .trainer import Trainer
+
+__all__ = [
+    "BackupAndRestore",
+    "CSVLogger",
+    "Callback",
+    "CallbackList",
+    "CheckpointError",
+    "EarlyStopping",
+    "History",
+    "LambdaCallback",
+    "LearningRateScheduler",
+    "ModelCheckpoint",
+    "ProgbarLogger",
+    "ReduceLROnPlateau",
+    "TerminateOnNaN",
+    "Trainer",
+    "callbacks",
+    "checkpoint",
+    "losses",
+    "metrics",
+]

@@ -1,0 +1,344 @@
+"""Metrics that accumulate in ``SyncOnRead`` variables: every replica adds to its own copy,
+and ``result()`` in cross-replica context reads the aggregate, so the value is global
+and the same under every strategy.
+
+Keras-style: ``update_state(y_true, y_pred, sample_weight=None)``, ``result()``,
+``reset_state()``. The variables are made in the strategy's scope the first time the
+metric is used there (``build``).
+
+Example::
+
+    >>> import torch
+    >>> m = SparseCategoricalAccuracy()
+    >>> m.update_state(torch.tensor([0, 1]), torch.tensor([[2.0, 1.0], [3.0, 0.0]]))
+    >>> float(m.result())
+    0.5
+"""
+
+from __future__ import annotations
+
+from difflib import get_close_matches
+
+import torch
+
+import strategies as ds
+from strategies import context
+
+__all__ = [
+    "Metric",
+    "Mean",
+    "Sum",
+    "Accuracy",
+    "SparseCategoricalAccuracy",
+    "CategoricalAccuracy",
+    "BinaryAccuracy",
+    "TopKCategoricalAccuracy",
+    "MeanSquaredError",
+    "MeanAbsoluteError",
+    "AUC",
+    "get",
+]
+
+
+class Metric:
+    """Base class of streaming metrics.
+
+    Subclasses declare their state in ``build_state()`` with ``add_state(name, shape)``
+    (SUM-aggregated, per-replica accumulators) and implement ``update_state`` and
+    ``result``. ``result()`` inside a replica gives that replica's own value; outside,
+    the global one.
+    """
+
+    def __init__(self, name: str | None = None, dtype=torch.float32):
+        self.name = name or _snake(type(self).__name__)
+        self.dtype = dtype
+        self._states: dict = {}
+        self._strategy = None
+
+    # --- state --------------------------------------------------------------------------
+    def build(self, strategy=None) -> None:
+        """Creates the accumulators in ``strategy``'s scope (again if built for another strategy)."""
+        strategy = strategy or context.get_strategy()
+        if self._strategy is strategy and self._states:
+            return
+        self._strategy = strategy
+        self._states = {}
+        with context.enter_or_assert_strategy(strategy):
+            self.build_state()
+
+    def build_state(self) -> None:
+        raise NotImplementedError
+
+    def add_state(self, name: str, shape=(), dtype=None) -> None:
+        self._states[name] = ds.Variable(
+            torch.zeros(shape, dtype=dtype or self.dtype),
+            trainable=False,
+            name=f"{self.name}/{name}",
+            synchronization=ds.VariableSynchronization.ON_READ,
+            aggregation=ds.VariableAggregation.SUM,
+        )
+
+    def _state(self, name: str):
+        if not self._states:
+            self.build()
+        return self._states[name]
+
+    def _add(self, name: str, value) -> None:
+        self._state(name).assign_add(value)
+
+    def reset_state(self) -> None:
+        """Zeroes every accumulator (on every replica)."""
+        if not self._states:
+            return
+        with context.enter_or_assert_strategy(self._strategy):
+            for variable in self._states.values():
+                variable.assign(torch.zeros_like(variable.value()))
+
+    @property
+    def variables(self) -> list:
+        return list(self._states.values())
+
+    def state_dict(self) -> dict:
+        """The aggregated accumulators (restoring divides SUM totals among the replicas)."""
+        if not self._states:
+            return {}
+        with context.enter_or_assert_strategy(self._strategy):
+            return {name: v.read_value().detach().clone() for name, v in self._states.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not self._states:
+            self.build()
+        with context.enter_or_assert_strategy(self._strategy):
+            for name, value in state.items():
+                self._states[name].assign(value)
+
+    # --- the metric ----------------------------------------------------------------------
+    def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        raise NotImplementedError
+
+    def result(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def get_config(self) -> dict:
+        return {"name": self.name}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _snake(name: str) -> str:
+    out = []
+    for i, ch in enumerate(name):
+        if ch.isupper() and i and not name[i - 1].isupper():
+            out.append("_")
+        out.append(ch.lower())
+    return "".join(out)
+
+
+def _weights(values: torch.Tensor, sample_weight):
+    if sample_weight is None:
+        return values, values.new_tensor(float(values.shape[0]) if values.dim() else 1.0)
+    weight = torch.as_tensor(sample_weight, dtype=values.dtype, device=values.device).reshape(-1)
+    return values * weight, weight.sum()
+
+
+class _MeanOfValues(Metric):
+    """total / count of per-example values (weighted)."""
+
+    def build_state(self) -> None:
+        self.add_state("total")
+        self.add_state("count")
+
+    def _update(self, values: torch.Tensor, sample_weight) -> None:
+        values = values.detach().to(self.dtype).reshape(-1)
+        weighted, count = _weights(values, sample_weight)
+        self._add("total", weighted.sum())
+        self._add("count", count)
+
+    def result(self) -> torch.Tensor:
+        total, count = self._state("total").value(), self._state("count").value()
+        return torch.where(count > 0, total / count.clamp_min(1e-12), torch.zeros_like(total))
+
+
+class Mean(_MeanOfValues):
+    """The (weighted) mean of the values given to ``update_state(values, sample_weight=None)``."""
+
+    def update_state(self, values, sample_weight=None) -> None:
+        self._update(torch.as_tensor(values), sample_weight)
+
+
+class Sum(Metric):
+    """The (weighted) sum of the values given to ``update_state(values, sample_weight=None)``."""
+
+    def build_state(self) -> None:
+        self.add_state("total")
+
+    def update_state(self, values, sample_weight=None) -> None:
+        values = torch.as_tensor(values).detach().to(self.dtype).reshape(-1)
+        weighted, _ = _weights(values, sample_weight)
+        self._add("total", weighted.sum())
+
+    def result(self) -> torch.Tensor:
+        return self._state("total").value().clone()
+
+
+class Accuracy(_MeanOfValues):
+    """How often ``y_pred`` equals ``y_true`` exactly."""
+
+    def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        self._update((y_pred == y_true.reshape(y_pred.shape)).reshape(len(y_pred), -1).float().mean(-1), sample_weight)
+
+
+class SparseCategoricalAccuracy(_MeanOfValues):
+    """How often the arg-max of ``y_pred`` (scores per class) equals the integer label."""
+
+    def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        labels = y_true.reshape(y_pred.shape[:-1]).long()
+        self._update((y_pred.argmax(dim=-1) == labels).float(), sample_weight)
+
+
+class CategoricalAccuracy(_MeanOfValues):
+    """How often the arg-max of ``y_pred`` equals the arg-max of one-hot ``y_true``."""
+
+    def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        self._update((y_pred.argmax(dim=-1) == y_true.argmax(dim=-1)).float(), sample_weight)
+
+
+class BinaryAccuracy(_MeanOfValues):
+    """How often ``y_pred > threshold`` matches the 0/1 label (use ``threshold=0.0`` for logits)."""
+
+    def __init__(self, threshold: float = 0.5, name: str | None = None):
+        super().__init__(name)
+        self.threshold = threshold
+
+    def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        hits = ((y_pred > self.threshold).float() == y_true.reshape(y_pred.shape).float()).float()
+        self._update(hits.reshape(len(hits), -1).mean(-1), sample_weight)
+
+
+class TopKCategoricalAccuracy(_MeanOfValues):
+    """How often the true class (one-hot ``y_true``) is among the ``k`` highest scores."""
+
+    def __init__(self, k: int = 5, name: str | None = None):
+        super().__init__(name)
+        self.k = k
+
+    def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        labels = y_true.argmax(dim=-1) if y_true.dim() == y_pred.dim() else y_true.long()
+        top = y_pred.topk(min(self.k, y_pred.shape[-1]), dim=-1).indices
+        self._update((top == labels.unsqueeze(-1)).any(dim=-1).float(), sample_weight)
+
+
+class MeanSquaredError(_MeanOfValues):
+    """The mean over examples of each example's mean squared error."""
+
+    def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        diff = (y_pred - y_true.to(y_pred.dtype).reshape(y_pred.shape)) ** 2
+        self._update(diff.reshape(len(diff), -1).mean(-1), sample_weight)
+
+
+class MeanAbsoluteError(_MeanOfValues):
+    """The mean over examples of each example's mean absolute error."""
+
+    def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        diff = (y_pred - y_true.to(y_pred.dtype).reshape(y_pred.shape)).abs()
+        self._update(diff.reshape(len(diff), -1).mean(-1), sample_weight)
+
+
+class AUC(Metric):
+    """Area under the ROC (or precision-recall) curve of binary scores, from confusion
+    counts at ``num_thresholds`` thresholds (Keras' method).
+
+    ``from_logits=True`` applies a sigmoid to the scores first.
+    """
+
+    def __init__(
+        self, num_thresholds: int = 200, curve: str = "ROC", from_logits: bool = False, name: str | None = None
+    ):
+        super().__init__(name or "auc")
+        if num_thresholds < 2 or curve.upper() not in ("ROC", "PR"):
+            raise ValueError(f"AUC needs num_thresholds > 1 and curve 'ROC' or 'PR', got {num_thresholds}, {curve!r}.")
+        self.num_thresholds, self.curve, self.from_logits = num_thresholds, curve.upper(), from_logits
+        epsilon = 1e-7
+        inner = [(i + 1) / (num_thresholds - 1) for i in range(num_thresholds - 2)]
+        self.thresholds = torch.tensor([0.0 - epsilon] + inner + [1.0 + epsilon], dtype=torch.float32)
+
+    def build_state(self) -> None:
+        for name in ("true_positives", "false_positives", "true_negatives", "false_negatives"):
+            self.add_state(name, (self.num_thresholds,))
+
+    def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        scores = y_pred.detach().float().reshape(-1)
+        if self.from_logits:
+            scores = torch.sigmoid(scores)
+        labels = y_true.detach().float().reshape(-1)
+        weight = (
+            torch.ones_like(scores)
+            if sample_weight is None
+            else (
+                torch.as_tensor(sample_weight, dtype=torch.float32, device=scores.device).reshape(-1).expand_as(scores)
+            )
+        )
+        above = scores.unsqueeze(0) > self.thresholds.to(scores.device).unsqueeze(1)  # (thresholds, n)
+        positive = (labels * weight).unsqueeze(0)
+        negative = ((1 - labels) * weight).unsqueeze(0)
+        self._add("true_positives", (above * positive).sum(1))
+        self._add("false_positives", (above * negative).sum(1))
+        self._add("true_negatives", (~above * negative).sum(1))
+        self._add("false_negatives", (~above * positive).sum(1))
+
+    def result(self) -> torch.Tensor:
+        tp, fp = self._state("true_positives").value(), self._state("false_positives").value()
+        tn, fn = self._state("true_negatives").value(), self._state("false_negatives").value()
+        recall = tp / (tp + fn).clamp_min(1e-12)
+        if self.curve == "ROC":
+            fpr = fp / (fp + tn).clamp_min(1e-12)
+            x, y = fpr, recall
+        else:
+            precision = torch.where(tp + fp > 0, tp / (tp + fp).clamp_min(1e-12), torch.ones_like(tp))
+            x, y = recall, precision
+        # thresholds ascend, so x descends: trapezoids between neighbours
+        return ((x[:-1] - x[1:]) * (y[:-1] + y[1:]) / 2).sum()
+
+
+_NAMES = {
+    "mean": Mean,
+    "sum": Sum,
+    "sparse_categorical_accuracy": SparseCategoricalAccuracy,
+    "categorical_accuracy": CategoricalAccuracy,
+    "binary_accuracy": BinaryAccuracy,
+    "top_k_categorical_accuracy": TopKCategoricalAccuracy,
+    "mse": MeanSquaredError,
+    "mean_squared_error": MeanSquaredError,
+    "mae": MeanAbsoluteError,
+    "mean_absolute_error": MeanAbsoluteError,
+    "auc": AUC,
+}
+_ACCURACY_FOR_LOSS = {
+    "sparse_categorical": SparseCategoricalAccuracy,
+    "categorical": CategoricalAccuracy,
+    "binary": BinaryAccuracy,
+}
+
+
+def get(identifier, loss=None) -> Metric:
+    """A metric from a name or a ``Metric`` (returned as is).
+
+    ``"accuracy"``/``"acc"`` follows the loss, as in Keras: sparse categorical accuracy
+    for ``cross_entropy``, categorical for ``categorical_crossentropy``, binary for
+    ``binary_crossentropy``, exact-match ``Accuracy`` otherwise.
+    """
+    if isinstance(identifier, Metric):
+        return identifier
+    if not isinstance(identifier, str):
+        raise TypeError(f"Cannot make a metric from {type(identifier).__name__}: pass a name or a Metric.")
+    key = identifier.lower()
+    if key in ("accuracy", "acc"):
+        cls = _ACCURACY_FOR_LOSS.get(getattr(loss, "accuracy_kind", None), Accuracy)
+        return cls(name="accuracy")
+    cls = _NAMES.get(key)
+    if cls is None:
+        close = get_close_matches(key, list(_NAMES) + ["accuracy"], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"Unknown metric {identifier!r}{hint}; known: {sorted(_NAMES) + ['accuracy']}.")
+    return cls(name=key)

@@ -1,0 +1,610 @@
+"""``Trainer``: Keras-style ``fit``/``evaluate``/``predict`` for a torch module under any strategy.
+
+One ``strategy.run`` per step. Each replica computes its rows' per-example losses,
+sums them and divides by the step's **global** batch size, and hands its gradients to
+the optimizer, which sums them across replicas. So ``MirroredStrategy(n)`` takes the
+same steps as one device on the same global batches, partial last batch included, and
+an empty replica contributes nothing. Metrics accumulate per replica in ``SyncOnRead``
+variables and are read, aggregated, when logs are needed.
+
+Example::
+
+    import strategies as ds
+    from data import datasets
+    from trainer import Trainer
+
+    x, y = datasets.load_digits(normalize=True)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    trainer = Trainer(strategy=ds.MirroredStrategy(["cpu:0", "cpu:1"]), optimizer="adam",
+                      loss="cross_entropy", metrics=["accuracy"], seed=0)
+    history = trainer.fit(model, (x, y), batch_size=64, epochs=20, validation_split=0.2)
+    trainer.evaluate(model, (x, y), batch_size=256, return_dict=True)
+    probabilities = trainer.predict(model, x, batch_size=256).softmax(-1)
+
+Models that return a dict or tuple are multi-output models, as in Keras: ``loss`` may be
+one loss (applied to every output) or a matching dict/list; the total loss is the sum;
+logs add ``<output>_loss`` and ``<output>_<metric>`` per output.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+
+import torch
+
+import data as data_layer
+import optimizers
+import strategies as ds
+from strategies import context, nest
+
+from . import callbacks as callbacks_module
+from . import checkpoint, losses, metrics
+
+__all__ = ["Trainer"]
+
+_FORMAT = "replicafit-checkpoint-v1"
+
+
+def _unpack(element):
+    """``(x, y, sample_weight)`` of a batch: ``(x, y)``, ``(x, y, w)``, or ``x`` alone."""
+    if isinstance(element, (tuple, list)) and not hasattr(element, "_fields"):
+        if len(element) == 2:
+            return element[0], element[1], None
+        if len(element) == 3:
+            return element[0], element[1], element[2]
+        if len(element) == 1:
+            return element[0], None, None
+        raise ValueError(f"A batch must be x, (x, y) or (x, y, sample_weight); got a sequence of {len(element)}.")
+    return element, None, None
+
+
+def _rows(x) -> int:
+    leaves = nest.flatten(x)
+    return leaves[0].shape[0] if leaves else 0
+
+
+class _Cursor:
+    """Where the data stands: the pass over the source and the batches taken from it.
+
+    Batched arrays/datasets (``iterate(pass, start)``) resume exactly; other sources
+    skip the consumed batches of a fresh pass.
+    """
+
+    def __init__(self, source, distributed, repeat: bool):
+        self.source, self.distributed, self.repeat = source, distributed, repeat
+        self.pass_index, self.position = 0, 0
+        self._iterator = None
+
+    def start(self, pass_index: int, position: int = 0) -> None:
+        if self._iterator is not None:
+            self._iterator.close()
+        self.pass_index, self.position = pass_index, position
+        if hasattr(self.source, "iterate"):
+            batches = self.source.iterate(pass_index, position)
+        else:
+            batches = iter(self.source)
+            for _ in range(position):
+                next(batches)
+        self._iterator = self.distributed.iterate(batches)
+
+    def next(self):
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            if not self.repeat:
+                raise
+            self.start(self.pass_index + 1, 0)
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                raise ValueError("The training data is empty: it yielded no batch.") from None
+        self.position += 1
+        return batch
+
+    def close(self) -> None:
+        if self._iterator is not None:
+            self._iterator.close()
+
+
+class Trainer:
+    """Trains, evaluates and runs a torch ``nn.Module`` under a strategy, Keras-style.
+
+    Args:
+      strategy: any strategy; ``None`` uses the current one (the default strategy
+        outside any scope).
+      optimizer: a name (``"adam"``), a config dict or an ``optimizers.Optimizer``.
+      loss: a name, a callable ``(y_true, y_pred) -> per-example loss``, a torch loss
+        module, or (multi-output models) a dict/list of them.
+      metrics: names (``"accuracy"`` follows the loss) or ``metrics.Metric`` objects.
+      seed: makes shuffling, dropout and the rest of the run reproducible; ``None``
+        draws a fresh seed per ``fit``.
+
+    Override ``train_step``, ``test_step`` or ``predict_step`` (each runs per replica on
+    that replica's slice) for custom logic.
+    """
+
+    def __init__(self, strategy=None, optimizer="adam", loss="cross_entropy", metrics=("accuracy",), seed=None):
+        self.strategy = strategy or ds.get_strategy()
+        with context.enter_or_assert_strategy(self.strategy):
+            self.optimizer = optimizers.get(optimizer)
+        self.loss = nest.map_structure(losses.get, loss) if isinstance(loss, (Mapping, list)) else losses.get(loss)
+        self._metric_specs = list(metrics or ())
+        self.seed = seed
+        self.stop_training = False
+        self.history = None
+        self._module = None
+        self._distributed = None
+        self._metrics: list = []
+        self._loss_trackers: dict = {}
+        self._global_batch = 1
+        self._epoch = 0
+        self._step = 0
+        self._data_seed = seed
+        self._resume = None
+        self._cursor = None
+
+    # --- the model ----------------------------------------------------------------------
+    def _distribute(self, model: torch.nn.Module):
+        """The distributed model (made once per model; replicas re-synced from the user's module)."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"The model must be a torch.nn.Module, got {type(model).__name__}.")
+        if self._module is not model or self._distributed is None:
+            self._module = model
+            self._distributed = self.strategy.distribute_module(model)
+        else:
+            self._distributed.load_state_dict(model.state_dict())
+        self.model = self._distributed
+        return self._distributed
+
+    def model_state_dict(self) -> dict:
+        """The model's aggregated, strategy-independent state."""
+        return self._distributed.state_dict() if self._distributed is not None else self._module.state_dict()
+
+    def load_model_state_dict(self, state: dict) -> None:
+        if self._distributed is not None:
+            self._distributed.load_state_dict(state)
+        else:
+            self._module.load_state_dict(state)
+
+    # --- losses and metrics ----------------------------------------------------------------
+    def _prepare_metrics(self, outputs_structure) -> None:
+        multi = isinstance(outputs_structure, (Mapping, tuple, list))
+        names = self._output_names(outputs_structure) if multi else [None]
+        self._loss_trackers = {"loss": metrics.Mean(name="loss")}
+        if multi:
+            for name in names:
+                self._loss_trackers[f"{name}_loss"] = metrics.Mean(name=f"{name}_loss")
+        built = []
+        for spec in self._metric_specs:
+            for name in names:
+                loss = self._loss_for(name)
+                metric = metrics.get(spec if not isinstance(spec, metrics.Metric) else spec, loss)
+                if isinstance(spec, metrics.Metric) and multi:
+                    metric = type(spec)()
+                if name is not None:
+                    metric.name = f"{name}_{metric.name}"
+                built.append((name, metric))
+        self._metrics = built
+        for tracker in self._loss_trackers.values():
+            tracker.build(self.strategy)
+        for _, metric in self._metrics:
+            metric.build(self.strategy)
+
+    @staticmethod
+    def _output_names(outputs) -> list:
+        if isinstance(outputs, Mapping):
+            return list(outputs.keys())
+        return [f"output_{i}" for i in range(len(outputs))]
+
+    def _loss_for(self, name):
+        if isinstance(self.loss, Mapping):
+            return self.loss[name]
+        if isinstance(self.loss, list):
+            return self.loss[int(name.rsplit("_", 1)[1])]
+        return self.loss
+
+    def _per_output(self, structure, name):
+        if isinstance(structure, Mapping):
+            return structure[name]
+        return structure[int(name.rsplit("_", 1)[1])]
+
+    def compute_loss(self, y, y_pred, sample_weight=None) -> torch.Tensor:
+        """Per-example loss (summed over outputs), times ``sample_weight``; also tracked per output."""
+        if isinstance(y_pred, (Mapping, tuple, list)):
+            total = None
+            for name in self._output_names(y_pred):
+                values = self._loss_for(name)(self._per_output(y, name), self._per_output(y_pred, name))
+                values = values if sample_weight is None else values * sample_weight.reshape(values.shape)
+                self._loss_trackers[f"{name}_loss"].update_state(values.detach())
+                total = values if total is None else total + values
+            return total
+        values = self.loss(y, y_pred)
+        return values if sample_weight is None else values * sample_weight.reshape(values.shape).to(values.dtype)
+
+    def _update_metrics(self, y, y_pred, sample_weight, per_example) -> None:
+        self._loss_trackers["loss"].update_state(per_example.detach())
+        if y is None:
+            return
+        with torch.no_grad():
+            for name, metric in self._metrics:
+                target = y if name is None else self._per_output(y, name)
+                prediction = y_pred if name is None else self._per_output(y_pred, name)
+                metric.update_state(target, prediction, sample_weight)
+
+    def _all_metrics(self) -> list:
+        return list(self._loss_trackers.values()) + [m for _, m in self._metrics]
+
+    def _reset_metrics(self) -> None:
+        for metric in self._all_metrics():
+            metric.reset_state()
+
+    def _logs(self) -> dict:
+        with context.enter_or_assert_strategy(self.strategy):
+            return {metric.name: float(metric.result()) for metric in self._all_metrics()}
+
+    # --- per-replica steps ---------------------------------------------------------------------
+    def train_step(self, data) -> None:
+        """One replica's training step on its slice ``data`` (override for custom logic).
+
+        The loss is the per-example loss summed over this replica's rows divided by the
+        step's global batch size (``self.global_batch_size``); the optimizer sums the
+        replicas' gradients.
+        """
+        x, y, sample_weight = _unpack(data)
+        variables = self._trainable
+        if _rows(x) == 0:  # an empty replica: no forward pass, zero gradients
+            grads = [torch.zeros_like(v.value()) for v in variables]
+            self.optimizer.apply_gradients(zip(grads, variables))
+            return
+        y_pred = self.model(x)
+        per_example = self.compute_loss(y, y_pred, sample_weight)
+        loss = per_example.sum() / self._global_batch
+        grads = torch.autograd.grad(loss, [v.value() for v in variables], allow_unused=True)
+        grads = [torch.zeros_like(v.value()) if g is None else g for g, v in zip(grads, variables)]
+        self.optimizer.apply_gradients(zip(grads, variables))
+        self._update_metrics(y, y_pred, sample_weight, per_example)
+
+    def test_step(self, data) -> None:
+        """One replica's evaluation step: losses and metrics of its slice."""
+        x, y, sample_weight = _unpack(data)
+        if _rows(x) == 0:
+            return
+        with torch.no_grad():
+            y_pred = self.model(x)
+            per_example = self.compute_loss(y, y_pred, sample_weight)
+        self._update_metrics(y, y_pred, sample_weight, per_example)
+
+    def predict_step(self, data):
+        """One replica's prediction: the model's output on its slice."""
+        x, _, _ = _unpack(data)
+        with torch.no_grad():
+            return self.model(x)
+
+    @property
+    def global_batch_size(self) -> int:
+        """The number of examples in the current step, over all replicas."""
+        return self._global_batch
+
+    def _set_global_batch(self, batch) -> None:
+        first = nest.flatten(batch)[0]
+        self._global_batch = max(1, sum(t.shape[0] for t in self.strategy.experimental_local_results(first)))
+
+    # --- data --------------------------------------------------------------------------------
+    def _source(self, dataset, batch_size, shuffle, seed):
+        return data_layer.as_global_batches(
+            dataset, batch_size if _batchable(dataset) else None, shuffle=shuffle and _batchable(dataset), seed=seed
+        )
+
+    def _split(self, dataset, validation_split: float):
+        if not 0 <= validation_split < 1:
+            raise ValueError(f"validation_split must be in [0, 1), got {validation_split!r}.")
+        if validation_split == 0:
+            return dataset, None
+        if isinstance(dataset, torch.utils.data.Dataset) and not isinstance(dataset, torch.utils.data.IterableDataset):
+            n = len(dataset)
+            cut = n - int(n * validation_split)
+            return (torch.utils.data.Subset(dataset, range(cut)), torch.utils.data.Subset(dataset, range(cut, n)))
+        if not _batchable(dataset):
+            raise ValueError(
+                "validation_split needs arrays, tensors or a torch Dataset (it keeps the last examples "
+                "for validation, as Keras does); pass validation_data for other sources."
+            )
+        leaves = [data_layer.sources._leaf_tensor(leaf) for leaf in nest.flatten(dataset)]
+        n = leaves[0].shape[0]
+        cut = n - int(n * validation_split)
+        train = nest.pack_sequence_as(dataset, [leaf[:cut] for leaf in leaves])
+        valid = nest.pack_sequence_as(dataset, [leaf[cut:] for leaf in leaves])
+        return train, valid
+
+    # --- fit ----------------------------------------------------------------------------------
+    def fit(
+        self,
+        model,
+        dataset,
+        epochs: int = 1,
+        batch_size=None,
+        validation_data=None,
+        validation_split=0.0,
+        callbacks=None,
+        steps_per_epoch=None,
+        initial_epoch: int = 0,
+        shuffle: bool = True,
+        verbose="auto",
+    ):
+        """Trains ``model`` on ``dataset``; returns a ``History`` (``history.history["loss"]``, ...).
+
+        ``dataset``: arrays/tensors (``(x, y)`` or ``(x, y, sample_weight)``) or a torch
+        ``Dataset`` with ``batch_size`` (shuffled per epoch when ``shuffle``), or a
+        ``DataLoader``/iterable of batches. ``steps_per_epoch`` repeats the data when it
+        runs out. ``validation_split`` keeps the last fraction of arrays/datasets for
+        validation.
+        """
+        if self.seed is not None:
+            torch.manual_seed(self.seed)
+        self._data_seed = self.seed if self.seed is not None else random.randrange(2**31)
+        train_data, split_validation = self._split(dataset, validation_split)
+        validation_data = validation_data if validation_data is not None else split_validation
+        source = self._source(train_data, batch_size, shuffle, self._data_seed)
+        distributed = self.strategy.experimental_distribute_dataset(source)
+        dm = self._distribute(model)
+        dm.train()
+        self._trainable = dm.trainable_variables
+        steps = steps_per_epoch if steps_per_epoch is not None else _length(source)
+        history = callbacks_module.History()
+        verbose_level = callbacks_module.resolve_verbose(verbose)
+        cbs = [history] + list(callbacks or [])
+        if verbose_level:
+            cbs.append(callbacks_module.ProgbarLogger(verbose_level))
+        callback_list = callbacks_module.CallbackList(
+            cbs, trainer=self, model=model, params={"epochs": epochs, "steps": steps, "verbose": verbose_level}
+        )
+        self.history, self.stop_training, self._resume = history, False, None
+        self._cursor = cursor = _Cursor(source, distributed, repeat=steps_per_epoch is not None)
+        self._first_batch_structure(source, dm)
+        callback_list.call("on_train_begin", {})
+        start_epoch, start_step = initial_epoch, 0
+        resume = self._resume
+        if resume is not None:
+            start_epoch, start_step = resume["epoch"], resume["step"]
+        batch_logs = callback_list.wants_batch_logs["on_train_batch_end"]
+        logs: dict = {}
+        try:
+            for epoch in range(start_epoch, epochs):
+                self._epoch = epoch
+                self._reset_metrics()
+                if resume is not None and resume["step"] and epoch == start_epoch:
+                    self._restore_metrics(resume["metrics"])
+                    cursor.start(*resume["cursor"])
+                elif steps_per_epoch is None:
+                    cursor.start(epoch, 0)
+                elif cursor._iterator is None:
+                    cursor.start(*(resume["cursor"] if resume is not None else (0, 0)))
+                callback_list.call("on_epoch_begin", epoch, {})
+                step = start_step if epoch == start_epoch else 0
+                while steps is None or step < steps:
+                    try:
+                        batch = cursor.next()
+                    except StopIteration:
+                        break
+                    self._step = step
+                    if callback_list.wants_batch_logs["on_train_batch_begin"]:
+                        callback_list.call("on_train_batch_begin", step, {})
+                    self._set_global_batch(batch)
+                    self.strategy.run(self.train_step, args=(batch,))
+                    step += 1
+                    self._step = step
+                    callback_list.call("on_train_batch_end", step - 1, self._logs() if batch_logs else {})
+                    if self.stop_training:
+                        break
+                logs = self._logs()
+                if validation_data is not None:
+                    val_logs = self.evaluate(
+                        model, validation_data, batch_size=batch_size, verbose=0, return_dict=True, _fitting=True
+                    )
+                    logs.update({f"val_{k}": v for k, v in val_logs.items()})
+                callback_list.call("on_epoch_end", epoch, logs)
+                if self.stop_training:
+                    break
+        finally:
+            cursor.close()
+        callback_list.call("on_train_end", logs)
+        return history
+
+    def _first_batch_structure(self, source, dm) -> None:
+        """Builds the metrics, which need to know whether the model has several outputs.
+
+        A re-iterable source is probed with one example of its first batch (model in eval
+        mode, no gradients); a one-shot iterator is not consumed: its model is taken to
+        have one output unless the loss is a dict or list.
+        """
+        structure = None
+        if isinstance(self.loss, Mapping):
+            structure = dict.fromkeys(self.loss)
+        elif isinstance(self.loss, list):
+            structure = [None] * len(self.loss)
+        elif not _one_shot(source):
+            first = next(source.iterate(0, 0) if hasattr(source, "iterate") else iter(source), None)
+            x = _unpack(first)[0] if first is not None else None
+            if x is not None and _rows(x) > 0:
+                was_training = dm.module.training
+                dm.module.eval()
+                try:
+                    with torch.no_grad():
+                        output = dm.module(nest.map_structure(lambda t: data_layer.sources._leaf_tensor(t)[:1], x))
+                finally:
+                    dm.module.train(was_training)
+                structure = output if isinstance(output, (Mapping, tuple, list)) else None
+        self._prepare_metrics(structure)
+
+    # --- evaluate / predict ----------------------------------------------------------------------
+    def evaluate(
+        self,
+        model,
+        dataset,
+        batch_size=None,
+        steps=None,
+        callbacks=None,
+        verbose="auto",
+        return_dict: bool = False,
+        _fitting: bool = False,
+    ):
+        """Loss and metrics of ``model`` on ``dataset``, each example counted exactly once.
+
+        Returns ``{"loss": ..., metric: ...}`` with ``return_dict``, else a list in that
+        order (a float when there are no metrics).
+        """
+        source = self._source(dataset, batch_size, False, None)
+        dm = self._distribute(model) if not _fitting else self._distributed
+        if not _fitting:
+            self._first_batch_structure(source, dm)
+        saved = None
+        if _fitting:  # validation must not disturb the training accumulators
+            saved = {m.name: m.state_dict() for m in self._all_metrics()}
+        was_training = dm.training
+        dm.eval()
+        callback_list = callbacks_module.CallbackList(
+            list(callbacks or []), trainer=self, model=model, params={"steps": steps, "verbose": verbose}
+        )
+        callback_list.call("on_test_begin", {})
+        try:
+            self._reset_metrics()
+            for index, batch in enumerate(self.strategy.experimental_distribute_dataset(source)):
+                if steps is not None and index >= steps:
+                    break
+                callback_list.call("on_test_batch_begin", index, {})
+                self.strategy.run(self.test_step, args=(batch,))
+                callback_list.call("on_test_batch_end", index, {})
+            logs = self._logs()
+        finally:
+            dm.train(was_training)
+            if saved is not None:
+                for metric in self._all_metrics():
+                    metric.load_state_dict(saved[metric.name])
+        callback_list.call("on_test_end", logs)
+        if return_dict:
+            return logs
+        values = list(logs.values())
+        return values[0] if len(values) == 1 else values
+
+    def predict(self, model, dataset, batch_size=None, steps=None, verbose="auto"):
+        """The model's outputs for every example of ``dataset``, in input order, concatenated
+        across replicas and batches (the partial batch included); nests keep their shape."""
+        inputs = dataset
+        if _batchable(dataset) and not isinstance(dataset, torch.utils.data.Dataset):
+            inputs = dataset if isinstance(dataset, tuple) else (dataset,)
+        source = self._source(inputs, batch_size, False, None)
+        dm = self._distribute(model)
+        was_training = dm.training
+        dm.eval()
+        outputs = []
+        try:
+            for index, batch in enumerate(self.strategy.experimental_distribute_dataset(source)):
+                if steps is not None and index >= steps:
+                    break
+                result = self.strategy.run(self.predict_step, args=(batch,))
+                outputs.extend(self.strategy.experimental_local_results(result))
+        finally:
+            dm.train(was_training)
+        if not outputs:
+            raise ValueError("predict() got no data.")
+        return nest.map_structure(lambda *parts: torch.cat([p.detach() for p in parts]), *outputs)
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self, path) -> str:
+        """Writes model, optimizer (slots, iterations), epoch/step and RNG state, atomically.
+
+        Strategy-independent; loads with ``torch.load(path, weights_only=True)``.
+        """
+        return checkpoint.save(
+            {
+                "format": _FORMAT,
+                "model": self.model_state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "epoch": self._epoch,
+                "step": self._step,
+                "rng": torch.get_rng_state(),
+            },
+            path,
+        )
+
+    def load_checkpoint(self, path, model=None) -> dict:
+        """Restores a ``save_checkpoint`` file into ``model`` (or the model last used) and the optimizer."""
+        state = checkpoint.load(path)
+        if state.get("format") != _FORMAT:
+            raise checkpoint.CheckpointError(
+                f"{path!r} is not a replicafit trainer checkpoint (no format tag {_FORMAT!r})."
+            )
+        if model is not None:
+            self._distribute(model)
+        if self._distributed is None:
+            raise ValueError("load_checkpoint() needs the model: pass model=... (or fit/evaluate it first).")
+        self._distributed.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._epoch, self._step = state["epoch"], state["step"]
+        torch.set_rng_state(state["rng"])
+        return state
+
+    # --- backup and restore ----------------------------------------------------------------------
+    def _training_state(self, epoch: int, step: int) -> dict:
+        cursor = self._cursor
+        position = (
+            (cursor.pass_index, cursor.position)
+            if step
+            else ((epoch, 0) if not cursor.repeat else (cursor.pass_index, cursor.position))
+        )
+        return {
+            "format": _FORMAT,
+            "epoch": epoch,
+            "step": step,
+            "cursor": list(position),
+            "data_seed": self._data_seed,
+            "model": self.model_state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "metrics": {m.name: m.state_dict() for m in self._all_metrics()},
+            "history": {"history": self.history.history, "epoch": self.history.epoch},
+            "rng": torch.get_rng_state(),
+        }
+
+    def _restore_training_state(self, state: dict) -> None:
+        if state.get("format") != _FORMAT:
+            raise checkpoint.CheckpointError("The backup is not a replicafit training backup.")
+        self._distributed.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.history.history = {k: list(v) for k, v in state["history"]["history"].items()}
+        self.history.epoch = list(state["history"]["epoch"])
+        self._data_seed = state["data_seed"]
+        source = self._cursor.source
+        if hasattr(source, "seed"):
+            source.seed = self._data_seed
+        torch.set_rng_state(state["rng"])
+        self._resume = {
+            "epoch": state["epoch"],
+            "step": state["step"],
+            "cursor": tuple(state["cursor"]),
+            "metrics": state["metrics"],
+        }
+
+    def _restore_metrics(self, states: dict) -> None:
+        for metric in self._all_metrics():
+            if metric.name in states and states[metric.name]:
+                metric.load_state_dict(states[metric.name])
+
+
+def _batchable(dataset) -> bool:
+    """Arrays, tensors, tuples/dicts of them, or a map-style Dataset: batched by the trainer."""
+    if isinstance(dataset, torch.utils.data.Dataset) and not isinstance(dataset, torch.utils.data.IterableDataset):
+        return True
+    return data_layer.sources._is_array_nest(dataset)
+
+
+def _one_shot(source) -> bool:
+    """An iterator that is its own iterator (a generator) can be read once only."""
+    return iter(source) is source
+
+
+def _length(source):
+    try:
+        return len(source)
+    except TypeError:
+        return None
