@@ -405,7 +405,10 @@ class Optimizer:
             for name in self._slot_names.get(id(variable), []):
                 slot = self._slots[(id(variable), name)]
                 slots.setdefault(variable.name, {})[name] = local_results(slot)[0]._read().detach().clone()
-        return {"iterations": int(self.iterations), "slots": slots}
+        state = {"iterations": int(self.iterations), "slots": slots}
+        if not callable(self._learning_rate):  # a rate set by a callback must survive a restore
+            state["learning_rate"] = float(self._learning_rate)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restores ``state_dict()`` output; slots of variables not built yet are restored when they are."""
@@ -414,6 +417,8 @@ class Optimizer:
                 "load_state_dict() needs the dict returned by Optimizer.state_dict() (keys 'iterations' and 'slots')."
             )
         self.iterations.assign(int(state["iterations"]))
+        if "learning_rate" in state and not callable(self._learning_rate):
+            self.learning_rate = state["learning_rate"]
         self._pending_state = {k: dict(v) for k, v in state["slots"].items()}
         for variable in self._variables:
             for name in self._slot_names.get(id(variable), []):

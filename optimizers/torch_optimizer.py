@@ -138,6 +138,8 @@ class TorchOptimizer(Optimizer):
         if not isinstance(state, dict) or "torch_state" not in state:
             raise ValueError("load_state_dict() needs the dict returned by TorchOptimizer.state_dict().")
         self.iterations.assign(int(state["iterations"]))
+        if state.get("param_groups") and "lr" in state["param_groups"][0] and not callable(self._learning_rate):
+            self.learning_rate = float(state["param_groups"][0]["lr"])
         if self._torch_optimizers:
             self._load_torch_state(state)
         else:

@@ -32,6 +32,7 @@ import torch
 
 from . import context
 from .reduce_util import VariableAggregation, VariableSynchronization
+from .values import local_results
 
 __all__ = ["DistributedModule"]
 
@@ -148,6 +149,20 @@ class DistributedModule:
                 if variable is not None:
                     state[name] = variable.read_value().detach()
         return state
+
+    def sync_buffers(self) -> None:
+        """Writes each ``SyncOnRead`` buffer's aggregate (e.g. the replica mean of batch-norm
+        statistics) into every replica, so every replica and the user's module hold it.
+
+        Example::
+
+            strategy.run(train_step, args=(batch,))   # replicas update their own statistics
+            dmodel.sync_buffers()                      # now all hold the mean
+        """
+        with context.enter_or_assert_strategy(self._strategy):
+            for variable in self._variables.values():
+                if variable.synchronization is VariableSynchronization.ON_READ and len(local_results(variable)) > 1:
+                    variable.assign(variable.read_value().detach())
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Loads ``state_dict`` into every replica; returns missing and unexpected keys like torch."""

@@ -525,7 +525,7 @@ class BackupAndRestore(Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         if self.save_freq == "epoch":
-            checkpoint.save(self.trainer._training_state(epoch + 1, 0), self.path)
+            checkpoint.save(self.trainer._training_state(epoch + 1, 0, (epoch, dict(logs or {}))), self.path)
 
     def on_train_end(self, logs=None):
         if self.delete_checkpoint and os.path.exists(self.path):

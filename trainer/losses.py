@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import math
 from difflib import get_close_matches
 
 import torch
@@ -42,7 +43,7 @@ def _per_example(values: torch.Tensor) -> torch.Tensor:
     """Averages every dimension but the first (the batch)."""
     if values.dim() <= 1:
         return values
-    return values.reshape(values.shape[0], -1).mean(dim=1)
+    return values.reshape(values.shape[0], math.prod(values.shape[1:])).mean(dim=1)
 
 
 class Loss:

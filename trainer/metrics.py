@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from difflib import get_close_matches
 
 import torch
@@ -135,6 +136,11 @@ def _snake(name: str) -> str:
     return "".join(out)
 
 
+def _rows(values: torch.Tensor) -> torch.Tensor:
+    """``(batch, everything else)``; well defined for an empty replica's 0 rows too."""
+    return values.reshape(values.shape[0], math.prod(values.shape[1:]))
+
+
 def _weights(values: torch.Tensor, sample_weight):
     if sample_weight is None:
         return values, values.new_tensor(float(values.shape[0]) if values.dim() else 1.0)
@@ -186,7 +192,7 @@ class Accuracy(_MeanOfValues):
     """How often ``y_pred`` equals ``y_true`` exactly."""
 
     def update_state(self, y_true, y_pred, sample_weight=None) -> None:
-        self._update((y_pred == y_true.reshape(y_pred.shape)).reshape(len(y_pred), -1).float().mean(-1), sample_weight)
+        self._update(_rows((y_pred == y_true.reshape(y_pred.shape)).float()).mean(-1), sample_weight)
 
 
 class SparseCategoricalAccuracy(_MeanOfValues):
@@ -213,7 +219,7 @@ class BinaryAccuracy(_MeanOfValues):
 
     def update_state(self, y_true, y_pred, sample_weight=None) -> None:
         hits = ((y_pred > self.threshold).float() == y_true.reshape(y_pred.shape).float()).float()
-        self._update(hits.reshape(len(hits), -1).mean(-1), sample_weight)
+        self._update(_rows(hits).mean(-1), sample_weight)
 
 
 class TopKCategoricalAccuracy(_MeanOfValues):
@@ -234,7 +240,7 @@ class MeanSquaredError(_MeanOfValues):
 
     def update_state(self, y_true, y_pred, sample_weight=None) -> None:
         diff = (y_pred - y_true.to(y_pred.dtype).reshape(y_pred.shape)) ** 2
-        self._update(diff.reshape(len(diff), -1).mean(-1), sample_weight)
+        self._update(_rows(diff).mean(-1), sample_weight)
 
 
 class MeanAbsoluteError(_MeanOfValues):
@@ -242,7 +248,7 @@ class MeanAbsoluteError(_MeanOfValues):
 
     def update_state(self, y_true, y_pred, sample_weight=None) -> None:
         diff = (y_pred - y_true.to(y_pred.dtype).reshape(y_pred.shape)).abs()
-        self._update(diff.reshape(len(diff), -1).mean(-1), sample_weight)
+        self._update(_rows(diff).mean(-1), sample_weight)
 
 
 class AUC(Metric):

@@ -353,7 +353,7 @@ class Trainer:
         steps = steps_per_epoch if steps_per_epoch is not None else _length(source)
         history = callbacks_module.History()
         verbose_level = callbacks_module.resolve_verbose(verbose)
-        cbs = [history] + list(callbacks or [])
+        cbs = list(callbacks or []) + [history]  # History last, as in Keras: it sees what callbacks add to logs
         if verbose_level:
             cbs.append(callbacks_module.ProgbarLogger(verbose_level))
         callback_list = callbacks_module.CallbackList(
@@ -397,10 +397,16 @@ class Trainer:
                     callback_list.call("on_train_batch_end", step - 1, self._logs() if batch_logs else {})
                     if self.stop_training:
                         break
+                dm.sync_buffers()  # replica-mean statistics for validation and in the user's module
                 logs = self._logs()
                 if validation_data is not None:
                     val_logs = self.evaluate(
-                        model, validation_data, batch_size=batch_size, verbose=0, return_dict=True, _fitting=True
+                        model,
+                        validation_data,
+                        batch_size=batch_size,
+                        verbose=0,
+                        return_dict=True,
+                        _fitting=callback_list,
                     )
                     logs.update({f"val_{k}": v for k, v in val_logs.items()})
                 callback_list.call("on_epoch_end", epoch, logs)
@@ -463,9 +469,12 @@ class Trainer:
             saved = {m.name: m.state_dict() for m in self._all_metrics()}
         was_training = dm.training
         dm.eval()
-        callback_list = callbacks_module.CallbackList(
-            list(callbacks or []), trainer=self, model=model, params={"steps": steps, "verbose": verbose}
-        )
+        if isinstance(_fitting, callbacks_module.CallbackList):  # validation inside fit: fit's callbacks
+            callback_list = _fitting
+        else:
+            callback_list = callbacks_module.CallbackList(
+                list(callbacks or []), trainer=self, model=model, params={"steps": steps, "verbose": verbose}
+            )
         callback_list.call("on_test_begin", {})
         try:
             self._reset_metrics()
@@ -546,7 +555,9 @@ class Trainer:
         return state
 
     # --- backup and restore ----------------------------------------------------------------------
-    def _training_state(self, epoch: int, step: int) -> dict:
+    def _training_state(self, epoch: int, step: int, epoch_logs=None) -> dict:
+        """Everything a resumed fit needs; ``epoch_logs`` is ``(epoch, logs)`` of an epoch that
+        ends now and that the History callback (which runs last) has not recorded yet."""
         cursor = self._cursor
         position = (
             (cursor.pass_index, cursor.position)
@@ -562,7 +573,7 @@ class Trainer:
             "model": self.model_state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "metrics": {m.name: m.state_dict() for m in self._all_metrics()},
-            "history": {"history": self.history.history, "epoch": self.history.epoch},
+            "history": _history_with(self.history, epoch_logs),
             "rng": torch.get_rng_state(),
         }
 
@@ -596,6 +607,17 @@ def _batchable(dataset) -> bool:
     if isinstance(dataset, torch.utils.data.Dataset) and not isinstance(dataset, torch.utils.data.IterableDataset):
         return True
     return data_layer.sources._is_array_nest(dataset)
+
+
+def _history_with(history, epoch_logs) -> dict:
+    records = {k: list(v) for k, v in history.history.items()}
+    epochs = list(history.epoch)
+    if epoch_logs is not None and epoch_logs[0] not in epochs:
+        epoch, logs = epoch_logs
+        epochs.append(epoch)
+        for key, value in logs.items():
+            records.setdefault(key, []).append(value)
+    return {"history": records, "epoch": epochs}
 
 
 def _one_shot(source) -> bool:

@@ -1,0 +1,566 @@
+"""Trainer checkpoints (save/load across strategies, atomic writes, bad files) and
+BackupAndRestore (an interrupted fit, resumed, ends bit-identical to an uninterrupted one)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_strategy
+
+import optimizers
+from optimizers import schedules
+from trainer import BackupAndRestore, Callback, CheckpointError, LambdaCallback, Trainer
+
+REPO = Path(__file__).resolve().parents[2]
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def make_data(n: int = 36, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=generator)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
+    return x, y
+
+
+def make_model(seed: int = 1, dropout: bool = False) -> torch.nn.Module:
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        layers = [torch.nn.Linear(4, 8), torch.nn.ReLU()]
+        if dropout:
+            layers.append(torch.nn.Dropout(0.3))
+        return torch.nn.Sequential(*layers, torch.nn.Linear(8, 2))
+
+
+def make_trainer(strategy="default", learning_rate=0.01) -> Trainer:
+    return Trainer(
+        strategy=make_strategy(strategy),
+        optimizer=optimizers.Adam(learning_rate),
+        loss="cross_entropy",
+        metrics=["accuracy"],
+        seed=0,
+    )
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def assert_same_optimizer_state(a: dict, b: dict) -> None:
+    assert a["iterations"] == b["iterations"]
+    assert a["slots"].keys() == b["slots"].keys()
+    for name in a["slots"]:
+        assert_same_state(a["slots"][name], b["slots"][name])
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashAt(Callback):
+    """Raises at the beginning of global step ``step`` (0-based): ``step`` steps are done."""
+
+    def __init__(self, step: int):
+        super().__init__()
+        self.step, self.seen = step, 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.seen == self.step:
+            raise Crash(f"interrupted at global step {self.step}")
+        self.seen += 1
+
+
+class Probe(Callback):
+    """Records, per (epoch, batch): iterations, learning rate and RNG state at the batch's start,
+    and the batch's logs at its end."""
+
+    def __init__(self):
+        super().__init__()
+        self.begin, self.end, self.epoch = {}, {}, None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        optimizer = self.trainer.optimizer
+        self.begin[(self.epoch, batch)] = (
+            int(optimizer.iterations),
+            float(optimizer.learning_rate),
+            torch.get_rng_state(),
+        )
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.end[(self.epoch, batch)] = dict(logs)
+
+
+FIT = {"batch_size": 8, "epochs": 4, "shuffle": True, "verbose": 0}  # 36 examples: 5 steps, the last partial
+
+
+def fit(trainer, model, callbacks, **overrides):
+    x, y = make_data()
+    vx, vy = make_data(10, seed=3)
+    return trainer.fit(model, (x, y), validation_data=(vx, vy), callbacks=callbacks, **{**FIT, **overrides})
+
+
+# --- save_checkpoint / load_checkpoint -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "saved_under, loaded_under",
+    [
+        ("mirrored2", "default"),
+        ("mirrored2", "central_storage2"),
+        ("default", "mirrored2"),
+        ("central_storage2", "mirrored2"),
+    ],
+)
+def test_checkpoint_restores_under_another_strategy(tmp_path, saved_under, loaded_under):
+    path = tmp_path / "ckpt.pt"
+    first = make_trainer(saved_under)
+    fit(first, make_model(), None, epochs=2)
+    first.save_checkpoint(path)
+    saved_model = {k: v.clone() for k, v in first.model_state_dict().items()}
+    saved_optimizer = first.optimizer.state_dict()
+    assert saved_optimizer["iterations"] == 10
+
+    state = torch.load(path, weights_only=True)
+    assert {"model", "optimizer", "epoch", "step", "rng"} <= set(state)
+    assert_same_state(state["model"], saved_model)
+    assert_same_optimizer_state(state["optimizer"], saved_optimizer)
+
+    second = make_trainer(loaded_under)
+    model = make_model(seed=42)  # different initial weights: all must come from the file
+    second.load_checkpoint(path, model=model)
+    assert_same_state(second.model_state_dict(), saved_model)
+    assert_same_optimizer_state(second.optimizer.state_dict(), saved_optimizer)
+    assert int(second.optimizer.iterations) == 10
+
+    resumed = fit(second, model, None, epochs=4, initial_epoch=2)
+    reference = make_trainer(loaded_under)
+    reference_history = fit(reference, make_model(), None, epochs=4)
+
+    assert int(second.optimizer.iterations) == int(reference.optimizer.iterations) == 20
+    expected = reference.model_state_dict()
+    for key, value in second.model_state_dict().items():
+        torch.testing.assert_close(value, expected[key], atol=1e-6, rtol=0)
+    expected_slots = reference.optimizer.state_dict()["slots"]
+    for name, slots in second.optimizer.state_dict()["slots"].items():
+        for slot, value in slots.items():
+            torch.testing.assert_close(value, expected_slots[name][slot], atol=1e-6, rtol=0)
+    assert resumed.history["loss"] == pytest.approx(reference_history.history["loss"][2:], abs=1e-6)
+
+
+def test_load_checkpoint_uses_the_last_model_and_needs_one(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    trainer = make_trainer()
+    model = make_model()
+    fit(trainer, model, None, epochs=1)
+    trainer.save_checkpoint(path)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    fit(trainer, model, None, epochs=1)
+    assert not torch.equal(model.state_dict()["0.weight"], saved["0.weight"])
+    trainer.load_checkpoint(path)  # into the model last used
+    assert_same_state(trainer.model_state_dict(), saved)
+
+    with pytest.raises(ValueError, match="model"):
+        make_trainer().load_checkpoint(path)
+
+
+def test_checkpoint_restores_rng_state(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    trainer = make_trainer()
+    fit(trainer, make_model(), None, epochs=1)
+    trainer.save_checkpoint(path)
+    expected = torch.rand(5)
+    torch.manual_seed(12345)
+    make_trainer().load_checkpoint(path, model=make_model())
+    assert torch.equal(torch.rand(5), expected)
+
+
+# --- atomic writes ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("error", [OSError("disk full"), KeyboardInterrupt()], ids=["OSError", "KeyboardInterrupt"])
+def test_save_checkpoint_is_atomic(tmp_path, monkeypatch, error):
+    path = tmp_path / "ckpt.pt"
+    trainer = make_trainer()
+    model = make_model()
+    fit(trainer, model, None, epochs=1)
+    trainer.save_checkpoint(path)
+    good_bytes = path.read_bytes()
+    good_model = {k: v.clone() for k, v in trainer.model_state_dict().items()}
+    fit(trainer, model, None, epochs=1)  # the next save would hold other weights
+
+    real_save = torch.save
+
+    def broken_save(obj, file, *args, **kwargs):
+        real_save(obj, file, *args, **kwargs)  # writes everything ...
+        if hasattr(file, "truncate"):
+            file.truncate(100)  # ... then leaves a partial file
+        raise error
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(type(error)):
+        trainer.save_checkpoint(path)
+    monkeypatch.undo()
+
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]  # no temporary file left behind
+    assert path.read_bytes() == good_bytes
+    assert_same_state(torch.load(path, weights_only=True)["model"], good_model)
+
+    trainer.save_checkpoint(path)  # a good save replaces it
+    assert_same_state(torch.load(path, weights_only=True)["model"], trainer.model_state_dict())
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+
+
+def test_save_checkpoint_writes_a_temporary_file_beside_the_target(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.pt"
+    trainer, model = make_trainer(), make_model()
+    fit(trainer, model, None, epochs=1)
+    trainer.save_checkpoint(path)
+    old = path.read_bytes()
+    fit(trainer, model, None, epochs=1)
+    during = []
+    real_save = torch.save
+
+    def spy(obj, file, *args, **kwargs):
+        real_save(obj, file, *args, **kwargs)
+        file.flush()
+        during.append((path.read_bytes(), sorted(os.listdir(tmp_path))))
+
+    monkeypatch.setattr(torch, "save", spy)
+    trainer.save_checkpoint(path)
+    monkeypatch.undo()
+    assert len(during) == 1
+    assert during[0][0] == old  # the target is untouched while the new file is written ...
+    assert len(during[0][1]) == 2 and "ckpt.pt" in during[0][1]  # ... to a file in the same folder
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+    assert path.read_bytes() != old
+    assert_same_state(torch.load(path, weights_only=True)["model"], trainer.model_state_dict())
+
+
+# --- damaged files ------------------------------------------------------------------------------------------
+
+
+def good_checkpoint(folder: Path) -> Path:
+    trainer = make_trainer()
+    fit(trainer, make_model(), None, epochs=1)
+    return Path(trainer.save_checkpoint(folder / "good.pt"))
+
+
+@pytest.mark.parametrize("kind", ["truncated", "random_bytes", "empty", "missing", "foreign_dict", "tensor", "pickle"])
+def test_bad_checkpoint_files_raise_checkpoint_error(tmp_path, kind):
+    path = tmp_path / f"{kind}.pt"
+    if kind == "truncated":
+        data = good_checkpoint(tmp_path).read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif kind == "random_bytes":
+        path.write_bytes(random.Random(0).randbytes(4096))
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "foreign_dict":
+        torch.save({"weight": torch.ones(3)}, path)  # a torch file, not a trainer checkpoint
+    elif kind == "tensor":
+        torch.save(torch.ones(3), path)
+    elif kind == "pickle":
+        torch.save({"format": "replicafit-checkpoint-v1", "model": Crash("x")}, path)  # unsafe to unpickle
+    trainer = make_trainer()
+    model = make_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError) as info:
+        trainer.load_checkpoint(path, model=model)
+    message = str(info.value)
+    assert str(path) in message
+    assert len(message) < 600  # one clear sentence, not a wall of text
+    assert_same_state(model.state_dict(), before)  # nothing was half-loaded
+
+
+def test_checkpoint_error_is_a_runtime_error():
+    assert issubclass(CheckpointError, RuntimeError)
+
+
+# --- BackupAndRestore: in-process interruption ------------------------------------------------------------------
+
+
+def reference_run(strategy, **overrides):
+    trainer = make_trainer(strategy)
+    probe = Probe()
+    history = fit(trainer, make_model(), [probe], **overrides)
+    return trainer, history, probe
+
+
+def assert_same_run(trainer, history, reference_trainer, reference_history):
+    assert_same_state(trainer.model_state_dict(), reference_trainer.model_state_dict())
+    assert_same_optimizer_state(trainer.optimizer.state_dict(), reference_trainer.optimizer.state_dict())
+    assert history.history == reference_history.history
+    assert history.epoch == reference_history.epoch
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh_trainer", "same_trainer"])
+@pytest.mark.parametrize("strategy", ["default", "mirrored2"])
+def test_backup_resumes_mid_epoch_bit_identical(tmp_path, strategy, reuse):
+    backup = tmp_path / "backup"
+    ref_trainer, ref_history, _ = reference_run(strategy)
+
+    trainer, model = make_trainer(strategy), make_model()
+    # 5 steps per epoch; backups after global steps 3, 6, 9, 12; the crash comes before step 14
+    # (epoch 2, batch 3): the resumed run starts at epoch 2, batch 2 and redoes one step.
+    with pytest.raises(Crash):
+        fit(trainer, model, [BackupAndRestore(backup, save_freq=3), CrashAt(13)])
+    assert (backup / "backup.pt").exists()  # kept after an interruption
+    assert int(trainer.optimizer.iterations) == 13
+
+    if not reuse:
+        trainer, model = make_trainer(strategy), make_model(seed=77)
+    seen = []
+    marker = LambdaCallback(on_epoch_begin=lambda epoch, logs: seen.append(epoch))
+    history = fit(trainer, model, [BackupAndRestore(backup, save_freq=3), marker])
+    assert seen == [2, 3]  # it went on from the backup's epoch
+    assert_same_run(trainer, history, ref_trainer, ref_history)
+    assert_same_state(model.state_dict(), ref_trainer.model_state_dict())
+    assert not (backup / "backup.pt").exists()  # deleted after a normal finish
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["default", "mirrored2"])
+def test_backup_per_epoch_resumes_after_interruption_in_epoch_3(tmp_path, strategy):
+    backup = tmp_path / "backup"
+    ref_trainer, ref_history, _ = reference_run(strategy)
+
+    trainer = make_trainer(strategy)
+    with pytest.raises(Crash):
+        fit(trainer, make_model(), [BackupAndRestore(backup), CrashAt(13)])  # epoch 3 (index 2), batch 3
+    state = torch.load(backup / "backup.pt", weights_only=True)
+    assert state["epoch"] == 2 and state["step"] == 0  # the end of epoch 2
+
+    trainer = make_trainer(strategy)
+    history = fit(trainer, make_model(seed=5), [BackupAndRestore(backup)])
+    assert_same_run(trainer, history, ref_trainer, ref_history)
+    assert not (backup / "backup.pt").exists()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("save_freq, crash_at", [(4, 7), ("epoch", 13)])
+def test_backup_resumes_with_steps_per_epoch(tmp_path, save_freq, crash_at):
+    # 3 steps per epoch over 5-batch passes: epochs and passes over the data do not line up.
+    backup = tmp_path / "backup"
+    ref_trainer, ref_history, _ = reference_run("default", steps_per_epoch=3, epochs=5)
+    with pytest.raises(Crash):
+        fit(
+            make_trainer(),
+            make_model(),
+            [BackupAndRestore(backup, save_freq=save_freq), CrashAt(crash_at)],
+            steps_per_epoch=3,
+            epochs=5,
+        )
+    trainer = make_trainer()
+    history = fit(
+        trainer, make_model(seed=6), [BackupAndRestore(backup, save_freq=save_freq)], steps_per_epoch=3, epochs=5
+    )
+    assert_same_run(trainer, history, ref_trainer, ref_history)
+
+
+@pytest.mark.timeout(120)
+def test_backup_restores_iterations_schedule_metrics_and_rng(tmp_path):
+    """Dropout makes the RNG matter; an ExponentialDecay schedule makes iterations matter."""
+    backup = tmp_path / "backup"
+
+    def trainer_and_model(seed=1):
+        schedule = schedules.ExponentialDecay(0.02, decay_steps=4, decay_rate=0.5)
+        trainer = Trainer(optimizer=optimizers.Adam(schedule), metrics=["accuracy"], seed=0)
+        return trainer, make_model(seed=seed, dropout=True)
+
+    ref_trainer, ref_model = trainer_and_model()
+    ref_probe = Probe()
+    ref_history = fit(ref_trainer, ref_model, [ref_probe])
+
+    trainer, model = trainer_and_model()
+    with pytest.raises(Crash):
+        fit(trainer, model, [BackupAndRestore(backup, save_freq=3), CrashAt(13)])
+
+    trainer, model = trainer_and_model(seed=8)
+    probe = Probe()
+    history = fit(trainer, model, [BackupAndRestore(backup, save_freq=3), probe])
+
+    first = min(probe.begin)
+    assert first == (2, 2)
+    iterations, rate, rng = probe.begin[first]
+    ref_iterations, ref_rate, ref_rng = ref_probe.begin[first]
+    assert iterations == ref_iterations == 12
+    assert rate == ref_rate and rate != 0.02  # the schedule's position
+    assert torch.equal(rng, ref_rng)
+    assert probe.end[first] == ref_probe.end[first]  # the epoch's metrics went on from the backup's
+    for key in probe.begin:
+        assert torch.equal(probe.begin[key][2], ref_probe.begin[key][2]), key
+        assert probe.end[key] == ref_probe.end[key], key
+    assert_same_run(trainer, history, ref_trainer, ref_history)
+
+
+@pytest.mark.timeout(120)
+def test_backup_restores_a_learning_rate_set_by_a_callback(tmp_path):
+    # Keras 3 keeps the learning rate in the optimizer's variables, which the backup holds:
+    # a rate lowered by a callback (e.g. ReduceLROnPlateau) is still lowered after resuming.
+    backup = tmp_path / "backup"
+    lower = LambdaCallback(
+        on_epoch_end=lambda epoch, logs: setattr(trainer.optimizer, "learning_rate", 0.004) if epoch == 1 else None
+    )
+    trainer = make_trainer(learning_rate=0.01)
+    with pytest.raises(Crash):
+        fit(trainer, make_model(), [lower, BackupAndRestore(backup, save_freq=3), CrashAt(13)])
+    assert float(trainer.optimizer.learning_rate) == 0.004
+
+    resumed = make_trainer(learning_rate=0.01)
+    probe = Probe()
+    fit(resumed, make_model(), [BackupAndRestore(backup, save_freq=3), probe])
+    assert probe.begin[(2, 2)][1] == pytest.approx(0.004)
+
+
+@pytest.mark.timeout(120)
+def test_backup_kept_when_delete_checkpoint_is_false_and_a_finished_backup_resumes_nothing(tmp_path):
+    backup = tmp_path / "backup"
+    exists_at_end = []
+    watcher = LambdaCallback(on_epoch_end=lambda epoch, logs: exists_at_end.append((backup / "backup.pt").exists()))
+    trainer = make_trainer()
+    history = fit(trainer, make_model(), [BackupAndRestore(backup, delete_checkpoint=False), watcher], epochs=2)
+    assert exists_at_end == [True, True]
+    assert (backup / "backup.pt").exists()
+    final = {k: v.clone() for k, v in trainer.model_state_dict().items()}
+
+    again = make_trainer()
+    seen = []
+    marker = LambdaCallback(on_train_batch_begin=lambda batch, logs: seen.append(batch))
+    history_again = fit(
+        again, make_model(seed=3), [BackupAndRestore(backup, delete_checkpoint=False), marker], epochs=2
+    )
+    assert seen == []  # every epoch was already done
+    assert_same_state(again.model_state_dict(), final)
+    assert history_again.history == history.history and history_again.epoch == [0, 1]
+    assert int(again.optimizer.iterations) == 10
+
+
+def test_backup_deleted_after_a_normal_finish(tmp_path):
+    backup = tmp_path / "backup"
+    exists_during = []
+    watcher = LambdaCallback(
+        on_train_batch_end=lambda batch, logs: exists_during.append((backup / "backup.pt").exists())
+    )
+    fit(make_trainer(), make_model(), [BackupAndRestore(backup, save_freq=2), watcher], epochs=1)
+    assert exists_during == [False, True, True, True, True]
+    assert not (backup / "backup.pt").exists()
+
+
+def test_backup_file_loads_with_weights_only(tmp_path):
+    backup = tmp_path / "backup"
+    trainer = make_trainer()
+    with pytest.raises(Crash):
+        fit(trainer, make_model(), [BackupAndRestore(backup, save_freq=4), CrashAt(6)])
+    state = torch.load(backup / "backup.pt", weights_only=True)
+    assert state["epoch"] == 0 and state["step"] == 4
+    assert state["optimizer"]["iterations"] == 4
+
+
+def test_damaged_backup_gives_checkpoint_error(tmp_path):
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    (backup / "backup.pt").write_bytes(b"\x00" * 10)
+    with pytest.raises(CheckpointError, match="backup"):
+        fit(make_trainer(), make_model(), [BackupAndRestore(backup)])
+
+
+@pytest.mark.parametrize("save_freq", [0, "batch", 2.0])
+def test_backup_rejects_bad_save_freq(tmp_path, save_freq):
+    with pytest.raises(ValueError, match="save_freq"):
+        BackupAndRestore(tmp_path, save_freq=save_freq)
+
+
+# --- BackupAndRestore: a process killed with SIGKILL ----------------------------------------------------------
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+
+    import torch
+
+    import optimizers
+    import strategies as ds
+    from trainer import BackupAndRestore, Callback, Trainer
+
+    mode, backup_dir, out = sys.argv[1:4]
+    KILL_AT = 13  # global step: epoch 2, batch 3 of 5
+
+    class Kill(Callback):
+        seen = 0
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if self.seen == KILL_AT:
+                os.kill(os.getpid(), signal.SIGKILL)
+            self.seen += 1
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(36, 4, generator=generator)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
+    torch.manual_seed(1 if mode != "resume" else 99)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    trainer = Trainer(strategy=strategy, optimizer=optimizers.Adam(0.01), metrics=["accuracy"], seed=0)
+    callbacks = [] if mode == "plain" else [BackupAndRestore(backup_dir, save_freq=3)]
+    if mode == "kill":
+        callbacks.append(Kill())
+    history = trainer.fit(model, (x, y), batch_size=8, epochs=4, shuffle=True, callbacks=callbacks, verbose=0)
+    torch.save(
+        {
+            "model": trainer.model_state_dict(),
+            "optimizer": trainer.optimizer.state_dict(),
+            "history": history.history,
+            "epoch": history.epoch,
+        },
+        out,
+    )
+    """
+)
+
+
+def run_script(script: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, str(script), *args], env=env, cwd=str(REPO), capture_output=True, text=True, timeout=100
+    )
+
+
+@pytest.mark.timeout(120)
+def test_backup_resumes_a_process_killed_with_sigkill(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    backup = tmp_path / "backup"
+
+    killed = run_script(script, "kill", str(backup), str(tmp_path / "killed.pt"))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert not (tmp_path / "killed.pt").exists()
+    assert (backup / "backup.pt").exists()
+    assert not [name for name in os.listdir(backup) if name != "backup.pt"]  # no stray temporary file
+
+    resumed = run_script(script, "resume", str(backup), str(tmp_path / "resumed.pt"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert not (backup / "backup.pt").exists()
+    plain = run_script(script, "plain", str(tmp_path / "unused"), str(tmp_path / "plain.pt"))
+    assert plain.returncode == 0, plain.stderr
+
+    got = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    want = torch.load(tmp_path / "plain.pt", weights_only=True)
+    assert_same_state(got["model"], want["model"])
+    assert_same_optimizer_state(got["optimizer"], want["optimizer"])
+    assert got["optimizer"]["iterations"] == 20
+    assert got["history"] == want["history"]
+    assert got["epoch"] == want["epoch"] == [0, 1, 2, 3]
