@@ -27,8 +27,9 @@ from trainer import Trainer
 
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(),
-                               torch.nn.Linear(256, 10))
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)
+    )
 
 
 def hand_loop(x, y, batch: int) -> float:
@@ -38,7 +39,7 @@ def hand_loop(x, y, batch: int) -> float:
     start = time.perf_counter()
     total, count = torch.zeros(()), 0
     for begin in range(0, len(xs), batch):
-        xb, yb = xs[begin:begin + batch], ys[begin:begin + batch]
+        xb, yb = xs[begin : begin + batch], ys[begin : begin + batch]
         optimizer.zero_grad(set_to_none=True)
         losses = F.cross_entropy(model(xb), yb, reduction="none")
         (losses.sum() / len(xb)).backward()
@@ -51,9 +52,13 @@ def hand_loop(x, y, batch: int) -> float:
 
 def fit(x, y, batch: int, strategy=None) -> float:
     model = make_model()
-    trainer = Trainer(strategy=strategy, optimizer={"class_name": "sgd", "config": {"learning_rate": 0.01,
-                                                                                   "momentum": 0.9}},
-                      loss="cross_entropy", metrics=(), seed=0)
+    trainer = Trainer(
+        strategy=strategy,
+        optimizer={"class_name": "sgd", "config": {"learning_rate": 0.01, "momentum": 0.9}},
+        loss="cross_entropy",
+        metrics=(),
+        seed=0,
+    )
     start = time.perf_counter()
     trainer.fit(model, (x, y), batch_size=batch, epochs=1, shuffle=False, verbose=0)
     return time.perf_counter() - start
@@ -75,15 +80,21 @@ def main() -> None:
         target = 1.10 if batch == 8 else 1.05
         print(f"batch {batch} ({steps} steps):")
         print(f"  hand-written loop : {loop_t * 1e3:8.1f} ms ({loop_t / steps * 1e6:.0f} us/step)")
-        print(f"  Trainer.fit       : {fit_t * 1e3:8.1f} ms ({fit_t / steps * 1e6:.0f} us/step)  "
-              f"ratio {fit_t / loop_t:.3f} (target <= {target})")
+        print(
+            f"  Trainer.fit       : {fit_t * 1e3:8.1f} ms ({fit_t / steps * 1e6:.0f} us/step)  "
+            f"ratio {fit_t / loop_t:.3f} (target <= {target})"
+        )
         one = statistics.median(fit(x, y, batch, ds.OneDeviceStrategy("cpu:0")) for _ in range(args.repeats))
-        mirrored = statistics.median(fit(x, y, batch, ds.MirroredStrategy(["cpu:0", "cpu:1"]))
-                                     for _ in range(args.repeats))
-        central = statistics.median(fit(x, y, batch, ds.CentralStorageStrategy(["cpu:0", "cpu:1"], "cpu:0"))
-                                    for _ in range(args.repeats))
-        print(f"  OneDevice {one * 1e3:.1f} ms; Mirrored(2) {mirrored * 1e3:.1f} ms ({mirrored / one:.2f}x); "
-              f"CentralStorage(2) {central * 1e3:.1f} ms ({central / one:.2f}x)")
+        mirrored = statistics.median(
+            fit(x, y, batch, ds.MirroredStrategy(["cpu:0", "cpu:1"])) for _ in range(args.repeats)
+        )
+        central = statistics.median(
+            fit(x, y, batch, ds.CentralStorageStrategy(["cpu:0", "cpu:1"], "cpu:0")) for _ in range(args.repeats)
+        )
+        print(
+            f"  OneDevice {one * 1e3:.1f} ms; Mirrored(2) {mirrored * 1e3:.1f} ms ({mirrored / one:.2f}x); "
+            f"CentralStorage(2) {central * 1e3:.1f} ms ({central / one:.2f}x)"
+        )
 
 
 if __name__ == "__main__":

@@ -20,10 +20,22 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
-    trainer = Trainer(strategy=ds.MirroredStrategy(["cpu:0", "cpu:1"]), optimizer="adam", loss="cross_entropy",
-                      metrics=["accuracy"], seed=0)
-    history = trainer.fit(model, (x, y), batch_size=64, epochs=20, validation_split=0.2, verbose=2,
-                          callbacks=[EarlyStopping(monitor="val_accuracy", patience=5, restore_best_weights=True)])
+    trainer = Trainer(
+        strategy=ds.MirroredStrategy(["cpu:0", "cpu:1"]),
+        optimizer="adam",
+        loss="cross_entropy",
+        metrics=["accuracy"],
+        seed=0,
+    )
+    history = trainer.fit(
+        model,
+        (x, y),
+        batch_size=64,
+        epochs=20,
+        validation_split=0.2,
+        verbose=2,
+        callbacks=[EarlyStopping(monitor="val_accuracy", patience=5, restore_best_weights=True)],
+    )
     best = max(history.history["val_accuracy"])
     print(f"best validation accuracy: {best:.4f}")
     assert best >= 0.95, best
