@@ -230,6 +230,8 @@ class Optimizer:
         if ctx is not None and not ctx._is_default:
             return ctx.merge_call(_merge_apply, args=(self, grads, variables))
         strategy = self._strategy_of(variables)
+        if context.get_strategy() is strategy:
+            return self._apply_aggregated(strategy, grads, variables)
         with context.enter_or_assert_strategy(strategy):
             return self._apply_aggregated(strategy, grads, variables)
 

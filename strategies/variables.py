@@ -425,6 +425,10 @@ class LocalVariable(Variable):
         return self._device
 
     def _assign(self, op: str, value):
+        if op != "assign" and (type(value) is int or (type(value) is float and self._tensor.is_floating_point())):
+            with torch.no_grad():  # a Python number needs no conversion (iterations += 1 every step)
+                _ASSIGN_OPS[op](self._tensor, value)
+            return self
         tensor = as_assign_value(value, self._tensor, self._name)
         with torch.no_grad():
             _ASSIGN_OPS[op](self._tensor, tensor)

@@ -85,7 +85,15 @@ class Metric:
         return self._states[name]
 
     def _add(self, name: str, value) -> None:
-        self._state(name).assign_add(value)
+        variable = self._states.get(name)
+        if variable is None:
+            variable = self._state(name)
+        if context.current_mode().cross_replica is None:
+            # In a replica (or with one copy) a SyncOnRead write is local by definition: add in place.
+            with torch.no_grad():
+                variable.value().add_(value)
+        else:
+            variable.assign_add(value)
 
     def reset_state(self) -> None:
         """Zeroes every accumulator (on every replica)."""
@@ -143,7 +151,7 @@ def _rows(values: torch.Tensor) -> torch.Tensor:
 
 def _weights(values: torch.Tensor, sample_weight):
     if sample_weight is None:
-        return values, values.new_tensor(float(values.shape[0]) if values.dim() else 1.0)
+        return values, float(values.shape[0]) if values.dim() else 1.0
     weight = torch.as_tensor(sample_weight, dtype=values.dtype, device=values.device).reshape(-1)
     return values * weight, weight.sum()
 
