@@ -53,6 +53,12 @@ def _positive(name: str, value) -> float:
     return value
 
 
+def _progress(step, decay_steps, staircase: bool) -> float:
+    """``step / decay_steps``, rounded down with ``staircase``."""
+    p = float(step) / decay_steps
+    return math.floor(p) if staircase else p
+
+
 class ExponentialDecay(LearningRateSchedule):
     """``initial_learning_rate * decay_rate ** (step / decay_steps)`` (integer division if ``staircase``).
 
@@ -76,10 +82,7 @@ class ExponentialDecay(LearningRateSchedule):
         self.name = name
 
     def __call__(self, step) -> float:
-        p = float(step) / self.decay_steps
-        if self.staircase:
-            p = math.floor(p)
-        return self.initial_learning_rate * self.decay_rate**p
+        return self.initial_learning_rate * self.decay_rate ** _progress(step, self.decay_steps, self.staircase)
 
     def get_config(self) -> dict:
         return {
@@ -195,10 +198,7 @@ class InverseTimeDecay(LearningRateSchedule):
         self.name = name
 
     def __call__(self, step) -> float:
-        p = float(step) / self.decay_steps
-        if self.staircase:
-            p = math.floor(p)
-        return self.initial_learning_rate / (1 + self.decay_rate * p)
+        return self.initial_learning_rate / (1 + self.decay_rate * _progress(step, self.decay_steps, self.staircase))
 
     def get_config(self) -> dict:
         return {

@@ -204,6 +204,37 @@ def resolve_verbose(verbose) -> int:
     return verbose
 
 
+class _Periodic(Callback):
+    """A callback that acts at each epoch's end, or every ``save_freq`` training steps."""
+
+    def __init__(self, save_freq):
+        super().__init__()
+        if save_freq != "epoch" and (not isinstance(save_freq, int) or save_freq < 1):
+            raise ValueError(f"save_freq must be 'epoch' or a positive int, got {save_freq!r}.")
+        self.save_freq = save_freq
+        self._steps = 0
+        self._epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.save_freq != "epoch":
+            self._steps += 1
+            if self._steps % self.save_freq == 0:
+                self._on_step(self._epoch, batch, logs or {})
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.save_freq == "epoch":
+            self._on_epoch(epoch, logs or {})
+
+    def _on_step(self, epoch: int, batch: int, logs: dict) -> None:
+        raise NotImplementedError
+
+    def _on_epoch(self, epoch: int, logs: dict) -> None:
+        raise NotImplementedError
+
+
 def _monitor_mode(monitor: str, mode: str) -> str:
     if mode not in ("auto", "min", "max"):
         raise ValueError(f"mode must be 'auto', 'min' or 'max', got {mode!r}.")
@@ -213,7 +244,7 @@ def _monitor_mode(monitor: str, mode: str) -> str:
     return "max" if any(k in name for k in ("acc", "auc", "precision", "recall")) else "min"
 
 
-class ModelCheckpoint(Callback):
+class ModelCheckpoint(_Periodic):
     """Saves a checkpoint after every epoch (or every ``save_freq`` steps).
 
     ``filepath`` may name ``{epoch}`` and any log key (``"ckpt-{epoch:02d}-{val_loss:.3f}.pt"``).
@@ -233,30 +264,18 @@ class ModelCheckpoint(Callback):
         save_freq="epoch",
         initial_value_threshold=None,
     ):
-        super().__init__()
+        super().__init__(save_freq)
         self.filepath = os.fspath(filepath)
         self.monitor, self.verbose = monitor, verbose
         self.save_best_only, self.save_weights_only = save_best_only, save_weights_only
         self.mode = _monitor_mode(monitor, mode)
-        if save_freq != "epoch" and (not isinstance(save_freq, int) or save_freq < 1):
-            raise ValueError(f"save_freq must be 'epoch' or a positive int, got {save_freq!r}.")
-        self.save_freq = save_freq
         self.best = initial_value_threshold
-        self._steps = 0
-        self._epoch = 0
 
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
+    def _on_step(self, epoch, batch, logs):
+        self._save(epoch, logs, batch=batch)
 
-    def on_train_batch_end(self, batch, logs=None):
-        if self.save_freq != "epoch":
-            self._steps += 1
-            if self._steps % self.save_freq == 0:
-                self._save(self._epoch, logs or {}, batch=batch)
-
-    def on_epoch_end(self, epoch, logs=None):
-        if self.save_freq == "epoch":
-            self._save(epoch, logs or {})
+    def _on_epoch(self, epoch, logs):
+        self._save(epoch, logs)
 
     def _save(self, epoch, logs, batch=None):
         path = self.filepath.format(epoch=epoch + 1, batch=(batch or 0) + 1, **logs)
@@ -476,7 +495,7 @@ class LambdaCallback(Callback):
                 setattr(self, name, fn)
 
 
-class BackupAndRestore(Callback):
+class BackupAndRestore(_Periodic):
     """Resumes an interrupted ``fit`` exactly where its last backup left it.
 
     A backup holds the model, the optimizer (slots, iterations), the metric
@@ -496,14 +515,9 @@ class BackupAndRestore(Callback):
     """
 
     def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint: bool = True):
-        super().__init__()
-        if save_freq != "epoch" and (not isinstance(save_freq, int) or save_freq < 1):
-            raise ValueError(f"save_freq must be 'epoch' or a positive int, got {save_freq!r}.")
+        super().__init__(save_freq)
         self.backup_dir = os.fspath(backup_dir)
-        self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
-        self._steps = 0
-        self._epoch = 0
 
     @property
     def path(self) -> str:
@@ -514,18 +528,11 @@ class BackupAndRestore(Callback):
         if os.path.exists(self.path):
             self.trainer._restore_training_state(checkpoint.load(self.path, kind="backup"))
 
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
+    def _on_step(self, epoch, batch, logs):
+        checkpoint.save(self.trainer._training_state(epoch, batch + 1), self.path)
 
-    def on_train_batch_end(self, batch, logs=None):
-        if self.save_freq != "epoch":
-            self._steps += 1
-            if self._steps % self.save_freq == 0:
-                checkpoint.save(self.trainer._training_state(self._epoch, batch + 1), self.path)
-
-    def on_epoch_end(self, epoch, logs=None):
-        if self.save_freq == "epoch":
-            checkpoint.save(self.trainer._training_state(epoch + 1, 0, (epoch, dict(logs or {}))), self.path)
+    def _on_epoch(self, epoch, logs):
+        checkpoint.save(self.trainer._training_state(epoch + 1, 0, (epoch, dict(logs))), self.path)
 
     def on_train_end(self, logs=None):
         if self.delete_checkpoint and os.path.exists(self.path):
