@@ -1,0 +1,91 @@
+"""The names recipes can use out of the box (``replicafit list`` prints them)."""
+
+from __future__ import annotations
+
+import optimizers
+import strategies as ds
+from optimizers import schedules
+
+from . import callbacks, datasets, losses, metrics, models
+from .registry import REGISTRIES
+
+
+def default() -> ds.Strategy:
+    """The default strategy: one replica on torch's current device."""
+    return ds.get_strategy()
+
+
+def one_device(device: str = "cpu") -> ds.Strategy:
+    """OneDeviceStrategy: every variable and computation on one device ("cpu", "cuda:0", ...)."""
+    return ds.OneDeviceStrategy(device)
+
+
+def mirrored(devices: list | None = None) -> ds.Strategy:
+    """MirroredStrategy: one replica per device, variables in sync (logical CPUs: ["cpu:0", "cpu:1"])."""
+    return ds.MirroredStrategy(devices)
+
+
+def central_storage(compute_devices: list | None = None, parameter_device: str | None = None) -> ds.Strategy:
+    """CentralStorageStrategy: variables on one parameter device, compute on several."""
+    return ds.CentralStorageStrategy(compute_devices, parameter_device)
+
+
+def _register_all() -> None:
+    register = lambda kind, name, factory, description="": REGISTRIES[kind].register(name, factory, description)  # noqa: E731
+    for name, factory in (
+        ("default", default),
+        ("one_device", one_device),
+        ("mirrored", mirrored),
+        ("central_storage", central_storage),
+    ):
+        register("strategy", name, factory)
+    for name, factory in (("mlp", models.mlp), ("cnn", models.cnn), ("linear", models.linear)):
+        register("model", name, factory)
+    for name, factory, task in (
+        ("digits", datasets.digits, "classification"),
+        ("classification", datasets.classification, "classification"),
+        ("regression", datasets.regression, "regression"),
+        ("npz", datasets.npz, None),
+        ("csv", datasets.csv, None),
+    ):
+        if task:
+            factory.task = task
+        register("dataset", name, factory)
+    for name, cls in (
+        ("sgd", optimizers.SGD),
+        ("adam", optimizers.Adam),
+        ("adamw", optimizers.AdamW),
+        ("rmsprop", optimizers.RMSprop),
+        ("adagrad", optimizers.Adagrad),
+    ):
+        register("optimizer", name, cls, (cls.__doc__ or "").strip().splitlines()[0])
+    for name, cls in (
+        ("exponential_decay", schedules.ExponentialDecay),
+        ("piecewise_constant_decay", schedules.PiecewiseConstantDecay),
+        ("polynomial_decay", schedules.PolynomialDecay),
+        ("inverse_time_decay", schedules.InverseTimeDecay),
+        ("cosine_decay", schedules.CosineDecay),
+    ):
+        register("schedule", name, cls)
+    for name, cls in losses._NAMES.items():
+        register("loss", name, cls)
+    for name, cls in metrics._NAMES.items():
+        register("metric", name, cls)
+    register(
+        "metric",
+        "accuracy",
+        metrics.Accuracy,
+        "accuracy that follows the loss (sparse categorical for cross_entropy, binary for binary_crossentropy)",
+    )
+    for name, cls in (
+        ("early_stopping", callbacks.EarlyStopping),
+        ("model_checkpoint", callbacks.ModelCheckpoint),
+        ("reduce_lr_on_plateau", callbacks.ReduceLROnPlateau),
+        ("csv_logger", callbacks.CSVLogger),
+        ("terminate_on_nan", callbacks.TerminateOnNaN),
+        ("backup_and_restore", callbacks.BackupAndRestore),
+    ):
+        register("callback", name, cls)
+
+
+_register_all()

@@ -1,0 +1,93 @@
+"""Built-in models for recipes: ``mlp``, ``cnn`` and ``linear``.
+
+Example::
+
+    >>> model = mlp(inputs=64, outputs=10, hidden=[32], dropout=0.1)
+    >>> model(torch.zeros(2, 64)).shape
+    torch.Size([2, 10])
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["mlp", "cnn", "linear"]
+
+_ACTIVATIONS = {
+    "relu": nn.ReLU,
+    "tanh": nn.Tanh,
+    "gelu": nn.GELU,
+    "sigmoid": nn.Sigmoid,
+    "silu": nn.SiLU,
+    "elu": nn.ELU,
+    "leaky_relu": nn.LeakyReLU,
+}
+
+
+def _activation(name: str) -> nn.Module:
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r}; known: {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]()
+
+
+def mlp(
+    inputs: int,
+    outputs: int,
+    hidden: list = (128,),
+    activation: str = "relu",
+    dropout: float = 0.0,
+    batch_norm: bool = False,
+) -> nn.Module:
+    """Multi-layer perceptron: Linear -> [BatchNorm] -> activation -> [Dropout] per hidden layer.
+
+    Outputs are logits (pair with ``cross_entropy``) or values (``mse``).
+    """
+    if not 0 <= dropout < 1:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    layers: list = []
+    width = inputs
+    for size in hidden:
+        layers.append(nn.Linear(width, size))
+        if batch_norm:
+            layers.append(nn.BatchNorm1d(size))
+        layers.append(_activation(activation))
+        if dropout:
+            layers.append(nn.Dropout(dropout))
+        width = size
+    layers.append(nn.Linear(width, outputs))
+    return nn.Sequential(*layers)
+
+
+class _CNN(nn.Module):
+    def __init__(self, in_channels, outputs, image_size, channels, dropout):
+        super().__init__()
+        layers, width, size = [], in_channels, image_size
+        for count in channels:
+            layers += [nn.Conv2d(width, count, kernel_size=3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+            width, size = count, max(1, size // 2)
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Sequential(
+            nn.Flatten(), nn.Dropout(dropout) if dropout else nn.Identity(), nn.Linear(width * size * size, outputs)
+        )
+        self.in_channels, self.image_size = in_channels, image_size
+
+    def forward(self, x):
+        if x.dim() == 2:  # flat pixels: restore the image
+            x = x.reshape(-1, self.in_channels, self.image_size, self.image_size)
+        elif x.dim() == 3:
+            x = x.unsqueeze(1)
+        return self.head(self.features(x))
+
+
+def cnn(
+    outputs: int, in_channels: int = 1, image_size: int = 8, channels: list = (16, 32), dropout: float = 0.0
+) -> nn.Module:
+    """A small convolutional network for square images: (Conv 3x3 -> ReLU -> MaxPool) per entry of
+    ``channels``, then a linear head. Accepts images ``(N, C, H, W)``, ``(N, H, W)`` or flat pixels."""
+    return _CNN(in_channels, outputs, image_size, tuple(channels), dropout)
+
+
+def linear(inputs: int, outputs: int = 1) -> nn.Module:
+    """A linear model: linear regression with ``mse``, logistic regression with ``binary_crossentropy``
+    (``from_logits``) or ``cross_entropy``."""
+    return nn.Linear(inputs, outputs)

@@ -1,0 +1,105 @@
+"""Registries: names a recipe can use, each mapped to a factory with a description.
+
+One registry per kind: strategies, models, datasets, optimizers, schedules, losses,
+metrics, callbacks. A name is registered once (a duplicate is refused). A user's
+package registers its own models and datasets with the decorators, or a recipe names
+any factory as ``"package.module:attribute"``.
+
+Example::
+
+    from trainer.registry import register_model
+
+    @register_model("tiny_mlp", "two-layer perceptron for smoke tests")
+    def tiny_mlp(inputs: int, outputs: int) -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(inputs, 8), torch.nn.ReLU(), torch.nn.Linear(8, outputs))
+"""
+
+from __future__ import annotations
+
+import importlib
+from difflib import get_close_matches
+
+__all__ = ["Registry", "REGISTRIES", "register_model", "register_dataset", "register_callback", "resolve"]
+
+
+class Registry:
+    """Names of one kind, each with a factory and a one-line description."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._entries: dict = {}
+
+    def register(self, name: str, factory=None, description: str = ""):
+        """Registers ``factory`` under ``name``; as a decorator when ``factory`` is omitted."""
+        if factory is None:
+            return lambda fn: self.register(name, fn, description) or fn
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"A {self.kind} name must be a non-empty string, got {name!r}.")
+        if name in self._entries:
+            raise ValueError(
+                f"The {self.kind} name {name!r} is already registered ({self._entries[name][0]!r}); pick another name."
+            )
+        if not description:
+            doc = (getattr(factory, "__doc__", None) or "").strip()
+            description = doc.splitlines()[0] if doc else ""
+        self._entries[name] = (factory, description)
+        return factory
+
+    def get(self, name: str):
+        return self._entries[name][0]
+
+    def __contains__(self, name) -> bool:
+        return name in self._entries
+
+    def names(self) -> list:
+        return sorted(self._entries)
+
+    def describe(self) -> list:
+        """``[(name, description), ...]`` sorted by name."""
+        return [(name, self._entries[name][1]) for name in self.names()]
+
+    def suggestion(self, name: str) -> str:
+        close = get_close_matches(str(name), self.names(), n=1)
+        return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+REGISTRIES = {
+    kind: Registry(kind)
+    for kind in ("strategy", "model", "dataset", "optimizer", "schedule", "loss", "metric", "callback")
+}
+
+
+def register_model(name: str, description: str = ""):
+    """Decorator: makes a model factory available to recipes as ``model: {type: name, ...}``."""
+    return REGISTRIES["model"].register(name, description=description)
+
+
+def register_dataset(name: str, description: str = ""):
+    """Decorator: makes a dataset factory available as ``data: {type: name, ...}``.
+
+    The factory returns a dict with ``train`` (anything ``Trainer.fit`` accepts) and
+    optionally ``validation``, ``task`` (``"classification"``/``"regression"``),
+    ``inputs`` and ``classes``.
+    """
+    return REGISTRIES["dataset"].register(name, description=description)
+
+
+def register_callback(name: str, description: str = ""):
+    """Decorator: makes a callback class available as ``callbacks: [{type: name, ...}]``."""
+    return REGISTRIES["callback"].register(name, description=description)
+
+
+def resolve(kind: str, name: str):
+    """The factory for ``name`` in registry ``kind``, or ``"module:attr"`` imported.
+
+    Raises ``KeyError`` with a did-you-mean hint for an unknown name, and
+    ``ImportError``/``AttributeError`` for a bad ``module:attr``.
+    """
+    registry = REGISTRIES[kind]
+    if name in registry:
+        return registry.get(name)
+    if ":" in name:
+        module_name, _, attribute = name.partition(":")
+        module = importlib.import_module(module_name)
+        return getattr(module, attribute)
+    raise KeyError(f"unknown {kind} {name!r}{registry.suggestion(name)}; `replicafit list {kind}` shows the names")
