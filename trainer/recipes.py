@@ -373,6 +373,7 @@ def validate(recipe: Recipe) -> dict:
         raise recipe.error(("seed",), f"expected an integer, got {type(seed).__name__} {seed!r}")
     checked: dict = {}
     checked["strategy"] = check_entry(recipe, ("strategy",), data.get("strategy", "default"), "strategy")
+    checked["strategy_instance"] = _make_strategy(recipe, *checked["strategy"])
     data_entry = data["data"]
     batch_keys = {}
     if isinstance(data_entry, dict):
@@ -407,6 +408,16 @@ def validate(recipe: Recipe) -> dict:
         raise recipe.error(("fit", "batch_size"), "batch_size is set in data too: set it in one place")
     _check_task(recipe, checked)
     return checked
+
+
+def _make_strategy(recipe: Recipe, factory, args):
+    """Builds the strategy now: devices that do not exist are a recipe error, before anything runs."""
+    try:
+        return factory(**args)
+    except (ValueError, TypeError, RuntimeError) as error:
+        device_keys = [k for k in ("devices", "compute_devices", "parameter_device", "device") if k in args]
+        key = ("strategy", device_keys[0]) if device_keys and "evice" in str(error) else ("strategy",)
+        raise recipe.error(key, str(error).splitlines()[0]) from None
 
 
 def _check_metric(recipe, index, value):
@@ -514,7 +525,7 @@ def build(recipe: Recipe, checked: dict | None = None) -> Run:
     checked = checked or validate(recipe)
     data = recipe.data
     seed = data.get("seed")
-    strategy = _call(recipe, ("strategy",), *checked["strategy"])
+    strategy = checked["strategy_instance"]
     info = _call(recipe, ("data",), *checked["data"])
     if not isinstance(info, dict) or "train" not in info:
         raise recipe.error(("data",), "a dataset factory must return a dict with a 'train' entry")
