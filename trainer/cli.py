@@ -231,6 +231,7 @@ def _draw(run_dir: str, quiet: bool) -> bool:
             axis.plot(epochs, [float(r[f"val_{name}"]) for r in rows], label="validation")
         axis.set_title(name)
         axis.set_xlabel("epoch")
+        axis.xaxis.get_major_locator().set_params(integer=True)
         axis.legend()
     figure.tight_layout()
     figure.savefig(os.path.join(run_dir, "history.png"), dpi=100)
