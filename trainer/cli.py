@@ -170,7 +170,7 @@ def _checkpointed_run(args):
         run.trainer.load_checkpoint(args.checkpoint, model=run.model)
     except CheckpointError as error:
         raise _UsageError(str(error)) from None
-    except RuntimeError as error:  # the checkpoint does not fit this recipe's model
+    except (RuntimeError, ValueError) as error:  # the checkpoint does not fit this recipe's model
         raise _UsageError(
             f"{args.checkpoint} does not match the recipe's model: {str(error).splitlines()[0]}"
         ) from None

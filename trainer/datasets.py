@@ -117,7 +117,7 @@ def npz(
 ) -> dict:
     """Arrays from a NumPy ``.npz`` file: ``features`` and ``labels`` name the arrays."""
     if not os.path.exists(path):
-        raise ValueError(f"no such file: {path}")
+        raise ValueError(f"no such file: {path!r}")
     with np.load(path, allow_pickle=False) as archive:
         missing = [name for name in (features, labels) if name not in archive.files]
         if missing:
@@ -139,7 +139,7 @@ def csv(
     """A CSV file with a header: ``label`` names the target column, ``features`` the inputs
     (default: every other column). Values must be numbers."""
     if not os.path.exists(path):
-        raise ValueError(f"no such file: {path}")
+        raise ValueError(f"no such file: {path!r}")
     with open(path, newline="") as file:
         reader = csv_module.reader(file, delimiter=delimiter)
         header = next(reader, None)

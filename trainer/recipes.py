@@ -104,9 +104,25 @@ def _interpolate(text: str, path: str) -> str:
             value = default
         return value
 
-    return "".join(
-        _ENV.sub(lambda m, n=n: replace(m, n), line) for n, line in enumerate(text.splitlines(keepends=True), start=1)
-    )
+    out = []
+    for number, line in enumerate(text.splitlines(keepends=True), start=1):
+        cut = _comment_start(line)
+        out.append(_ENV.sub(lambda m, n=number: replace(m, n), line[:cut]) + line[cut:])
+    return "".join(out)
+
+
+def _comment_start(line: str) -> int:
+    """Where a YAML comment starts on ``line`` (``#`` at the start or after a space, outside quotes)."""
+    quote = None
+    for index, char in enumerate(line):
+        if quote:
+            if char == quote:
+                quote = None
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (index == 0 or line[index - 1] in " \t"):
+            return index
+    return len(line)
 
 
 def _record_lines(node, key: tuple, lines: dict) -> None:
@@ -380,6 +396,9 @@ def validate(recipe: Recipe) -> dict:
         batch_keys = {k: data_entry[k] for k in ("batch_size",) if k in data_entry}
         data_entry = {k: v for k, v in data_entry.items() if k not in batch_keys}
     checked["data"] = check_entry(recipe, ("data",), data_entry, "dataset")
+    checked["data_instance"] = _call(recipe, ("data",), *checked["data"])  # loads now: bad values fail here
+    if not isinstance(checked["data_instance"], dict) or "train" not in checked["data_instance"]:
+        raise recipe.error(("data",), "a dataset factory must return a dict with a 'train' entry")
     for name, value in batch_keys.items():
         problem = _type_problem(value, (int,), False)
         if problem or value < 1:
@@ -415,9 +434,24 @@ def _make_strategy(recipe: Recipe, factory, args):
     try:
         return factory(**args)
     except (ValueError, TypeError, RuntimeError) as error:
-        device_keys = [k for k in ("devices", "compute_devices", "parameter_device", "device") if k in args]
-        key = ("strategy", device_keys[0]) if device_keys and "evice" in str(error) else ("strategy",)
-        raise recipe.error(key, str(error).splitlines()[0]) from None
+        raise recipe.error(_blame(("strategy",), args, str(error)), str(error).splitlines()[0]) from None
+
+
+def _blame(key: tuple, args: dict, message: str) -> tuple:
+    """The argument an error message is about: the one whose quoted value comes first in it,
+    else one it names."""
+    quoted = []
+    for name, value in args.items():
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            position = message.find(f"'{item}'") if isinstance(item, str) else -1
+            if position >= 0:
+                quoted.append((position, name))
+    if quoted:
+        return key + (min(quoted)[1],)
+    for name in args:
+        if re.search(rf"\b{re.escape(name)}\b", message):
+            return key + (name,)
+    return key
 
 
 def _check_metric(recipe, index, value):
@@ -513,7 +547,8 @@ def _call(recipe, key, factory, args, **extra):
     try:
         return factory(**args, **extra)
     except (ValueError, TypeError, RuntimeError) as error:
-        raise recipe.error(key, str(error).splitlines()[0] if str(error) else type(error).__name__) from None
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise recipe.error(_blame(key, args, message), message) from None
 
 
 def build(recipe: Recipe, checked: dict | None = None) -> Run:
@@ -526,9 +561,7 @@ def build(recipe: Recipe, checked: dict | None = None) -> Run:
     data = recipe.data
     seed = data.get("seed")
     strategy = checked["strategy_instance"]
-    info = _call(recipe, ("data",), *checked["data"])
-    if not isinstance(info, dict) or "train" not in info:
-        raise recipe.error(("data",), "a dataset factory must return a dict with a 'train' entry")
+    info = checked["data_instance"]
     model_factory, model_args = checked["model"]
     params, _ = _parameters(model_factory)
     extra = {}
@@ -550,8 +583,9 @@ def build(recipe: Recipe, checked: dict | None = None) -> Run:
             )
         optimizer = _call(recipe, ("optimizer",), optimizer_factory, optimizer_args)
     loss = _call(recipe, ("loss",), *checked["loss"])
+    metric_names = [_entry_name(m) for m in data.get("metrics", []) or []]
     metrics = [
-        name if name == "accuracy" else _call(recipe, ("metrics", i), name, args)
+        name if name == "accuracy" else _call(recipe, ("metrics", i), name, _named(args, name, metric_names[i]))
         for i, (name, args) in enumerate(checked["metrics"])
     ]
     callbacks = [_call(recipe, ("callbacks", i), f, a) for i, (f, a) in enumerate(checked["callbacks"])]
@@ -561,6 +595,14 @@ def build(recipe: Recipe, checked: dict | None = None) -> Run:
     if info.get("validation") is not None and "validation_split" not in fit_kwargs:
         fit_kwargs["validation_data"] = info["validation"]
     return Run(recipe, strategy, model, info, trainer, callbacks, fit_kwargs, dict(checked["evaluate"]))
+
+
+def _named(args: dict, factory, name) -> dict:
+    """Logs use the name the recipe wrote (``mae``), as ``Trainer(metrics=["mae"])`` does."""
+    params, _ = _parameters(factory)
+    if "name" in params and "name" not in args and isinstance(name, str):
+        return dict(args, name=name)
+    return args
 
 
 def _target_width(info):
