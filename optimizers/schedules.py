@@ -59,30 +59,25 @@ def _progress(step, decay_steps, staircase: bool) -> float:
     return math.floor(p) if staircase else p
 
 
-class ExponentialDecay(LearningRateSchedule):
-    """``initial_learning_rate * decay_rate ** (step / decay_steps)`` (integer division if ``staircase``).
-
-    Example::
-
-        ExponentialDecay(0.1, decay_steps=1000, decay_rate=0.96, staircase=True)
-    """
+class _StepDecay(LearningRateSchedule):
+    """Shared arguments of the schedules driven by ``step / decay_steps``."""
 
     def __init__(
         self,
         initial_learning_rate: float,
-        decay_steps: int,
+        decay_steps,
         decay_rate: float,
         staircase: bool = False,
-        name: str = "ExponentialDecay",
+        name: str | None = None,
     ):
         self.initial_learning_rate = initial_learning_rate
         self.decay_steps = _positive("decay_steps", decay_steps)
         self.decay_rate = decay_rate
         self.staircase = staircase
-        self.name = name
+        self.name = name or type(self).__name__
 
-    def __call__(self, step) -> float:
-        return self.initial_learning_rate * self.decay_rate ** _progress(step, self.decay_steps, self.staircase)
+    def _progress(self, step) -> float:
+        return _progress(step, self.decay_steps, self.staircase)
 
     def get_config(self) -> dict:
         return {
@@ -92,6 +87,18 @@ class ExponentialDecay(LearningRateSchedule):
             "staircase": self.staircase,
             "name": self.name,
         }
+
+
+class ExponentialDecay(_StepDecay):
+    """``initial_learning_rate * decay_rate ** (step / decay_steps)`` (integer division if ``staircase``).
+
+    Example::
+
+        ExponentialDecay(0.1, decay_steps=1000, decay_rate=0.96, staircase=True)
+    """
+
+    def __call__(self, step) -> float:
+        return self.initial_learning_rate * self.decay_rate ** self._progress(step)
 
 
 class PiecewiseConstantDecay(LearningRateSchedule):
@@ -175,7 +182,7 @@ class PolynomialDecay(LearningRateSchedule):
         }
 
 
-class InverseTimeDecay(LearningRateSchedule):
+class InverseTimeDecay(_StepDecay):
     """``initial_learning_rate / (1 + decay_rate * step / decay_steps)`` (integer division if ``staircase``).
 
     Example::
@@ -183,31 +190,8 @@ class InverseTimeDecay(LearningRateSchedule):
         InverseTimeDecay(0.1, decay_steps=1.0, decay_rate=0.5)
     """
 
-    def __init__(
-        self,
-        initial_learning_rate: float,
-        decay_steps,
-        decay_rate: float,
-        staircase: bool = False,
-        name: str = "InverseTimeDecay",
-    ):
-        self.initial_learning_rate = initial_learning_rate
-        self.decay_steps = _positive("decay_steps", decay_steps)
-        self.decay_rate = decay_rate
-        self.staircase = staircase
-        self.name = name
-
     def __call__(self, step) -> float:
-        return self.initial_learning_rate / (1 + self.decay_rate * _progress(step, self.decay_steps, self.staircase))
-
-    def get_config(self) -> dict:
-        return {
-            "initial_learning_rate": self.initial_learning_rate,
-            "decay_steps": self.decay_steps,
-            "decay_rate": self.decay_rate,
-            "staircase": self.staircase,
-            "name": self.name,
-        }
+        return self.initial_learning_rate / (1 + self.decay_rate * self._progress(step))
 
 
 class CosineDecay(LearningRateSchedule):

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import copy
 import math
-from difflib import get_close_matches
 
 import torch
 import torch.nn.functional as F
+
+from .registry import did_you_mean
 
 __all__ = [
     "Loss",
@@ -213,8 +214,7 @@ def get(identifier) -> Loss:
     if isinstance(identifier, str):
         cls = _NAMES.get(identifier.lower())
         if cls is None:
-            close = get_close_matches(identifier.lower(), _NAMES, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            hint = did_you_mean(identifier.lower(), _NAMES)
             raise ValueError(f"Unknown loss {identifier!r}{hint}; known: {sorted(_NAMES)}.")
         return cls()
     if isinstance(identifier, torch.nn.modules.loss._Loss):

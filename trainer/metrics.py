@@ -18,12 +18,13 @@ Example::
 from __future__ import annotations
 
 import math
-from difflib import get_close_matches
 
 import torch
 
 import strategies as ds
 from strategies import context
+
+from .registry import did_you_mean
 
 __all__ = [
     "Metric",
@@ -352,7 +353,6 @@ def get(identifier, loss=None) -> Metric:
         return cls(name="accuracy")
     cls = _NAMES.get(key)
     if cls is None:
-        close = get_close_matches(key, list(_NAMES) + ["accuracy"], n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint = did_you_mean(key, list(_NAMES) + ["accuracy"])
         raise ValueError(f"Unknown metric {identifier!r}{hint}; known: {sorted(_NAMES) + ['accuracy']}.")
     return cls(name=key)

@@ -24,12 +24,11 @@ import inspect
 import os
 import re
 from dataclasses import dataclass, field
-from difflib import get_close_matches
 
 import yaml
 
 from . import builtins  # noqa: F401 - registers the built-in names
-from .registry import resolve
+from .registry import did_you_mean, resolve
 
 __all__ = ["RecipeError", "Recipe", "load", "validate", "build", "Run", "SECTIONS"]
 
@@ -294,11 +293,6 @@ def _names(types) -> str:
     return " or ".join(words.get(t, t.__name__) for t in types)
 
 
-def _did_you_mean(name, options) -> str:
-    close = get_close_matches(str(name), list(options), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def check_entry(recipe: Recipe, key: tuple, value, kind: str, provided=()):
     """Validates ``{type: name, ...args}`` (or a name) of registry ``kind``; returns ``(factory, args)``.
 
@@ -332,7 +326,7 @@ def check_entry(recipe: Recipe, key: tuple, value, kind: str, provided=()):
         if name not in params:
             if open_kwargs:
                 continue
-            raise recipe.error(key + (name,), f"unknown argument of {type_name!r}{_did_you_mean(name, params)}")
+            raise recipe.error(key + (name,), f"unknown argument of {type_name!r}{did_you_mean(name, params)}")
         if isinstance(arg, dict) and "type" in arg and name == "learning_rate":
             continue  # a schedule: checked by the caller
         types, allow_none = _expected(params[name])
@@ -378,9 +372,7 @@ def validate(recipe: Recipe) -> dict:
     data = recipe.data
     for key in data:
         if key not in SECTIONS:
-            raise recipe.error(
-                (key,), f"unknown section{_did_you_mean(key, SECTIONS)}; sections: {', '.join(SECTIONS)}"
-            )
+            raise recipe.error((key,), f"unknown section{did_you_mean(key, SECTIONS)}; sections: {', '.join(SECTIONS)}")
     for required in ("model", "data"):
         if required not in data:
             raise recipe.error((), f"missing section {required!r}")
@@ -467,7 +459,7 @@ def _check_plain(recipe: Recipe, section: str, keys: dict) -> dict:
     for name, value in values.items():
         if name not in keys:
             raise recipe.error(
-                (section, name), f"unknown {section} argument{_did_you_mean(name, keys)}; known: {', '.join(keys)}"
+                (section, name), f"unknown {section} argument{did_you_mean(name, keys)}; known: {', '.join(keys)}"
             )
         expected = keys[name]
         if expected == "verbose":

@@ -19,7 +19,15 @@ from __future__ import annotations
 import importlib
 from difflib import get_close_matches
 
-__all__ = ["Registry", "REGISTRIES", "register_model", "register_dataset", "register_callback", "resolve"]
+__all__ = [
+    "Registry",
+    "REGISTRIES",
+    "did_you_mean",
+    "register_model",
+    "register_dataset",
+    "register_callback",
+    "resolve",
+]
 
 
 class Registry:
@@ -59,8 +67,13 @@ class Registry:
         return [(name, self._entries[name][1]) for name in self.names()]
 
     def suggestion(self, name: str) -> str:
-        close = get_close_matches(str(name), self.names(), n=1)
-        return f" (did you mean {close[0]!r}?)" if close else ""
+        return did_you_mean(name, self.names())
+
+
+def did_you_mean(name, options) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``options``, or an empty string."""
+    close = get_close_matches(str(name), [str(o) for o in options], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 REGISTRIES = {
