@@ -142,6 +142,8 @@ def split_global_batch(element, workers: InputWorkers, placer: _Placer):
     """This worker's replicas' slices of one global batch, placed and grouped."""
     flat = [_as_tensor(leaf) for leaf in nest.flatten(element)]
     size = _batch_size(flat)
+    if workers.num_replicas_in_sync == 1:  # one replica: the whole batch, placed
+        return nest.pack_sequence_as(element, [placer.place(leaf, 0) for leaf in flat])
     sizes = split_sizes(size, workers.num_replicas_in_sync)
     start = sum(sizes[: workers.first_replica])
     per_replica = []

@@ -91,8 +91,10 @@ class Metric:
             variable = self._state(name)
         if context.current_mode().cross_replica is None:
             # In a replica (or with one copy) a SyncOnRead write is local by definition: add in place.
-            with torch.no_grad():
-                variable.value().add_(value)
+            # Accumulators never require grad, and values are detached, so no autograd is involved.
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                value = value.detach()
+            variable.value().add_(value)
         else:
             variable.assign_add(value)
 
