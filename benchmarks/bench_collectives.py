@@ -18,7 +18,7 @@ import time
 
 import torch
 
-import strategies as ds
+import replicafit.strategies as ds
 
 
 def _median_seconds(fn, repeats: int, inner: int = 1) -> float:

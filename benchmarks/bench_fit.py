@@ -20,9 +20,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-import strategies as ds
-from data import datasets
-from trainer import Trainer
+import replicafit.strategies as ds
+from replicafit.data import datasets
+from replicafit.trainer import Trainer
 
 
 def make_model() -> torch.nn.Module:

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-import data
-import strategies as ds
+import replicafit.strategies as ds
+from replicafit import data
 
 
 def make_loader(steps: int, batch: int = 256) -> torch.utils.data.DataLoader:

@@ -19,8 +19,8 @@ import time
 
 import torch
 
-import optimizers
-import strategies as ds
+import replicafit.strategies as ds
+from replicafit import optimizers
 
 
 def make_model() -> torch.nn.Module:

@@ -2,8 +2,8 @@
 
 Example::
 
-    import strategies as ds
-    from data import as_global_batches
+    import replicafit.strategies as ds
+    from replicafit.data import as_global_batches
     strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
     batches = as_global_batches((x, y), batch_size=64, shuffle=True, seed=0)
     for xb, yb in strategy.experimental_distribute_dataset(batches):   # leaves are PerReplica

@@ -31,9 +31,9 @@ import weakref
 import numpy as np
 import torch
 
-from strategies import context, nest
-from strategies.devices import torch_device
-from strategies.values import PerReplica
+from replicafit.strategies import context, nest
+from replicafit.strategies.devices import torch_device
+from replicafit.strategies.values import PerReplica
 
 from .options import InputContext, InputOptions, InputReplicationMode
 

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from strategies import nest
+from replicafit.strategies import nest
 
 __all__ = ["as_global_batches", "ArrayBatches", "DatasetBatches", "epoch_permutation"]
 

@@ -8,9 +8,9 @@ Run: python examples/digits_mirrored.py
 import numpy as np
 import torch
 
-import strategies as ds
-from data import datasets
-from trainer import EarlyStopping, Trainer
+import replicafit.strategies as ds
+from replicafit.data import datasets
+from replicafit.trainer import EarlyStopping, Trainer
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ Run: python examples/quickstart.py
 
 import torch
 
-import strategies as ds
+import replicafit.strategies as ds
 
 
 def main() -> None:

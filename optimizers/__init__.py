@@ -2,7 +2,7 @@
 
 Example::
 
-    import optimizers
+    from replicafit import optimizers
     optimizer = optimizers.get("adam")                       # or optimizers.Adam(1e-3)
     optimizer = optimizers.SGD(0.1, momentum=0.9, global_clipnorm=1.0)
     optimizer = optimizers.from_torch(torch.optim.AdamW, lr=1e-3)

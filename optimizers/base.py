@@ -22,7 +22,7 @@ strategy without seeing one.
 A complete optimizer (Lion, Chen et al. 2023) in a few lines::
 
     import torch
-    from optimizers import Optimizer
+    from replicafit.optimizers import Optimizer
 
     class Lion(Optimizer):
         def __init__(self, learning_rate=1e-4, beta_1=0.9, beta_2=0.99, **kwargs):
@@ -60,10 +60,10 @@ from __future__ import annotations
 
 import torch
 
-import strategies as ds
-from strategies import context
-from strategies.devices import canonicalize
-from strategies.values import local_results, value_container
+import replicafit.strategies as ds
+from replicafit.strategies import context
+from replicafit.strategies.devices import canonicalize
+from replicafit.strategies.values import local_results, value_container
 
 from . import schedules
 

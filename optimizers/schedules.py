@@ -5,7 +5,7 @@ far) before each update.
 
 Example::
 
-    >>> from optimizers import schedules
+    >>> from replicafit.optimizers import schedules
     >>> lr = schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.5)
     >>> round(lr(10), 6), round(lr(5), 6)
     (0.05, 0.070711)

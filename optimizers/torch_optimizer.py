@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from strategies.values import local_results
+from replicafit.strategies.values import local_results
 
 from .base import Optimizer
 

@@ -2,7 +2,7 @@
 
 Example::
 
-    >>> import torch, strategies as ds
+    >>> import torch, replicafit.strategies as ds
     >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
     >>> out = strategy.run(lambda: torch.tensor([1.0, 2.0]) * (ds.get_replica_context().replica_id_in_sync_group + 1))
     >>> strategy.reduce("SUM", out, axis=None)

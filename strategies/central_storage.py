@@ -65,7 +65,7 @@ class CentralStorageStrategy(Strategy):
 
     Example::
 
-        >>> import strategies as ds
+        >>> import replicafit.strategies as ds
         >>> strategy = ds.CentralStorageStrategy(["cpu:0", "cpu:1"], parameter_device="cpu:0")
         >>> strategy.extended.parameter_devices
         ('cpu:0',)

@@ -14,7 +14,7 @@ replica, the current device) with its replica context.
 
 Example::
 
-    >>> import strategies as ds
+    >>> import replicafit.strategies as ds
     >>> ds.has_strategy()
     False
     >>> s = ds.OneDeviceStrategy("cpu")
@@ -190,7 +190,7 @@ def experimental_set_strategy(strategy) -> None:
     stack = _local.stack
     others = [m for m in stack if not m.is_set_strategy]
     if others:
-        raise RuntimeError("Must not be called inside a `strategies.Strategy` scope.")
+        raise RuntimeError("Must not be called inside a `replicafit.strategies.Strategy` scope.")
     del stack[:]
     if strategy is not None:
         if strategy is default_strategy():

@@ -14,7 +14,7 @@ hundreds of parameters costs a handful of reductions, not hundreds.
 
 Example::
 
-    >>> import torch, strategies as ds
+    >>> import torch, replicafit.strategies as ds
     >>> ops = ds.ReductionToOneDevice()
     >>> value = ds.PerReplica((torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])), ("cpu:0", "cpu:1"))
     >>> ops.reduce("SUM", value, destinations=["cpu:0", "cpu:1"]).values
@@ -53,7 +53,7 @@ def destination_devices(destinations) -> tuple[str, ...]:
         if all(isinstance(d, (str, torch.device)) for d in destinations):
             return canonicalize_list(destinations, "destinations")
     raise ValueError(
-        "destinations must be one of a `DistributedValues` object, a strategies.Variable object, a device "
+        "destinations must be one of a `DistributedValues` object, a replicafit.strategies.Variable object, a device "
         f"string or a list of device strings; got {type(destinations).__name__}: {destinations!r}."
     )
 
@@ -221,8 +221,8 @@ class ReductionToOneDevice(CrossDeviceOps):
 
     Example::
 
-        strategy = strategies.MirroredStrategy(
-            ["cpu:0", "cpu:1"], cross_device_ops=strategies.ReductionToOneDevice())
+        strategy = ds.MirroredStrategy(
+            ["cpu:0", "cpu:1"], cross_device_ops=ds.ReductionToOneDevice())
     """
 
     _force_flat = False  # tests set this to check the flat-buffer path against the multi-tensor one
@@ -310,8 +310,8 @@ class NcclAllReduce(CrossDeviceOps):
 
     Example::
 
-        strategy = strategies.MirroredStrategy(["cuda:0", "cuda:1"],
-                                               cross_device_ops=strategies.NcclAllReduce())
+        strategy = ds.MirroredStrategy(["cuda:0", "cuda:1"],
+                                               cross_device_ops=ds.NcclAllReduce())
     """
 
     def __init__(self, num_packs: int = 1):

@@ -50,8 +50,8 @@ def set_logical_cpu_count(count: int) -> None:
 
     Example::
 
-        strategies.set_logical_cpu_count(16)
-        strategy = strategies.MirroredStrategy([f"cpu:{i}" for i in range(16)])
+        ds.set_logical_cpu_count(16)
+        strategy = ds.MirroredStrategy([f"cpu:{i}" for i in range(16)])
     """
     global _logical_cpus
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
@@ -91,7 +91,9 @@ def list_logical_devices() -> list[str]:
 
 def _available_text() -> str:
     gpus = _cuda_count()
-    text = f"cpu:0 ... cpu:{_logical_cpus - 1} (logical CPUs; strategies.set_logical_cpu_count() sets how many)"
+    text = (
+        f"cpu:0 ... cpu:{_logical_cpus - 1} (logical CPUs; replicafit.strategies.set_logical_cpu_count() sets how many)"
+    )
     text += f", cuda:0 ... cuda:{gpus - 1}" if gpus else ", and no CUDA device"
     return text
 

@@ -7,7 +7,7 @@ scope.
 
 Example::
 
-    >>> import torch, strategies as ds
+    >>> import torch, replicafit.strategies as ds
     >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
     >>> out = strategy.run(lambda: torch.tensor(float(ds.get_replica_context().replica_id_in_sync_group)))
     >>> strategy.reduce("SUM", out, axis=None)
@@ -476,14 +476,14 @@ class Strategy:
     """A distribution strategy: how computation and variables are spread over replicas.
 
     Use one of ``OneDeviceStrategy``, ``MirroredStrategy``, ``CentralStorageStrategy``;
-    the default strategy (``strategies.get_strategy()`` outside any scope) runs one
+    the default strategy (``ds.get_strategy()`` outside any scope) runs one
     replica on torch's current device.
 
     Example::
 
-        strategy = strategies.MirroredStrategy(["cpu:0", "cpu:1"])
+        strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
         with strategy.scope():
-            v = strategies.Variable(1.0)                        # a MirroredVariable
+            v = ds.Variable(1.0)                        # a MirroredVariable
 
         def step(x):
             return x * v
@@ -531,7 +531,7 @@ class Strategy:
         Example::
 
             def step(x):
-                return {"double": 2 * x, "id": strategies.get_replica_context().replica_id_in_sync_group}
+                return {"double": 2 * x, "id": ds.get_replica_context().replica_id_in_sync_group}
 
             strategy.run(step, args=(dist_x,))
         """
@@ -543,7 +543,9 @@ class Strategy:
         if isinstance(options, CommunicationOptions):
             timeout = options.timeout_seconds
         elif options is not None:
-            raise TypeError(f"run(options=...) takes a strategies.CommunicationOptions or None, got {options!r}.")
+            raise TypeError(
+                f"run(options=...) takes a replicafit.strategies.CommunicationOptions or None, got {options!r}."
+            )
         if args or kwargs:
             check_component_counts((args, kwargs), self.num_replicas_in_sync, "An argument of strategy.run()")
         with _Scope(self):
@@ -615,7 +617,7 @@ class Strategy:
         """
         require_cross_replica(
             self,
-            "strategies.Strategy.gather method requires cross-replica context, use "
+            "replicafit.strategies.Strategy.gather method requires cross-replica context, use "
             "get_replica_context().all_gather() instead",
         )
         if not isinstance(axis, int) or isinstance(axis, bool):
@@ -644,13 +646,13 @@ class Strategy:
             for batch in strategy.experimental_distribute_dataset(loader):
                 strategy.run(step, args=(batch,))
         """
-        from data import DistributedDataset  # the data layer sits above; imported on use
+        from replicafit.data import DistributedDataset  # the data layer sits above; imported on use
 
         return DistributedDataset(dataset, self, options)
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """Calls ``dataset_fn(InputContext)`` for per-replica batches (see ``data``)."""
-        from data import DistributedDatasetsFromFunction
+        from replicafit.data import DistributedDatasetsFromFunction
 
         return DistributedDatasetsFromFunction(dataset_fn, self, options)
 
@@ -669,19 +671,19 @@ class Strategy:
 
     def experimental_make_numpy_dataset(self, numpy_input):
         """A nest of arrays as an unbatched ``torch.utils.data.Dataset`` of tensor nests on the host."""
-        from data import NumpyDataset
+        from replicafit.data import NumpyDataset
 
         return NumpyDataset(numpy_input)
 
     def make_dataset_iterator(self, dataset):
         """v1: an iterator (``get_next()``, ``initialize()``) over ``experimental_distribute_dataset``."""
-        from data import make_v1_iterator
+        from replicafit.data import make_v1_iterator
 
         return make_v1_iterator(self.experimental_distribute_dataset(dataset))
 
     def make_input_fn_iterator(self, input_fn, replication_mode=None):
         """v1: an iterator over ``input_fn(InputContext)``'s per-replica batches (PER_WORKER only)."""
-        from data import InputReplicationMode, make_v1_iterator
+        from replicafit.data import InputReplicationMode, make_v1_iterator
 
         mode = InputReplicationMode.PER_WORKER if replication_mode is None else replication_mode
         if not isinstance(mode, InputReplicationMode) and mode in ("PER_WORKER", "PER_REPLICA"):

@@ -57,7 +57,7 @@ class MirroredStrategy(Strategy):
 
     Example::
 
-        >>> import torch, strategies as ds
+        >>> import torch, replicafit.strategies as ds
         >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
         >>> with strategy.scope():
         ...     v = ds.Variable(1.0)
@@ -74,6 +74,8 @@ class MirroredStrategy(Strategy):
             devices = local_gpus() or ["cpu:0"]
         devices = canonicalize_list(devices, "devices")
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
-            raise ValueError(f"cross_device_ops must be a strategies.CrossDeviceOps, got {cross_device_ops!r}.")
+            raise ValueError(
+                f"cross_device_ops must be a replicafit.strategies.CrossDeviceOps, got {cross_device_ops!r}."
+            )
         ops = cross_device_ops or _default_cross_device_ops(devices)
         super().__init__(MirroredExtended(self, devices, devices, ops))

@@ -12,7 +12,7 @@ batch-norm statistics are ``SyncOnRead``/``MEAN``, integer buffers
 
 Example::
 
-    >>> import torch, strategies as ds
+    >>> import torch, replicafit.strategies as ds
     >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
     >>> model = torch.nn.Linear(3, 1)
     >>> dmodel = strategy.distribute_module(model)

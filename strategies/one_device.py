@@ -17,7 +17,7 @@ class OneDeviceStrategy(Strategy):
 
     Example::
 
-        >>> import torch, strategies as ds
+        >>> import torch, replicafit.strategies as ds
         >>> strategy = ds.OneDeviceStrategy("cpu:0")
         >>> with strategy.scope():
         ...     v = ds.Variable(1.0)

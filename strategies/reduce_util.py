@@ -91,7 +91,7 @@ def as_reduce_op(reduce_op) -> ReduceOp:
         return reduce_op
     if isinstance(reduce_op, VariableAggregation):
         raise TypeError(
-            f"Expected `reduce_op` to be a `strategies.ReduceOp`, not: {reduce_op!r}; "
+            f"Expected `reduce_op` to be a `replicafit.strategies.ReduceOp`, not: {reduce_op!r}; "
             "use ReduceOp.from_variable_aggregation() to convert an aggregation."
         )
     if isinstance(reduce_op, str):
@@ -100,7 +100,7 @@ def as_reduce_op(reduce_op) -> ReduceOp:
         except ValueError:
             pass
         raise ValueError(f"{reduce_op!r} is not a valid ReduceOp: use 'SUM' or 'MEAN'.")
-    raise TypeError(f"Expected `reduce_op` to be a `strategies.ReduceOp` or a string, not: {reduce_op!r}")
+    raise TypeError(f"Expected `reduce_op` to be a `replicafit.strategies.ReduceOp` or a string, not: {reduce_op!r}")
 
 
 class CommunicationImplementation(_CaseInsensitiveEnum):

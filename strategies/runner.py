@@ -58,7 +58,7 @@ class ReplicaContext:
     Example::
 
         def step(x):
-            ctx = strategies.get_replica_context()
+            ctx = ds.get_replica_context()
             total = ctx.all_reduce("SUM", x.sum())          # same value on every replica
             return total, ctx.replica_id_in_sync_group
 
@@ -104,7 +104,7 @@ class ReplicaContext:
                 return strategy.reduce("SUM", value, axis=None)
 
             def step():
-                ctx = strategies.get_replica_context()
+                ctx = ds.get_replica_context()
                 return ctx.merge_call(merge_fn, args=(torch.tensor(1.0),))
         """
         require_replica_context(self)

@@ -7,7 +7,7 @@ with ``.values``; only variables act as tensors.
 
 Example::
 
-    >>> import torch, strategies as ds
+    >>> import torch, replicafit.strategies as ds
     >>> pr = ds.PerReplica((torch.tensor(1.0), torch.tensor(2.0)))
     >>> pr.values
     (tensor(1.), tensor(2.))
@@ -141,7 +141,7 @@ class PerReplica(_Container):
 
     Example::
 
-        out = strategy.run(lambda: strategies.get_replica_context().replica_id_in_sync_group)
+        out = strategy.run(lambda: ds.get_replica_context().replica_id_in_sync_group)
         strategy.experimental_local_results(out)   # (0, 1)
     """
 

@@ -15,7 +15,7 @@ reduced across replicas; in cross-replica context one value is written to every 
 
 Example::
 
-    >>> import strategies as ds
+    >>> import replicafit.strategies as ds
     >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
     >>> with strategy.scope():
     ...     v = ds.Variable(1.0, aggregation=ds.VariableAggregation.SUM)
@@ -168,7 +168,7 @@ class Variable(metaclass=_VariableMeta):
 
     Example::
 
-        v = strategies.Variable(torch.zeros(3), name="w")
+        v = ds.Variable(torch.zeros(3), name="w")
         v.assign_add(torch.ones(3))
         torch.sum(v)        # tensor(3.)
         v * 2               # tensor([2., 2., 2.])
@@ -323,7 +323,7 @@ class Variable(metaclass=_VariableMeta):
 
     def _short_repr(self, name=None, device=None) -> str:
         return (
-            f"<strategies.Variable '{name or self.name}' shape={tuple(self.shape)} "
+            f"<replicafit.Variable '{name or self.name}' shape={tuple(self.shape)} "
             f"dtype={str(self.dtype).replace('torch.', '')}, device='{device or self.device}', "
             f"numpy={self._value_repr()}>"
         )
@@ -466,12 +466,13 @@ def _aggregation_error(kind: str, name: str) -> ValueError:
     return ValueError(
         f"You must specify an aggregation method to update a {kind} in Replica Context "
         f"(variable '{name}'). You can do so by passing an explicit value for argument `aggregation` to "
-        "strategies.Variable(..), e.g. `strategies.Variable(..., "
-        "aggregation=strategies.VariableAggregation.SUM)`; `strategies.VariableAggregation` lists the "
+        "replicafit.strategies.Variable(..), e.g. `replicafit.strategies.Variable(..., "
+        "aggregation=replicafit.strategies.VariableAggregation.SUM)`; "
+        "`replicafit.strategies.VariableAggregation` lists the "
         f"possible aggregation methods. This is required because a {kind} should always be kept in sync: "
         "when updating it in a replica context, the values of the replicas are aggregated before the "
         "update, and the aggregation method says how. Alternatively, update it in cross-replica context: "
-        "call `strategies.get_replica_context().merge_call(merge_fn, ...)` and, inside `merge_fn`, update "
+        "call `replicafit.strategies.get_replica_context().merge_call(merge_fn, ...)` and, inside `merge_fn`, update "
         "the variable with `strategy.extended.update()`."
     )
 
@@ -548,8 +549,8 @@ class MirroredVariable(DistributedVariable):
     Example::
 
         with strategy.scope():
-            v = strategies.Variable(1.0, aggregation="MEAN")
-        strategy.run(lambda: v.assign(float(strategies.get_replica_context().replica_id_in_sync_group)))
+            v = ds.Variable(1.0, aggregation="MEAN")
+        strategy.run(lambda: v.assign(float(ds.get_replica_context().replica_id_in_sync_group)))
         v.numpy()    # 0.5 (mean of 0 and 1) on every copy
     """
 
@@ -584,7 +585,7 @@ class SyncOnReadVariable(DistributedVariable):
     Example::
 
         with strategy.scope():
-            total = strategies.Variable(0.0, synchronization="ON_READ", aggregation="SUM")
+            total = ds.Variable(0.0, synchronization="ON_READ", aggregation="SUM")
         strategy.run(lambda: total.assign_add(1.0))
         total.numpy()     # 2.0 with two replicas
     """
@@ -642,10 +643,10 @@ class CentralStorageVariable(Variable):
 
     Example::
 
-        strategy = strategies.CentralStorageStrategy(["cpu:0", "cpu:1"], parameter_device="cpu:0")
+        strategy = ds.CentralStorageStrategy(["cpu:0", "cpu:1"], parameter_device="cpu:0")
         with strategy.scope():
-            v = strategies.Variable(1.0)
-        v.values            # (<strategies.Variable 'Variable' ... device='cpu:0' ...>,)
+            v = ds.Variable(1.0)
+        v.values            # (<replicafit.Variable 'Variable' ... device='cpu:0' ...>,)
     """
 
     def __init__(self, strategy, primary: LocalVariable, replica_tensors=None):

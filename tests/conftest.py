@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import strategies as ds
+import replicafit.strategies as ds
 
 STRATEGY_IDS = ["default", "one_device", "mirrored2", "central_storage2"]
 
@@ -40,7 +40,7 @@ def multi_strategy(request):
 @pytest.fixture(autouse=True)
 def _clean_context():
     """Every test starts and ends in the default context with torch's default modes."""
-    from strategies import context
+    from replicafit.strategies import context
 
     assert context.stack_depth() == 0
     yield

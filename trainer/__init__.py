@@ -2,7 +2,7 @@
 
 Example::
 
-    from trainer import Trainer
+    from replicafit.trainer import Trainer
     trainer = Trainer(strategy=strategy, optimizer="adam", loss="cross_entropy", metrics=["accuracy"], seed=0)
     history = trainer.fit(model, (x, y), batch_size=64, epochs=10, validation_split=0.2)
 """

@@ -1,4 +1,4 @@
-"""``python -m trainer`` is the ``replicafit`` command."""
+"""``python -m replicafit.trainer`` is the ``replicafit`` command too (usually spelt ``python -m replicafit``)."""
 
 import sys
 

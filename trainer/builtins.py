@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import optimizers
-import strategies as ds
-from optimizers import schedules
+import replicafit.strategies as ds
+from replicafit import optimizers
+from replicafit.optimizers import schedules
 
 from . import callbacks, datasets, losses, metrics, models
 from .registry import REGISTRIES

@@ -1,4 +1,4 @@
-"""The ``replicafit`` command (also ``python -m trainer``).
+"""The ``replicafit`` command (also ``python -m replicafit``).
 
 ::
 

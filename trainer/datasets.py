@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 
-from data import datasets as shipped
+from replicafit.data import datasets as shipped
 
 __all__ = ["digits", "classification", "regression", "npz", "csv"]
 
@@ -67,7 +67,7 @@ def classification(
     validation_split: float = 0.2,
     seed: int = 0,
 ) -> dict:
-    """Seeded Gaussian clusters (``data.datasets.make_classification``)."""
+    """Seeded Gaussian clusters (``replicafit.data.datasets.make_classification``)."""
     x, y = shipped.make_classification(
         n_samples,
         n_features,
@@ -89,7 +89,7 @@ def regression(
     validation_split: float = 0.2,
     seed: int = 0,
 ) -> dict:
-    """A seeded linear regression problem (``data.datasets.make_regression``); targets shaped ``(n, 1)``."""
+    """A seeded linear regression problem (``replicafit.data.datasets.make_regression``); targets shaped ``(n, 1)``."""
     x, y = shipped.make_regression(
         n_samples, n_features, n_informative=n_informative, noise=noise, bias=bias, seed=seed
     )

@@ -21,8 +21,8 @@ import math
 
 import torch
 
-import strategies as ds
-from strategies import context
+import replicafit.strategies as ds
+from replicafit.strategies import context
 
 from .registry import did_you_mean
 

@@ -7,7 +7,7 @@ any factory as ``"package.module:attribute"``.
 
 Example::
 
-    from trainer.registry import register_model
+    from replicafit.trainer.registry import register_model
 
     @register_model("tiny_mlp", "two-layer perceptron for smoke tests")
     def tiny_mlp(inputs: int, outputs: int) -> torch.nn.Module:

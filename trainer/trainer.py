@@ -9,9 +9,9 @@ variables and are read, aggregated, when logs are needed.
 
 Example::
 
-    import strategies as ds
-    from data import datasets
-    from trainer import Trainer
+    import replicafit.strategies as ds
+    from replicafit.data import datasets
+    from replicafit.trainer import Trainer
 
     x, y = datasets.load_digits(normalize=True)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
@@ -33,10 +33,10 @@ from collections.abc import Mapping
 
 import torch
 
-import data as data_layer
-import optimizers
-import strategies as ds
-from strategies import context, nest
+import replicafit.data as data_layer
+import replicafit.strategies as ds
+from replicafit import optimizers
+from replicafit.strategies import context, nest
 
 from . import callbacks as callbacks_module
 from . import checkpoint, losses, metrics
@@ -113,7 +113,7 @@ class Trainer:
     Args:
       strategy: any strategy; ``None`` uses the current one (the default strategy
         outside any scope).
-      optimizer: a name (``"adam"``), a config dict or an ``optimizers.Optimizer``.
+      optimizer: a name (``"adam"``), a config dict or a ``replicafit.optimizers.Optimizer``.
       loss: a name, a callable ``(y_true, y_pred) -> per-example loss``, a torch loss
         module, or (multi-output models) a dict/list of them.
       metrics: names (``"accuracy"`` follows the loss) or ``metrics.Metric`` objects.

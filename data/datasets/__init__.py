@@ -5,7 +5,7 @@ generators make their data from a seed.
 
 Example::
 
-    >>> from data import datasets
+    >>> from replicafit.data import datasets
     >>> x, y = datasets.load_digits()
     >>> x.shape, y.shape, x.dtype, y.dtype
     ((1797, 64), (1797,), dtype('float32'), dtype('int64'))

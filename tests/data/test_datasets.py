@@ -1,4 +1,4 @@
-"""Bundled and synthetic data sets: ``data.datasets`` (load_digits, make_classification, make_regression)."""
+"""Bundled and synthetic data sets: ``replicafit.data.datasets`` (load_digits, make_classification, make_regression)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import zipfile
 import numpy as np
 import pytest
 
-import data
-from data import datasets
+from replicafit import data
+from replicafit.data import datasets
 
 DIGIT_COUNTS = [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
 

@@ -11,8 +11,8 @@ import torch
 from conftest import make_strategy, requires_gpus
 from torch.utils.data import DataLoader, TensorDataset
 
-import data
-import strategies as ds
+import replicafit.strategies as ds
+from replicafit import data
 
 Example = collections.namedtuple("Example", ["features", "label"])
 

@@ -1,4 +1,5 @@
-"""Sources of global batches: ``data.as_global_batches``, ``ArrayBatches``, ``DatasetBatches`` (API.md §2)."""
+"""Sources of global batches: ``replicafit.data.as_global_batches``, ``ArrayBatches``, ``DatasetBatches``
+(API.md §2)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from conftest import make_strategy
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
-import data
+from replicafit import data
 
 Pair = collections.namedtuple("Pair", ["features", "label"])
 

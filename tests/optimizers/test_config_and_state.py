@@ -1,4 +1,4 @@
-"""Optimizer configs, ``optimizers.get``, validation, iterations, variables and state dicts.
+"""Optimizer configs, ``replicafit.optimizers.get``, validation, iterations, variables and state dicts.
 
 Reference: API.md section 3; Keras 3 optimizer defaults and ``get``.
 """
@@ -13,9 +13,9 @@ import pytest
 import torch
 from conftest import make_strategy
 
-import optimizers
-import strategies as ds
-from optimizers import schedules
+import replicafit.strategies as ds
+from replicafit import optimizers
+from replicafit.optimizers import schedules
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -18,8 +18,8 @@ import torch
 from conftest import make_strategy
 from torch import nn
 
-import optimizers
-import strategies as ds
+import replicafit.strategies as ds
+from replicafit import optimizers
 
 pytestmark = pytest.mark.timeout(60)
 

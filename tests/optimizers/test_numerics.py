@@ -16,9 +16,9 @@ import pytest
 import torch
 from conftest import make_strategy
 
-import optimizers
-import strategies as ds
-from optimizers import schedules
+import replicafit.strategies as ds
+from replicafit import optimizers
+from replicafit.optimizers import schedules
 
 pytestmark = pytest.mark.timeout(60)
 

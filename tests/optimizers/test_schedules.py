@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-import optimizers
-import strategies as ds
-from optimizers import schedules
+import replicafit.strategies as ds
+from replicafit import optimizers
+from replicafit.optimizers import schedules
 
 pytestmark = pytest.mark.timeout(60)
 

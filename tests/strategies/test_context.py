@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import make_strategy
 
-import strategies as ds
+import replicafit.strategies as ds
 
 DEFAULT = ds.get_strategy()
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import make_strategy, requires_gpus
 
-import strategies as ds
-from strategies.cross_device_ops import group_by_size
+import replicafit.strategies as ds
+from replicafit.strategies.cross_device_ops import group_by_size
 
 
 def distribute(strategy, values):
@@ -513,7 +513,7 @@ def test_nccl_all_reduce_on_gpus(num_packs, op):
 
 @pytest.mark.parametrize("budget, calls", [(0, 3), (1, 3 * len(SHAPES)), (10**9, 3)])
 def test_bytes_per_pack_controls_how_many_reductions_run(monkeypatch, budget, calls):
-    import strategies.cross_device_ops as cdo
+    import replicafit.strategies.cross_device_ops as cdo
 
     seen = []
     original = cdo._sum_packed_foreach

@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import requires_gpus
 
-import strategies as ds
-from strategies.devices import canonicalize, canonicalize_list, torch_device
+import replicafit.strategies as ds
+from replicafit.strategies.devices import canonicalize, canonicalize_list, torch_device
 
 HAS_GPU = torch.cuda.is_available() and torch.cuda.device_count() > 0
 

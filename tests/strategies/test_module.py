@@ -12,9 +12,9 @@ import torch
 from conftest import make_strategy
 from torch import nn
 
-import strategies as ds
-from strategies import VariableAggregation as Agg
-from strategies import VariableSynchronization as Sync
+import replicafit.strategies as ds
+from replicafit.strategies import VariableAggregation as Agg
+from replicafit.strategies import VariableSynchronization as Sync
 
 pytestmark = pytest.mark.timeout(60)
 

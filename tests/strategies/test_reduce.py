@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import make_strategy
 
-import strategies as ds
+import replicafit.strategies as ds
 
 Pair = collections.namedtuple("Pair", ["first", "second"])
 

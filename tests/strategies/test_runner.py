@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import make_strategy
 
-import strategies as ds
+import replicafit.strategies as ds
 
 DEFAULT = ds.get_strategy()
 MERGE_MISMATCH = "Some replicas made a different number of replica_context().merge_call() calls."
@@ -1390,7 +1390,7 @@ def test_thread_state_left_by_a_replica_does_not_leak_into_the_next_run():
 
 @pytest.mark.timeout(30)
 def test_a_scope_left_open_by_a_merge_fn_neither_hangs_nor_dirties_the_caller():
-    from strategies import context
+    from replicafit.strategies import context
 
     strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import make_strategy
 
-import data
-import strategies as ds
+import replicafit.strategies as ds
+from replicafit import data
 
 
 def replica_id():

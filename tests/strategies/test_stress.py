@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-import strategies as ds
+import replicafit.strategies as ds
 
 N = 8
 DEVICES = [f"cpu:{i}" for i in range(N)]

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from conftest import make_strategy
 
-import strategies as ds
-from strategies import VariableAggregation as Agg
-from strategies import VariableSynchronization as Sync
+import replicafit.strategies as ds
+from replicafit.strategies import VariableAggregation as Agg
+from replicafit.strategies import VariableSynchronization as Sync
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -808,21 +808,21 @@ def test_repr_tensorflow_style():
         s = ds.Variable(torch.tensor([1.0, 2.0]), name="s", synchronization="ON_READ", aggregation="SUM")
     assert repr(v) == (
         "MirroredVariable:{\n"
-        "  0: <strategies.Variable 'v' shape=() dtype=float32, device='cpu:0', numpy=10.0>,\n"
-        "  1: <strategies.Variable 'v/replica_1' shape=() dtype=float32, device='cpu:1', numpy=10.0>\n"
+        "  0: <replicafit.Variable 'v' shape=() dtype=float32, device='cpu:0', numpy=10.0>,\n"
+        "  1: <replicafit.Variable 'v/replica_1' shape=() dtype=float32, device='cpu:1', numpy=10.0>\n"
         "}"
     )
-    assert repr(s).startswith("SyncOnReadVariable:{\n  0: <strategies.Variable 's' shape=(2,) dtype=float32, ")
-    assert "  1: <strategies.Variable 's/replica_1' shape=(2,) dtype=float32, device='cpu:1'" in repr(s)
+    assert repr(s).startswith("SyncOnReadVariable:{\n  0: <replicafit.Variable 's' shape=(2,) dtype=float32, ")
+    assert "  1: <replicafit.Variable 's/replica_1' shape=(2,) dtype=float32, device='cpu:1'" in repr(s)
     assert repr(s).endswith(">\n}")
     with make_strategy("one_device").scope():
         local = ds.Variable(2, name="n", dtype=torch.int64)
-    assert repr(local) == "<strategies.Variable 'n' shape=() dtype=int64, device='cpu:0', numpy=2>"
+    assert repr(local) == "<replicafit.Variable 'n' shape=() dtype=int64, device='cpu:0', numpy=2>"
     cs = central2()
     with cs.scope():
         c = ds.Variable(1.0, name="c")
     assert repr(c).startswith("CentralStorageVariable:{")
-    assert "<strategies.Variable 'c' shape=() dtype=float32, device='cpu:0', numpy=1.0>" in repr(c)
+    assert "<replicafit.Variable 'c' shape=() dtype=float32, device='cpu:0', numpy=1.0>" in repr(c)
 
 
 # --- variables created inside run -----------------------------------------------------------------

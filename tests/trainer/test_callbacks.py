@@ -15,8 +15,8 @@ import pytest
 import torch
 from conftest import make_strategy
 
-import optimizers
-from trainer import (
+from replicafit import optimizers
+from replicafit.trainer import (
     Callback,
     CSVLogger,
     EarlyStopping,
@@ -29,7 +29,7 @@ from trainer import (
     TerminateOnNaN,
     Trainer,
 )
-from trainer import callbacks as callbacks_module
+from replicafit.trainer import callbacks as callbacks_module
 
 # --- helpers ------------------------------------------------------------------------------------
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 from conftest import make_strategy
 
-import optimizers
-from optimizers import schedules
-from trainer import BackupAndRestore, Callback, CheckpointError, LambdaCallback, Trainer
+from replicafit import optimizers
+from replicafit.optimizers import schedules
+from replicafit.trainer import BackupAndRestore, Callback, CheckpointError, LambdaCallback, Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -492,9 +492,9 @@ SCRIPT = textwrap.dedent(
 
     import torch
 
-    import optimizers
-    import strategies as ds
-    from trainer import BackupAndRestore, Callback, Trainer
+    from replicafit import optimizers
+    import replicafit.strategies as ds
+    from replicafit.trainer import BackupAndRestore, Callback, Trainer
 
     mode, backup_dir, out = sys.argv[1:4]
     KILL_AT = 13  # global step: epoch 2, batch 3 of 5
@@ -532,10 +532,8 @@ SCRIPT = textwrap.dedent(
 
 
 def run_script(script: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return subprocess.run(
-        [sys.executable, str(script), *args], env=env, cwd=str(REPO), capture_output=True, text=True, timeout=100
+        [sys.executable, str(script), *args], cwd=str(REPO), capture_output=True, text=True, timeout=100
     )
 
 

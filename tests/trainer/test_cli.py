@@ -1,4 +1,4 @@
-"""The ``replicafit`` command (also ``python -m trainer``): fit, evaluate, predict, validate, list, plot.
+"""The ``replicafit`` command (also ``python -m replicafit``): fit, evaluate, predict, validate, list, plot.
 
 API.md section 4: ``replicafit fit RECIPE [--set a.b=value ...]``, ``replicafit evaluate RECIPE
 --checkpoint P``, ``replicafit validate RECIPE``, ``replicafit list``; a bad recipe gets one
@@ -21,8 +21,8 @@ import pytest
 import torch
 import yaml
 
-from trainer import cli, datasets
-from trainer.registry import REGISTRIES
+from replicafit.trainer import cli, datasets
+from replicafit.trainer.registry import REGISTRIES
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"
@@ -38,7 +38,7 @@ def run_cli(capsys, *argv):
 
 def run_module(*argv, cwd=ROOT, timeout=120):
     return subprocess.run(
-        [sys.executable, "-m", "trainer", *map(str, argv)],
+        [sys.executable, "-m", "replicafit", *map(str, argv)],
         cwd=cwd,
         capture_output=True,
         text=True,

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from conftest import make_strategy
 from torch import nn
 
-import optimizers
-import strategies as ds
-from data import as_global_batches, datasets
-from trainer import Callback, Trainer
+import replicafit.strategies as ds
+from replicafit import optimizers
+from replicafit.data import as_global_batches, datasets
+from replicafit.trainer import Callback, Trainer
 
 ALL_STRATEGIES = ["default", "one_device", "mirrored2", "mirrored3", "central_storage2"]
 

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from conftest import make_strategy
 from torch import nn
 
-import optimizers
-from data import as_global_batches
-from trainer import Trainer, losses, metrics
+from replicafit import optimizers
+from replicafit.data import as_global_batches
+from replicafit.trainer import Trainer, losses, metrics
 
 ALL_STRATEGIES = ["default", "one_device", "mirrored2", "mirrored3", "central_storage2"]
 RNG = np.random.default_rng(0)

@@ -1,7 +1,7 @@
 """YAML recipes (API.md section 4, "Recipes"): loading, validation errors, --set, ${VAR}, registries.
 
 A bad recipe gets one message ``file:line: key.path: problem`` (a did-you-mean for a misspelt
-key or name), exit status 2 and no traceback. Most tests call ``trainer.cli.main`` directly;
+key or name), exit status 2 and no traceback. Most tests call ``replicafit.trainer.cli.main`` directly;
 test_cli.py runs the command end to end.
 """
 
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainer import cli, recipes
-from trainer.registry import REGISTRIES, register_dataset, register_model
+from replicafit.trainer import cli, recipes
+from replicafit.trainer.registry import REGISTRIES, register_dataset, register_model
 
 MARK = "#<"  # marks the line an error must point at
 
@@ -1046,12 +1046,12 @@ def test_register_dataset_decorator(tmp_path, capsys):
 
 
 def test_registry_names_and_resolve():
-    from trainer.registry import resolve
+    from replicafit.trainer.registry import resolve
 
     assert {"one_device", "mirrored", "central_storage", "default"} <= set(REGISTRIES["strategy"].names())
     assert {"mlp", "cnn", "linear"} <= set(REGISTRIES["model"].names())
     assert {"digits", "classification", "regression", "npz", "csv"} <= set(REGISTRIES["dataset"].names())
-    assert resolve("model", "trainer.models:mlp") is REGISTRIES["model"].get("mlp")
+    assert resolve("model", "replicafit.trainer.models:mlp") is REGISTRIES["model"].get("mlp")
     with pytest.raises(KeyError, match="did you mean 'mirrored'"):
         resolve("strategy", "mirored")
 
