@@ -173,6 +173,18 @@ class StrategyExtended:
         return False
 
     @property
+    def should_checkpoint(self) -> bool:
+        """Whether this process writes checkpoints (TensorFlow's name): always, in one process;
+        the chief only, across workers."""
+        return True
+
+    @property
+    def should_save_summary(self) -> bool:
+        """Whether this process writes summaries such as TensorBoard's (TensorFlow's name): as
+        ``should_checkpoint``."""
+        return self.should_checkpoint
+
+    @property
     def _num_replicas_in_sync(self) -> int:
         return len(self._worker_devices)
 

@@ -23,6 +23,8 @@ from .callbacks import (
     TerminateOnNaN,
 )
 from .checkpoint import CheckpointError
+from .model_summary import ModelSummary, summary
+from .tensorboard import TensorBoard
 from .trainer import Trainer
 
 __all__ = [
@@ -36,12 +38,15 @@ __all__ = [
     "LambdaCallback",
     "LearningRateScheduler",
     "ModelCheckpoint",
+    "ModelSummary",
     "ProgbarLogger",
     "ReduceLROnPlateau",
+    "TensorBoard",
     "TerminateOnNaN",
     "Trainer",
     "callbacks",
     "checkpoint",
     "losses",
     "metrics",
+    "summary",
 ]

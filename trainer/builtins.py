@@ -8,6 +8,7 @@ from replicafit.optimizers import schedules
 
 from . import callbacks, datasets, losses, metrics, models
 from .registry import REGISTRIES
+from .tensorboard import TensorBoard
 
 
 def default() -> ds.Strategy:
@@ -84,6 +85,7 @@ def _register_all() -> None:
         ("csv_logger", callbacks.CSVLogger),
         ("terminate_on_nan", callbacks.TerminateOnNaN),
         ("backup_and_restore", callbacks.BackupAndRestore),
+        ("tensorboard", TensorBoard),
     ):
         register("callback", name, cls)
 

@@ -6,8 +6,11 @@
     replicafit evaluate RECIPE --checkpoint PATH [--set ...]
     replicafit predict RECIPE --checkpoint PATH [--output FILE.npy] [--set ...]
     replicafit validate RECIPE [--set ...]
-    replicafit list [KIND]
+    replicafit list [KIND]                      (KIND: recipes, strategy, model, ...)
     replicafit plot RUN_DIR
+
+RECIPE is a YAML file, or the name of a recipe that ships with replicafit
+(``replicafit fit digits_mlp``; ``replicafit list recipes`` shows them).
 
 A bad recipe prints one line ``file:line: key.path: problem`` and exits with status 2.
 """
@@ -34,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
 
     def recipe_command(name, help_text):
         sub = commands.add_parser(name, help=help_text)
-        sub.add_argument("recipe", help="the recipe file (YAML)")
+        sub.add_argument("recipe", help="a recipe file (YAML) or a shipped recipe's name (`replicafit list recipes`)")
         sub.add_argument(
             "--set",
             dest="overrides",
@@ -47,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
 
     fit = recipe_command("fit", "train a model from a recipe")
     fit.add_argument("--run-dir", help="where the run's files go (default: runs/<time>-<recipe name>)")
+    fit.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also log for TensorBoard into RUN_DIR/tensorboard (needs: pip install 'replicafit[tensorboard]')",
+    )
     evaluate = recipe_command("evaluate", "evaluate a checkpoint on the recipe's validation data")
     evaluate.add_argument("--checkpoint", required=True, help="a checkpoint written by `replicafit fit`")
     predict = recipe_command("predict", "write predictions of a checkpoint for the recipe's validation data")
@@ -55,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     recipe_command("validate", "check a recipe without running it")
     listing = commands.add_parser("list", help="list the registered names")
     listing.add_argument(
-        "kind", nargs="?", help="strategy, model, dataset, optimizer, schedule, loss, metric or callback"
+        "kind", nargs="?", help="recipes, strategy, model, dataset, optimizer, schedule, loss, metric or callback"
     )
     plot = commands.add_parser("plot", help="draw history.png for a run directory (needs matplotlib)")
     plot.add_argument("run_dir")
@@ -82,6 +90,10 @@ def main(argv=None) -> int:
     except _UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # `replicafit list | head`: the reader left; no traceback
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
+        return 1
 
 
 class _UsageError(Exception):
@@ -102,13 +114,18 @@ def _validate(args) -> int:
 
 
 def _list(args) -> int:
-    from . import recipes  # noqa: F401 - registers the built-ins
+    from . import recipes  # also registers the built-ins
     from .registry import REGISTRIES
 
-    kinds = [args.kind] if args.kind else list(REGISTRIES)
+    kinds = [args.kind] if args.kind else ["recipes", *REGISTRIES]
     for kind in kinds:
+        if kind in ("recipes", "recipe"):
+            print("recipes:")
+            for name, path in recipes.shipped().items():
+                print(f"  {name:<28} {recipes.describe(path)}")
+            continue
         if kind not in REGISTRIES:
-            raise _UsageError(f"unknown kind {kind!r}; kinds: {', '.join(REGISTRIES)}")
+            raise _UsageError(f"unknown kind {kind!r}; kinds: recipes, {', '.join(REGISTRIES)}")
         print(f"{kind}:")
         for name, description in REGISTRIES[kind].describe():
             print(f"  {name:<28} {description}")
@@ -127,23 +144,33 @@ def _fit(args) -> int:
 
     from . import recipes
     from .callbacks import CSVLogger, ModelCheckpoint
+    from .model_summary import summary
+    from .tensorboard import TensorBoard
 
     recipe, checked = _load(args)
-    run = recipes.build(recipe, checked)
     run_dir = _run_dir(args, recipe)
+    run = recipes.build(recipe, checked, run_dir=run_dir)
     os.makedirs(os.path.join(run_dir, "checkpoints"), exist_ok=True)
     with open(os.path.join(run_dir, "recipe.yaml"), "w") as file:
         yaml.safe_dump(recipe.data, file, sort_keys=False)
-    callbacks = list(run.callbacks) + [
-        CSVLogger(os.path.join(run_dir, "history.csv")),
-        ModelCheckpoint(
-            os.path.join(run_dir, "checkpoints", "best.pt"),
-            monitor="val_loss"
-            if run.fit_kwargs.get("validation_data") is not None or run.fit_kwargs.get("validation_split")
-            else "loss",
-            save_best_only=True,
-        ),
-    ]
+    summary(run.model, input_data=_example_input(run.train))
+    extra = []
+    if args.tensorboard and not any(isinstance(c, TensorBoard) for c in run.callbacks):
+        extra.append(TensorBoard(os.path.join(run_dir, recipes.TENSORBOARD_DIR)))
+    callbacks = (
+        list(run.callbacks)
+        + extra
+        + [
+            CSVLogger(os.path.join(run_dir, "history.csv")),
+            ModelCheckpoint(
+                os.path.join(run_dir, "checkpoints", "best.pt"),
+                monitor="val_loss"
+                if run.fit_kwargs.get("validation_data") is not None or run.fit_kwargs.get("validation_split")
+                else "loss",
+                save_best_only=True,
+            ),
+        ]
+    )
     history = run.trainer.fit(run.model, run.train, callbacks=callbacks, **run.fit_kwargs)
     final = run.trainer.save_checkpoint(os.path.join(run_dir, "checkpoints", "last.pt"))
     results = {key: values[-1] for key, values in history.history.items() if values}
@@ -158,6 +185,15 @@ def _fit(args) -> int:
         print(f"validation accuracy: {results['val_accuracy']:.4f}")
     print(f"run directory: {run_dir}" + ("" if drawn else " (pip install 'replicafit[plot]' for history.png)"))
     return 0
+
+
+def _example_input(train):
+    """The first two rows of the training inputs, for the model summary's output shapes (or None)."""
+    inputs = train[0] if isinstance(train, (tuple, list)) and train else None
+    try:
+        return inputs[:2] if inputs is not None and len(inputs) else None
+    except TypeError:  # not an array: the summary goes without shapes
+        return None
 
 
 def _checkpointed_run(args):

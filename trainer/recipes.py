@@ -30,7 +30,7 @@ import yaml
 from . import builtins  # noqa: F401 - registers the built-in names
 from .registry import did_you_mean, resolve
 
-__all__ = ["RecipeError", "Recipe", "load", "validate", "build", "Run", "SECTIONS"]
+__all__ = ["RecipeError", "Recipe", "load", "locate", "shipped", "describe", "validate", "build", "Run", "SECTIONS"]
 
 SECTIONS = ("seed", "strategy", "model", "data", "optimizer", "loss", "metrics", "callbacks", "fit", "evaluate")
 FIT_KEYS = {
@@ -177,9 +177,57 @@ def _has(container, part) -> bool:
     return isinstance(part, int) and part < len(container)
 
 
+def shipped() -> dict:
+    """``{name: path}`` of the recipes that ship with replicafit (the ``replicafit.recipes`` package)."""
+    from importlib import resources
+
+    folder = resources.files("replicafit.recipes")
+    found = {
+        entry.name[: -len(".yaml")]: os.fspath(entry) for entry in folder.iterdir() if entry.name.endswith(".yaml")
+    }
+    return dict(sorted(found.items()))
+
+
+def describe(path) -> str:
+    """A recipe's one-line description: the text of its first comment line."""
+    with open(path) as file:
+        for line in file:
+            if line.startswith("#"):
+                return line.lstrip("#").strip()
+            if line.strip():
+                break
+    return ""
+
+
+def locate(name_or_path) -> str:
+    """The file a recipe argument means: an existing path as given, else a shipped recipe's name.
+
+    ``"recipes/digits_mlp.yaml"`` is a path; ``"digits_mlp"`` (or ``"digits_mlp.yaml"``, with no
+    directory) names the shipped recipe wherever replicafit is installed. Anything else is a
+    ``RecipeError`` that lists the shipped names.
+    """
+    path = os.fspath(name_or_path)
+    if os.path.exists(path) or os.path.dirname(path):
+        return path
+    name = path[: -len(".yaml")] if path.endswith(".yaml") else path[: -len(".yml")] if path.endswith(".yml") else path
+    recipes = shipped()
+    if name in recipes:
+        return recipes[name]
+    raise RecipeError(
+        path,
+        None,
+        "",
+        f"no such recipe file, and no shipped recipe of that name{did_you_mean(name, recipes)}; "
+        f"shipped recipes: {', '.join(recipes)} (`replicafit list recipes`)",
+    )
+
+
 def load(path, overrides=()) -> Recipe:
-    """Reads a recipe: environment interpolation, YAML (``safe_load``), then ``--set`` overrides."""
-    path = os.fspath(path)
+    """Reads a recipe: environment interpolation, YAML (``safe_load``), then ``--set`` overrides.
+
+    ``path`` is a file, or the name of a shipped recipe (``"digits_mlp"``, see ``locate``).
+    """
+    path = locate(path)
     try:
         with open(path) as file:
             text = file.read()
@@ -543,8 +591,15 @@ def _call(recipe, key, factory, args, **extra):
         raise recipe.error(_blame(key, args, message), message) from None
 
 
-def build(recipe: Recipe, checked: dict | None = None) -> Run:
-    """Validates (unless given the result) and constructs the strategy, data, model, trainer and callbacks."""
+TENSORBOARD_DIR = "tensorboard"
+
+
+def build(recipe: Recipe, checked: dict | None = None, run_dir=None) -> Run:
+    """Validates (unless given the result) and constructs the strategy, data, model, trainer and callbacks.
+
+    With ``run_dir``, a callback whose ``log_dir`` the recipe leaves out (``{type: tensorboard}``)
+    logs into ``run_dir/tensorboard``.
+    """
     import torch
 
     from .trainer import Trainer
@@ -580,13 +635,21 @@ def build(recipe: Recipe, checked: dict | None = None) -> Run:
         name if name == "accuracy" else _call(recipe, ("metrics", i), name, _named(args, name, metric_names[i]))
         for i, (name, args) in enumerate(checked["metrics"])
     ]
-    callbacks = [_call(recipe, ("callbacks", i), f, a) for i, (f, a) in enumerate(checked["callbacks"])]
+    callbacks = [
+        _call(recipe, ("callbacks", i), f, _in_run_dir(f, a, run_dir)) for i, (f, a) in enumerate(checked["callbacks"])
+    ]
     trainer = Trainer(strategy=strategy, optimizer=optimizer, loss=loss, metrics=metrics, seed=seed)
     fit_kwargs = dict(checked["fit"])
     fit_kwargs.update(checked["data_batch"])
     if info.get("validation") is not None and "validation_split" not in fit_kwargs:
         fit_kwargs["validation_data"] = info["validation"]
     return Run(recipe, strategy, model, info, trainer, callbacks, fit_kwargs, dict(checked["evaluate"]))
+
+
+def _in_run_dir(factory, args: dict, run_dir) -> dict:
+    if run_dir is not None and "log_dir" in _parameters(factory)[0] and "log_dir" not in args:
+        return dict(args, log_dir=os.path.join(run_dir, TENSORBOARD_DIR))
+    return args
 
 
 def _named(args: dict, factory, name) -> dict:

@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from difflib import get_close_matches
 
 __all__ = [
@@ -113,6 +114,34 @@ def resolve(kind: str, name: str):
         return registry.get(name)
     if ":" in name:
         module_name, _, attribute = name.partition(":")
+        moved = _moved_spelling(module_name, attribute)
+        if moved:
+            raise ImportError(
+                f"replicafit's packages live under the `replicafit` import root: write {moved!r} instead of {name!r}"
+            )
         module = importlib.import_module(module_name)
         return getattr(module, attribute)
     raise KeyError(f"unknown {kind} {name!r}{registry.suggestion(name)}; `replicafit list {kind}` shows the names")
+
+
+_MOVED_PACKAGES = ("strategies", "data", "optimizers", "trainer")
+
+
+def _moved_spelling(module_name: str, attribute: str):
+    """``"replicafit.strategies:X"`` for the old top-level spelling ``"strategies:X"``, else None.
+
+    A user's own top-level ``data`` (or ``trainer``, ...) module is theirs to name: only a name
+    that is missing, or that would load replicafit's own source folder a second time under a
+    top-level name (from a checkout's root), is the old spelling.
+    """
+    top = module_name.partition(".")[0]
+    if top not in _MOVED_PACKAGES:
+        return None
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        spec = None
+    ours = importlib.import_module(f"replicafit.{top}")
+    if spec is not None and spec.origin != ours.__file__:
+        return None
+    return f"replicafit.{module_name}:{attribute}"

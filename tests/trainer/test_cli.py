@@ -60,9 +60,14 @@ def test_list_prints_every_kind_with_names_and_descriptions(capsys):
     status, out, err = run_cli(capsys, "list")
     assert (status, err) == (0, "")
     headings = [line[:-1] for line in out.splitlines() if not line.startswith(" ")]
-    assert headings == list(REGISTRIES)
-    assert set(headings) == {"strategy", "model", "dataset", "optimizer", "schedule", "loss", "metric", "callback"}
-    for name in ("mirrored", "mlp", "digits", "adam", "cosine_decay", "cross_entropy", "accuracy", "early_stopping"):
+    assert headings == ["recipes", *REGISTRIES]
+    assert set(headings) == {
+        "recipes", "strategy", "model", "dataset", "optimizer", "schedule", "loss", "metric", "callback"
+    }  # fmt: skip
+    for name in (
+        "digits_mlp", "mirrored", "mlp", "digits", "adam", "cosine_decay", "cross_entropy", "accuracy",
+        "early_stopping", "tensorboard",
+    ):  # fmt: skip
         match = re.search(rf"^  {name}\s+(\S.*)$", out, re.M)
         assert match, f"{name} missing from `replicafit list`"
         assert len(match.group(1)) > 10  # a description, not just the name
