@@ -261,7 +261,7 @@ class ModelCheckpoint(_Periodic):
         save_best_only: bool = False,
         save_weights_only: bool = False,
         mode: str = "auto",
-        save_freq="epoch",
+        save_freq: str | int = "epoch",
         initial_value_threshold=None,
     ):
         super().__init__(save_freq)
@@ -514,7 +514,7 @@ class BackupAndRestore(_Periodic):
     shuffle order is their own.
     """
 
-    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint: bool = True):
+    def __init__(self, backup_dir, save_freq: str | int = "epoch", delete_checkpoint: bool = True):
         super().__init__(save_freq)
         self.backup_dir = os.fspath(backup_dir)
         self.delete_checkpoint = delete_checkpoint

@@ -62,7 +62,11 @@ class TensorBoard(Callback):
     """
 
     def __init__(
-        self, log_dir="logs", histogram_freq: int = 0, write_steps_per_second: bool = False, update_freq="epoch"
+        self,
+        log_dir="logs",
+        histogram_freq: int = 0,
+        write_steps_per_second: bool = False,
+        update_freq: str | int = "epoch",
     ):
         super().__init__()
         self._writer_class = _summary_writer_class()  # fails here, with the install hint, not mid-training

@@ -93,6 +93,67 @@ def test_list_unknown_kind(capsys):
     assert "unknown kind 'optimizers'" in err and "optimizer" in err and "Traceback" not in err
 
 
+def test_list_recipes_shows_every_shipped_recipe_with_its_description(capsys):
+    status, out, err = run_cli(capsys, "list", "recipes")
+    assert (status, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0] == "recipes:"
+    described = dict(line.split(maxsplit=1) for line in lines[1:])
+    assert list(described) == [path.stem for path in SHIPPED]
+    for path in SHIPPED:  # the description is the file's first comment line
+        first = path.read_text().splitlines()[0]
+        assert first.startswith("# ") and described[path.stem] == first[2:].strip()
+
+
+# --- shipped recipes by name ---------------------------------------------------------------------
+def test_a_shipped_recipe_runs_by_name_from_any_directory(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no recipes/ folder here
+    assert run_cli(capsys, "validate", "digits_mlp")[:2] == (0, f"{RECIPES / 'digits_mlp.yaml'}: ok\n")
+    assert run_cli(capsys, "validate", "digits_mlp.yaml")[0] == 0
+    status, out, err = run_cli(capsys, "fit", "regression", "--set", "fit.epochs=1", *QUIET, "--run-dir", "run")
+    assert status == 0, err
+    assert (tmp_path / "run" / "checkpoints" / "last.pt").is_file()
+    assert yaml.safe_load((tmp_path / "run" / "recipe.yaml").read_text())["data"]["type"] == "regression"
+
+
+def test_a_file_path_wins_over_a_shipped_name(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "digits_mlp").write_text("model: mlp\ndata: {type: digits}\nfit: {epochs: 0}\n")
+    status, _, err = run_cli(capsys, "validate", "digits_mlp")
+    assert status == 2 and "digits_mlp:3: fit.epochs: must be a positive integer" in err
+
+
+@pytest.mark.parametrize(
+    "argument,fragment",
+    [
+        ("digit_mlp", "no shipped recipe of that name (did you mean 'digits_mlp'?); shipped recipes: "),
+        ("nothing_like_it", "shipped recipes: digits_central_storage, digits_cnn, digits_mlp"),
+        ("elsewhere/digits_mlp.yaml", "cannot read the recipe"),  # a path is a path, never a name
+    ],
+)
+def test_an_unknown_recipe_name_lists_the_shipped_ones(tmp_path, capsys, monkeypatch, argument, fragment):
+    monkeypatch.chdir(tmp_path)
+    status, out, err = run_cli(capsys, "validate", argument)
+    assert (status, out) == (2, "")
+    assert fragment in err and "Traceback" not in err
+
+
+def test_old_top_level_spelling_names_the_new_one(tmp_path, capsys):
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("strategy:\n  type: strategies:MirroredStrategy\nmodel: mlp\ndata: digits\n")
+    status, _, err = run_cli(capsys, "validate", recipe)
+    assert status == 2
+    assert err.strip() == (
+        f"error: {recipe}:2: strategy.type: cannot import 'strategies:MirroredStrategy': replicafit's packages "
+        "live under the `replicafit` import root: write 'replicafit.strategies:MirroredStrategy' instead of "
+        "'strategies:MirroredStrategy'"
+    )
+    recipe.write_text("model:\n  type: trainer.models:mlp\ndata: digits\n")
+    assert "write 'replicafit.trainer.models:mlp'" in run_cli(capsys, "validate", recipe)[2]
+    recipe.write_text("model:\n  type: replicafit.trainer.models:mlp\ndata: digits\n")
+    assert run_cli(capsys, "validate", recipe)[0] == 0
+
+
 # --- fit ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
@@ -153,6 +214,15 @@ def test_fit_run_directory(tmp_path, capsys, monkeypatch):
     assert match, out
     assert float(match.group(1)) == pytest.approx(final["val_accuracy"], abs=5e-5)
     assert re.search(rf"^run directory: {re.escape(str(run_dir))}", out, re.M), out
+
+
+def test_fit_prints_the_model_summary_first(tmp_path, capsys):
+    status, out, err = run_cli(capsys, "fit", "digits_mlp", "--set", "fit.epochs=1", *QUIET, "--run-dir", tmp_path)
+    assert status == 0, err
+    assert out.startswith('Model: "Sequential"\n')
+    assert re.search(r"^ 0 \(Linear\) +\(None, 128\) +8,320$", out, re.M), out
+    assert "Total params: 9,610 (37.54 KB)" in out  # 64*128 + 128 + 128*10 + 10
+    assert out.index("Total params") < out.index("validation accuracy:")
 
 
 def test_fit_overrides_change_the_run(tmp_path, capsys):

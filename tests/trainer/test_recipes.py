@@ -8,6 +8,7 @@ test_cli.py runs the command end to end.
 from __future__ import annotations
 
 import re
+import sys
 import textwrap
 import uuid
 
@@ -1054,6 +1055,40 @@ def test_registry_names_and_resolve():
     assert resolve("model", "replicafit.trainer.models:mlp") is REGISTRIES["model"].get("mlp")
     with pytest.raises(KeyError, match="did you mean 'mirrored'"):
         resolve("strategy", "mirored")
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "{type: model_checkpoint, filepath: ckpt.pt, save_freq: 5}",
+        "{type: backup_and_restore, backup_dir: backup, save_freq: 5}",
+        "{type: tensorboard, update_freq: 5}",
+        "{type: tensorboard, update_freq: batch}",
+    ],
+)
+def test_callback_frequencies_take_a_number_or_a_word(tmp_path, entry):
+    path = tmp_path / "freq.yaml"
+    path.write_text(f"model: mlp\ndata: digits\ncallbacks:\n  - {entry}\n")
+    recipes.validate(recipes.load(path))
+
+
+def test_resolve_old_spelling_and_a_users_own_module_of_that_name(tmp_path, monkeypatch):
+    from replicafit.trainer.registry import resolve
+
+    with pytest.raises(ImportError, match="write 'replicafit.optimizers:SGD' instead of 'optimizers:SGD'"):
+        resolve("optimizer", "optimizers:SGD")
+    with pytest.raises(ImportError, match="write 'replicafit.data.datasets:load_digits'"):
+        resolve("dataset", "data.datasets:load_digits")
+    # A project's own `trainer` module is the user's to name: it resolves, with no hint.
+    (tmp_path / "trainer.py").write_text("def my_model(inputs, outputs):\n    return ('mine', inputs, outputs)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "trainer", raising=False)
+    try:
+        assert resolve("model", "trainer:my_model")(3, 4) == ("mine", 3, 4)
+        with pytest.raises(AttributeError):  # their module, their attributes: no old-spelling hint
+            resolve("model", "trainer:Trainer")
+    finally:
+        sys.modules.pop("trainer", None)
 
 
 # --- built-in npz and csv datasets ------------------------------------------------------------
