@@ -157,20 +157,17 @@ def _fit(args) -> int:
     extra = []
     if args.tensorboard and not any(isinstance(c, TensorBoard) for c in run.callbacks):
         extra.append(TensorBoard(os.path.join(run_dir, recipes.TENSORBOARD_DIR)))
-    callbacks = (
-        list(run.callbacks)
-        + extra
-        + [
-            CSVLogger(os.path.join(run_dir, "history.csv")),
-            ModelCheckpoint(
-                os.path.join(run_dir, "checkpoints", "best.pt"),
-                monitor="val_loss"
-                if run.fit_kwargs.get("validation_data") is not None or run.fit_kwargs.get("validation_split")
-                else "loss",
-                save_best_only=True,
-            ),
-        ]
-    )
+    validating = run.fit_kwargs.get("validation_data") is not None or run.fit_kwargs.get("validation_split")
+    callbacks = [
+        *run.callbacks,
+        *extra,
+        CSVLogger(os.path.join(run_dir, "history.csv")),
+        ModelCheckpoint(
+            os.path.join(run_dir, "checkpoints", "best.pt"),
+            monitor="val_loss" if validating else "loss",
+            save_best_only=True,
+        ),
+    ]
     history = run.trainer.fit(run.model, run.train, callbacks=callbacks, **run.fit_kwargs)
     final = run.trainer.save_checkpoint(os.path.join(run_dir, "checkpoints", "last.pt"))
     results = {key: values[-1] for key, values in history.history.items() if values}

@@ -209,7 +209,8 @@ def locate(name_or_path) -> str:
     path = os.fspath(name_or_path)
     if os.path.exists(path) or os.path.dirname(path):
         return path
-    name = path[: -len(".yaml")] if path.endswith(".yaml") else path[: -len(".yml")] if path.endswith(".yml") else path
+    stem, extension = os.path.splitext(path)
+    name = stem if extension in (".yaml", ".yml") else path
     recipes = shipped()
     if name in recipes:
         return recipes[name]
