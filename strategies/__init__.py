@@ -31,7 +31,7 @@ from .reduce_util import (
     VariableAggregation,
     VariableSynchronization,
 )
-from .runner import ReplicaContext
+from .runner import ReplicaContext, get_stall_warning_seconds, set_stall_warning_seconds
 from .values import DistributedValues, Mirrored, PerReplica
 from .variables import (
     CentralStorageVariable,
@@ -72,9 +72,11 @@ __all__ = [
     "get_cross_replica_context",
     "get_logical_cpu_count",
     "get_replica_context",
+    "get_stall_warning_seconds",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
     "list_logical_devices",
     "set_logical_cpu_count",
+    "set_stall_warning_seconds",
 ]

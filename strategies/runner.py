@@ -18,20 +18,53 @@ combines values in replica order, so results do not depend on thread timing.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import logging
+import math
 import queue
 import threading
 import time
+import weakref
 
 import torch
 
 from . import context, nest
+from .nest import StructureMismatchError
 from .reduce_util import ReduceOp, as_reduce_op
 from .values import Mirrored, PerReplica, check_component_counts, regroup, select_replica
 
-__all__ = ["ReplicaContext", "MERGE_CALL_MISMATCH"]
+__all__ = ["ReplicaContext", "MERGE_CALL_MISMATCH", "set_stall_warning_seconds", "get_stall_warning_seconds"]
 
 MERGE_CALL_MISMATCH = "Some replicas made a different number of replica_context().merge_call() calls."
+
+_logger = logging.getLogger(__name__)
+_EXIT_GRACE = 10.0  # at interpreter exit, seconds for busy replica threads to leave torch
+_stall_warning_seconds = 60.0
+
+
+def set_stall_warning_seconds(seconds: float) -> None:
+    """How long replicas may wait at a rendezvous before a warning is logged (0: never).
+
+    Applies to calls without ``CommunicationOptions(timeout_seconds=...)`` (with a timeout the
+    call fails instead). The warning (logger ``replicafit.strategies.runner``) is logged once per
+    stalled rendezvous and says which replicas have arrived, which have not, and at which
+    ``merge_call``/``all_reduce``; nothing is aborted. Horovod's stall inspector is the model.
+
+    Example::
+
+        ds.set_stall_warning_seconds(600)   # long steps: warn after 10 minutes
+        ds.set_stall_warning_seconds(0)     # never warn
+    """
+    global _stall_warning_seconds
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (seconds >= 0) or math.isinf(seconds):
+        raise ValueError(f"The stall warning threshold must be a number of seconds >= 0 (0: off), got {seconds!r}.")
+    _stall_warning_seconds = float(seconds)
+
+
+def get_stall_warning_seconds() -> float:
+    """The stall warning threshold in seconds (0: off); see ``set_stall_warning_seconds``."""
+    return _stall_warning_seconds
 
 
 class _Aborted(BaseException):
@@ -241,15 +274,26 @@ class _AllGather(torch.autograd.Function):
 
 
 class _RunState:
-    """Shared state of one multi-replica call: the merge_call rendezvous and the outcome."""
+    """Shared state of one multi-replica call: the merge_call rendezvous and the outcome.
 
-    def __init__(self, strategy, count: int, timeout: float | None):
+    Every wait of the call goes through ``_wait_step``, which knows when the current
+    rendezvous began (the first replica to reach a ``merge_call``, or to finish): with a
+    timeout, a rendezvous that stays incomplete for ``timeout`` seconds aborts the call with
+    a ``TimeoutError`` naming the replicas that did not arrive and the last collective each
+    reached; without one, a rendezvous incomplete for ``stall_after`` seconds is logged once.
+    A ``merge_fn`` that is running counts as progress (its own collectives have their own
+    timeouts).
+    """
+
+    def __init__(self, strategy, count: int, timeout: float | None, stall_after: float = 0.0):
         self.strategy = strategy
         self.count = count
         self.timeout = timeout
+        self.stall_after = stall_after
         self.cond = threading.Condition(threading.Lock())
         self.arrived = 0
         self.merging = False
+        self.merging_replica = None
         self.generation = 0
         self.requests: list = [None] * count
         self.results: list = []
@@ -260,6 +304,11 @@ class _RunState:
         self.abort_error: BaseException | None = None
         self.errors: dict = {}
         self.outputs: list = [None] * count
+        self.first_arrival = 0.0  # when the first replica reached the pending merge_call
+        self.first_finish = 0.0  # when the first replica returned from the function
+        self.reached: list = [None] * count  # per replica: (collective number, description) last reached
+        self.stall_reported = None  # the rendezvous already reported as stalled
+        self._finished_ids: set = set()
 
     def _abort(self, error=None) -> None:
         if not self.aborted:
@@ -278,15 +327,19 @@ class _RunState:
                 )
             if self.aborted:
                 raise _Aborted()
+            self.reached[replica_id] = (self.generation + 1, _describe(merge_fn, args))
             if self.finished:
                 self._abort(RuntimeError(MERGE_CALL_MISMATCH))
                 raise _Aborted()
             self.requests[replica_id] = (merge_fn, args, kwargs)
             self.arrived += 1
+            if self.arrived == 1:
+                self.first_arrival = time.monotonic()
+                self.cond.notify_all()  # a watcher recomputes its deadline from this arrival
             if self.arrived < self.count:
                 return self._wait_for_merge(replica_id)
             requests, self.requests = self.requests, [None] * self.count
-            self.merging = True
+            self.merging, self.merging_replica = True, replica_id
         try:
             results = self._run_merge(requests)
         except BaseException as error:  # noqa: BLE001 - every failure must release the others
@@ -305,28 +358,23 @@ class _RunState:
     def _wait_for_merge(self, replica_id):
         """Waits (holding ``cond``) until the merge of this generation is done or the run aborts."""
         generation = self.generation
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while self.generation == generation and not self.aborted:
-            if self.merging or deadline is None:
-                self.cond.wait()  # merge_fn runs on our side: its own collectives have their own timeouts
-                continue
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = [i for i, r in enumerate(self.requests) if r is None]
-                self._abort(
-                    TimeoutError(
-                        f"merge_call timed out after {self.timeout} s (CommunicationOptions.timeout_seconds): "
-                        f"replica(s) {missing} did not reach it."
-                    )
-                )
-                break
-            self.cond.wait(remaining)
+            self._wait_step()
         if self.generation == generation:
             raise _Aborted()
         return self.results[replica_id]
 
     def _run_merge(self, requests):
         strategy = self.strategy
+        calls = [_same_call(r) for r in requests]
+        if any(call != calls[0] for call in calls):
+            number = self.generation + 1
+            made = ", ".join(f"replica {i} called {_describe(r[0], r[1])}" for i, r in enumerate(requests))
+            raise StructureMismatchError(
+                f"The replicas made different collective calls at collective #{number} of this run: {made}. "
+                "Every replica must make the same sequence of merge_call/all_reduce/all_gather calls (with "
+                "the same reduce op or axis)."
+            )
         merge_fn = requests[0][0]  # replica 0's merge_fn, as TensorFlow does
         devices = strategy.extended.worker_devices
         args = regroup([r[1] for r in requests], devices=devices) if requests[0][1] else ()
@@ -337,10 +385,83 @@ class _RunState:
             check_component_counts(result, self.count, "The result of merge_fn")
         return [_select(replica_id, result) for replica_id in range(self.count)]
 
+    # --- bounded waits ---------------------------------------------------------------------
+    def _pending(self):
+        """``(rendezvous key, since)`` of the rendezvous some replica waits at, or None.
+
+        A running merge_fn is progress: nobody waits for a missing replica then.
+        """
+        if self.merging:
+            return None
+        if self.arrived:
+            return ("merge_call", self.generation), self.first_arrival
+        if 0 < self.finished < self.count:
+            return ("end", None), self.first_finish
+        return None
+
+    def _wait_step(self) -> None:
+        """One bounded ``cond.wait`` (the caller holds ``cond``): times out or reports a stall when due."""
+        pending = self._pending()
+        wake = None
+        if pending is not None:
+            key, since = pending
+            now = time.monotonic()
+            if self.timeout is not None:
+                if now - since >= self.timeout:
+                    self._abort(TimeoutError(self._describe_wait(key, now - since, timed_out=True)))
+                    return
+                wake = since + self.timeout
+            if self.stall_after and self.stall_reported != key:
+                if now - since >= self.stall_after:
+                    self.stall_reported = key
+                    _logger.warning("%s", self._describe_wait(key, now - since, timed_out=False))
+                else:
+                    wake = min(wake, since + self.stall_after) if wake is not None else since + self.stall_after
+            if wake is not None:
+                self.cond.wait(max(wake - now, 0.001))
+                return
+        self.cond.wait()  # woken by every arrival, merge, finish and abort
+
+    def _describe_wait(self, key, waited: float, timed_out: bool) -> str:
+        kind, generation = key
+        if kind == "merge_call":
+            waiting = [i for i, r in enumerate(self.requests) if r is not None]
+            missing = [i for i, r in enumerate(self.requests) if r is None]
+            number, what = self.reached[waiting[0]]
+            at = f"collective #{number} of this run ({what})"
+            verb = "did not arrive"
+        else:
+            waiting = sorted(self._finished_ids)
+            missing = [i for i in range(self.count) if i not in self._finished_ids]
+            at = "the end of the replica function"
+            verb = "did not finish"
+        last = "; ".join(
+            f"replica {i} last reached collective #{self.reached[i][0]} ({self.reached[i][1]})"
+            if self.reached[i]
+            else f"replica {i} reached no collective in this run"
+            for i in missing
+        )
+        name = type(self.strategy).__name__
+        if timed_out:
+            return (
+                f"{name}.run() timed out after {self.timeout} s (CommunicationOptions.timeout_seconds): "
+                f"replica(s) {waiting} waited at {at} for replica(s) {missing}, which {verb}; {last}."
+            )
+        return (
+            f"{name}.run() may be stalled: replica(s) {waiting} have waited {waited:.3g} s at {at} for "
+            f"replica(s) {missing}, which {verb} ({last}). Nothing is aborted; pass "
+            f"CommunicationOptions(timeout_seconds=...) to fail instead, or set_stall_warning_seconds(0) to "
+            f"silence this warning."
+        )
+
+    # --- the end of the call ---------------------------------------------------------------
     def finish(self, replica_id, output) -> None:
         with self.cond:
             self.outputs[replica_id] = output
+            self._finished_ids.add(replica_id)
             self.finished += 1
+            if self.finished == 1:
+                self.first_finish = time.monotonic()
             self.done += 1
             if self.arrived:
                 self._abort(RuntimeError(MERGE_CALL_MISMATCH))
@@ -355,19 +476,23 @@ class _RunState:
             self.cond.notify_all()
 
     def wait_all(self) -> bool:
-        """Waits for every replica; after an abort, stragglers get ``timeout`` more seconds.
+        """Waits for every replica. After an abort, released replicas unwind at their next
+        rendezvous or return; with a timeout set they get ``timeout`` more seconds, except after
+        a timeout, whose missing replicas are stuck by diagnosis (``run`` raises at once).
 
-        Returns False when some replica is still running user code after that grace.
+        Returns False when some replica may still be running user code.
         """
         with self.cond:
             while self.done < self.count:
-                if self.aborted and self.timeout is not None:
+                if not self.aborted:
+                    self._wait_step()
+                elif self.timeout is None:
+                    self.cond.wait()
+                else:
                     remaining = self.abort_time + self.timeout - time.monotonic()
-                    if remaining <= 0:
+                    if remaining <= 0 or isinstance(self.abort_error, TimeoutError):
                         return False
                     self.cond.wait(remaining)
-                else:
-                    self.cond.wait()
         return True
 
     def outcome(self):
@@ -376,6 +501,32 @@ class _RunState:
         if self.abort_error is not None:
             raise self.abort_error
         return self.outputs
+
+
+def _describe(merge_fn, args) -> str:
+    """What a collective is, for messages: ``all_reduce(SUM, 2 tensors)``, ``merge_call(apply)``."""
+    if merge_fn is _batch_all_reduce:
+        return f"all_reduce({args[0].value}, {_count(len(args[1]))})"
+    if merge_fn is _batch_all_gather:
+        return f"all_gather(axis={args[0]}, {_count(len(args[1]))})"
+    return f"merge_call({getattr(merge_fn, '__qualname__', type(merge_fn).__name__)})"
+
+
+def _count(n: int) -> str:
+    return f"{n} tensor" if n == 1 else f"{n} tensors"
+
+
+def _same_call(request) -> tuple:
+    """What must agree across replicas at one collective: its kind, and the reduce op or axis.
+
+    Different merge_fns are not compared: as in TensorFlow, replica 0's runs.
+    """
+    merge_fn, args, _ = request
+    if merge_fn is _batch_all_reduce:
+        return ("all_reduce", args[0])
+    if merge_fn is _batch_all_gather:
+        return ("all_gather", args[0])
+    return ("merge_call",)
 
 
 def _select(replica_id, result):
@@ -451,6 +602,8 @@ class _Worker(threading.Thread):
     def __init__(self, name: str):
         super().__init__(name=name, daemon=True)
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.running = None  # the _RunState of the task being run, for the wait at exit
+        _WORKERS.add(self)
 
     def run(self) -> None:
         get = self.tasks.get
@@ -458,11 +611,40 @@ class _Worker(threading.Thread):
             task = get()
             if task is None:
                 return
+            self.running = task.state
             try:
                 task()
             except BaseException:  # noqa: BLE001 - a task reports its own outcome; the thread must live on
                 pass
+            self.running = None
             task = None  # an idle thread keeps no reference to the strategy or the user's fn
+
+
+_WORKERS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _wait_for_released_replicas() -> None:
+    """At interpreter exit, replica threads still inside a call get a bounded time to leave torch.
+
+    ``run`` raises at once on Ctrl-C (or a failure) while the other replicas are released: each
+    stops at its next rendezvous or at the end of its function. A daemon thread still inside a
+    torch op when the interpreter finalizes can abort the whole process ("terminate called
+    without an active exception"), so exit waits for them, at most ``_EXIT_GRACE`` seconds in
+    all; a second Ctrl-C exits at once. Threads given up by a timeout are stuck by diagnosis
+    and are not waited for.
+    """
+    deadline = time.monotonic() + _EXIT_GRACE
+    try:
+        for worker in list(_WORKERS):
+            state = worker.running
+            if state is None or isinstance(state.abort_error, TimeoutError):
+                continue
+            with state.cond:
+                state._abort()
+            worker.join(max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt:
+        pass
 
 
 class ReplicaRunner:
@@ -484,7 +666,8 @@ class ReplicaRunner:
             if self._idle:
                 return self._idle.pop()
             index = len(self._crews)
-            crew = [_Worker(f"{self._name}-crew{index}-replica{r}") for r in range(1, len(self._devices))]
+            # One thread per replica; replica 0's runs only calls with a timeout (see run()).
+            crew = [_Worker(f"{self._name}-crew{index}-replica{r}") for r in range(len(self._devices))]
             for worker in crew:
                 worker.start()
             self._crews.append(crew)
@@ -515,35 +698,27 @@ class ReplicaRunner:
                 worker.tasks.put(None)
 
     def run(self, strategy, fn, args, kwargs, timeout):
-        """Calls ``fn`` once per replica; returns the list of the replicas' outputs."""
+        """Calls ``fn`` once per replica; returns the list of the replicas' outputs.
+
+        Without a timeout the caller's thread is replica 0 (one hand-off less). With one, every
+        replica runs on a crew thread and the caller only watches, so ``run`` returns within about
+        ``timeout`` whichever replica is stuck, at a collective or not.
+        """
         count = len(self._devices)
-        state = _RunState(strategy, count, timeout)
+        state = _RunState(strategy, count, timeout, _stall_warning_seconds if timeout is None else 0.0)
         torch_state_now = capture_torch_state()
-        devices = self._torch_devices
+        on_caller = 0 if timeout is None else None
         crew = self._acquire()
         try:
-            for replica_id, worker in enumerate(crew, start=1):
-                replica_args = select_replica(replica_id, args) if args else args
-                replica_kwargs = select_replica(replica_id, kwargs) if kwargs else kwargs
-                worker.tasks.put(
-                    _ReplicaTask(
-                        state,
-                        replica_id,
-                        fn,
-                        replica_args,
-                        replica_kwargs,
-                        torch_state_now,
-                        devices[replica_id],
-                        False,
-                    )
-                )
-            replica_args = select_replica(0, args) if args else args
-            replica_kwargs = select_replica(0, kwargs) if kwargs else kwargs
-            _ReplicaTask(state, 0, fn, replica_args, replica_kwargs, torch_state_now, devices[0], True)()
+            for replica_id in range(count):
+                if replica_id != on_caller:
+                    crew[replica_id].tasks.put(self._task(state, replica_id, fn, args, kwargs, torch_state_now, False))
+            if on_caller is not None:
+                self._task(state, on_caller, fn, args, kwargs, torch_state_now, True)()
             finished = state.wait_all()
         except BaseException:
-            # Interrupted while waiting (KeyboardInterrupt): release every replica and
-            # retire this crew; its threads end when their current call does.
+            # Interrupted (KeyboardInterrupt): release every replica and retire this crew; its
+            # threads end when their current call does (and interpreter exit waits for them).
             with state.cond:
                 state._abort()
             self._discard(crew)
@@ -555,6 +730,14 @@ class ReplicaRunner:
             # end when that code returns) and report the failure now.
             self._discard(crew)
         return state.outcome()
+
+    def _task(self, state, replica_id, fn, args, kwargs, torch_state_now, on_caller_thread):
+        replica_args = select_replica(replica_id, args) if args else args
+        replica_kwargs = select_replica(replica_id, kwargs) if kwargs else kwargs
+        device = self._torch_devices[replica_id]
+        return _ReplicaTask(
+            state, replica_id, fn, replica_args, replica_kwargs, torch_state_now, device, on_caller_thread
+        )
 
 
 class _ReplicaTask:
@@ -584,11 +767,11 @@ class _ReplicaTask:
             else:
                 with torch_state(self.torch_state, self.device, current):
                     output = self.fn(*self.args, **self.kwargs)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as error:
             context.truncate(depth)
             if self.on_caller_thread:
                 raise  # Ctrl-C: run() aborts every replica and raises at once
-            state.fail(self.replica_id, KeyboardInterrupt())
+            state.fail(self.replica_id, error)
         except BaseException as error:  # noqa: BLE001 - recorded and re-raised by run()
             context.truncate(depth)
             state.fail(self.replica_id, error)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import collections
 import random
+import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -825,6 +828,229 @@ def test_merge_call_timeout_through_a_public_path():
         strategy.run(fn, options=ds.CommunicationOptions(timeout_seconds=0.5))
     assert time.monotonic() - start < 4
     release.set()
+    _check_normal_step(strategy)
+
+
+# --- timeouts bound run() wherever the stuck replica is (hardening issue, item 1) ---------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("collective", [True, False], ids=["collective", "no-collective"])
+@pytest.mark.parametrize("stuck", ["first", "last"])
+@pytest.mark.parametrize("name", ["mirrored2", "mirrored3"])
+def test_timeout_bounds_run_whichever_replica_is_stuck(name, stuck, collective):
+    strategy = make_strategy(name)
+    n = n_of(strategy)
+    stuck_id = 0 if stuck == "first" else n - 1
+    release = threading.Event()
+
+    def fn():
+        ctx = ds.get_replica_context()
+        ctx.all_reduce("SUM", torch.tensor(1.0))  # every replica reaches collective #1
+        if ctx.replica_id_in_sync_group == stuck_id:
+            release.wait(20)  # stuck in user code, far longer than the timeout
+        if collective:
+            ctx.merge_call(lambda st: None)
+        return ctx.replica_id_in_sync_group
+
+    timeout = 0.5
+    start = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError) as info:
+            strategy.run(fn, options=ds.CommunicationOptions(timeout_seconds=timeout))
+        elapsed = time.monotonic() - start
+    finally:
+        release.set()
+    assert elapsed < timeout + 1.0
+    message = str(info.value)
+    others = [i for i in range(n) if i != stuck_id]
+    assert f"timed out after {timeout} s" in message
+    assert f"for replica(s) [{stuck_id}], which did not " in message
+    assert f"replica(s) {others} waited at " in message
+    assert f"replica {stuck_id} last reached collective #1 of this run" not in message  # numbered per run
+    assert f"replica {stuck_id} last reached collective #1 (all_reduce(SUM, 1 tensor))" in message
+    where = "collective #2 of this run (merge_call(" if collective else "the end of the replica function"
+    assert where in message
+    _check_normal_step(strategy)  # a fresh crew serves the next call
+
+
+@pytest.mark.timeout(60)
+def test_timeout_names_a_replica_that_reached_no_collective():
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    release = threading.Event()
+
+    def fn():
+        if rid() == 0:
+            release.wait(20)
+        ds.get_replica_context().merge_call(lambda st: None)
+
+    try:
+        with pytest.raises(TimeoutError, match=r"replica 0 reached no collective in this run"):
+            strategy.run(fn, options=ds.CommunicationOptions(timeout_seconds=0.3))
+    finally:
+        release.set()
+
+
+def test_a_long_balanced_step_is_not_a_timeout():
+    """The timeout bounds waits for other replicas, not the length of a step."""
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+
+    def fn():
+        time.sleep(0.5)
+        return ds.get_replica_context().all_reduce("SUM", torch.tensor(1.0))
+
+    out = strategy.run(fn, options=ds.CommunicationOptions(timeout_seconds=0.2))
+    assert [float(v) for v in local(strategy, out)] == [2.0, 2.0]
+
+
+# --- stall warnings without a timeout (item 2) -----------------------------------------------------
+
+
+@pytest.fixture
+def stall_after():
+    previous = ds.get_stall_warning_seconds()
+    yield ds.set_stall_warning_seconds
+    ds.set_stall_warning_seconds(previous)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("late", [0, 1])
+def test_a_stalled_rendezvous_is_logged_once(stall_after, caplog, late):
+    stall_after(0.2)
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+
+    def fn():
+        ctx = ds.get_replica_context()
+        if ctx.replica_id_in_sync_group == late:
+            time.sleep(0.8)
+        return ctx.all_reduce("MEAN", torch.tensor(2.0))
+
+    with caplog.at_level("WARNING", logger="replicafit.strategies.runner"):
+        out = strategy.run(fn)
+    assert [float(v) for v in local(strategy, out)] == [2.0, 2.0]  # nothing aborted
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1, warnings
+    assert "may be stalled" in warnings[0]
+    waited = re.search(r"have waited ([0-9.]+) s at", warnings[0])
+    assert waited and 0.2 <= float(waited.group(1)) < 0.8, warnings[0]
+    assert f"replica(s) [{1 - late}] have waited {waited.group(1)} s at collective #1 of this run " in warnings[0]
+    assert "(all_reduce(MEAN, 1 tensor))" in warnings[0]
+    assert f"for replica(s) [{late}], which did not arrive (replica {late} reached no collective" in warnings[0]
+    assert "set_stall_warning_seconds(0)" in warnings[0]
+
+
+@pytest.mark.timeout(30)
+def test_a_replica_late_to_finish_is_logged(stall_after, caplog):
+    stall_after(0.2)
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+
+    def fn():
+        if rid() == 1:
+            time.sleep(0.6)
+
+    with caplog.at_level("WARNING", logger="replicafit.strategies.runner"):
+        strategy.run(fn)
+    (message,) = [r.getMessage() for r in caplog.records]
+    pattern = r"replica\(s\) \[0\] have waited [0-9.]+ s at the end of the replica function for replica\(s\) \[1\]"
+    assert re.search(pattern, message), message
+
+
+@pytest.mark.timeout(30)
+def test_stall_warning_off_and_bad_thresholds(stall_after, caplog):
+    stall_after(0)
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    with caplog.at_level("WARNING", logger="replicafit.strategies.runner"):
+        strategy.run(lambda: time.sleep(0.3 * rid()))
+    assert caplog.records == []
+    for bad in (-1, float("nan"), float("inf"), "60", True):
+        with pytest.raises(ValueError, match="stall warning threshold"):
+            ds.set_stall_warning_seconds(bad)
+    assert ds.get_stall_warning_seconds() == 0
+
+
+# --- Ctrl-C never leaves a replica inside torch at interpreter exit (item 3) -------------------------
+
+INTERRUPTED_SCRIPT = """
+import sys, threading, time, torch
+import replicafit.strategies as ds
+
+strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+started = threading.Event()
+
+def fn():
+    if ds.get_replica_context().replica_id_in_sync_group == 0:
+        started.wait(10)
+        raise KeyboardInterrupt  # as Ctrl-C would, on the main thread
+    started.set()
+    try:
+        x = torch.randn(64, 64)
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            x = torch.tanh(x @ x)  # inside torch all along
+    finally:
+        open(sys.argv[1], "w").close()
+
+try:
+    strategy.run(fn)
+except KeyboardInterrupt:
+    sys.exit(130)  # at once: the interpreter exits while replica 1 still computes
+"""
+
+
+@pytest.mark.timeout(60)
+def test_interpreter_exit_waits_for_replicas_released_by_ctrl_c(tmp_path):
+    script, marker = tmp_path / "interrupted.py", tmp_path / "replica1-left-torch"
+    script.write_text(INTERRUPTED_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), str(marker)], capture_output=True, text=True, timeout=50)
+    assert result.returncode == 130, (result.returncode, result.stderr)
+    assert marker.exists()  # replica 1 left torch before the interpreter finalized
+    assert "terminate called" not in result.stderr
+
+
+# --- messages that name the cause (item 4) ---------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_replicas_calling_different_collectives_are_named():
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+
+    def fn():
+        ctx = ds.get_replica_context()
+        if ctx.replica_id_in_sync_group == 0:
+            return ctx.all_reduce("SUM", torch.tensor(1.0))
+        return ctx.merge_call(lambda st, x: x, args=(torch.tensor(1.0),))
+
+    with pytest.raises(ValueError) as info:
+        strategy.run(fn)
+    message = str(info.value)
+    assert "different collective calls at collective #1 of this run" in message
+    assert "replica 0 called all_reduce(SUM, 1 tensor), replica 1 called merge_call(" in message
+    _check_normal_step(strategy)
+
+
+@pytest.mark.timeout(30)
+def test_replicas_reducing_with_different_ops_are_named():
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+
+    def fn():
+        op = "SUM" if rid() == 0 else "MEAN"
+        return ds.get_replica_context().all_reduce(op, torch.tensor(1.0))
+
+    expected = r"replica 0 called all_reduce\(SUM, 1 tensor\), replica 1 called all_reduce\(MEAN, 1 tensor\)"
+    with pytest.raises(ValueError, match=expected):
+        strategy.run(fn)
+
+
+@pytest.mark.timeout(30)
+def test_keyboard_interrupt_in_a_worker_replica_keeps_its_message():
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+
+    def fn():
+        if rid() == 1:
+            raise KeyboardInterrupt("stopped by the test")
+
+    with pytest.raises(KeyboardInterrupt, match="stopped by the test"):
+        strategy.run(fn)
     _check_normal_step(strategy)
 
 
