@@ -123,8 +123,14 @@ class CommunicationOptions:
         at most this many bytes (a tensor larger than that gets a pack of its own);
         ``0`` packs everything of one dtype and device set together.
       timeout_seconds: how long a replica may wait for the others at a rendezvous
-        (``merge_call``, collectives) before the call fails with ``TimeoutError``;
-        ``None`` waits as long as the other replicas are alive.
+        (``merge_call``, collectives, and the end of the replica function) before the call
+        fails with a ``TimeoutError`` naming the replicas that did not arrive and the last
+        collective each reached; ``run`` then returns within about that time whichever
+        replica is stuck (every replica runs on a thread of its own, the caller only
+        watches), and the strategy stays usable. A long step that every replica takes
+        alike is not a timeout, nor is a slow ``merge_fn``. ``None`` waits as long as the
+        other replicas are alive (a stall is logged, see ``set_stall_warning_seconds``).
+        TensorFlow's timeout covers collectives only.
       implementation: a ``CommunicationImplementation`` or its name.
 
     Example::

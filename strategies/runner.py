@@ -9,8 +9,13 @@ last one to arrive runs ``merge_fn`` once, in cross-replica context, with the
 arguments regrouped, then releases the others, each with its part of the result.
 Nothing here can hang: a replica that raises, or returns while others wait in
 ``merge_call``, wakes them, and ``run`` raises the replica's exception, or
-``RuntimeError("Some replicas made a different number of replica_context().merge_call() calls.")``.
-A ``CommunicationOptions.timeout_seconds`` bounds each wait.
+``RuntimeError("Some replicas made a different number of replica_context().merge_call() calls.")``;
+replicas that make different collectives at the same point are named in the error.
+A ``CommunicationOptions.timeout_seconds`` bounds every wait, the end of the function
+included (with a timeout, replica 0 runs on a crew thread too, so the caller can return
+whichever replica is stuck); without one, a rendezvous that stays incomplete for
+``set_stall_warning_seconds`` (60 s) is logged once. On Ctrl-C ``run`` raises at once and
+interpreter exit waits (bounded) for the released replicas to leave torch.
 
 Replicas may run concurrently (TensorFlow runs them one at a time); every reduction
 combines values in replica order, so results do not depend on thread timing.
