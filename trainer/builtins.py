@@ -21,14 +21,25 @@ def one_device(device: str = "cpu") -> ds.Strategy:
     return ds.OneDeviceStrategy(device)
 
 
-def mirrored(devices: list | None = None) -> ds.Strategy:
+def mirrored(devices: list[str] | None = None) -> ds.Strategy:
     """MirroredStrategy: one replica per device, variables in sync (logical CPUs: ["cpu:0", "cpu:1"])."""
-    return ds.MirroredStrategy(devices)
+    return ds.MirroredStrategy(_some_devices("devices", devices))
 
 
-def central_storage(compute_devices: list | None = None, parameter_device: str | None = None) -> ds.Strategy:
+def central_storage(compute_devices: list[str] | None = None, parameter_device: str | None = None) -> ds.Strategy:
     """CentralStorageStrategy: variables on one parameter device, compute on several."""
-    return ds.CentralStorageStrategy(compute_devices, parameter_device)
+    return ds.CentralStorageStrategy(_some_devices("compute_devices", compute_devices), parameter_device)
+
+
+def _some_devices(name: str, devices):
+    # The strategies read an empty list like None (every GPU, else the CPU); in a recipe `[]` is
+    # more likely a list emptied by mistake than a request for the default, so it is refused.
+    if devices is not None and len(devices) == 0:
+        raise ValueError(
+            f'{name} is an empty list: name at least one device (e.g. ["cpu:0", "cpu:1"]), '
+            f"or leave {name} out to use every GPU (or the CPU when there is none)"
+        )
+    return devices
 
 
 def _register_all() -> None:
@@ -91,3 +102,7 @@ def _register_all() -> None:
 
 
 _register_all()
+
+# replicafit's own factories by kind, as registered above (before any user package registers more):
+# the only ones `replicafit validate` calls (see kinds.is_builtin).
+BUILTINS = {kind: tuple(registry.get(name) for name in registry.names()) for kind, registry in REGISTRIES.items()}

@@ -12,7 +12,8 @@
 RECIPE is a YAML file, or the name of a recipe that ships with replicafit
 (``replicafit fit digits_mlp``; ``replicafit list recipes`` shows them).
 
-A bad recipe prints one line ``file:line: key.path: problem`` and exits with status 2.
+A bad recipe prints one line ``file:line: key.path: problem`` and exits with status 2;
+Ctrl-C prints ``interrupted`` and exits with status 130 (128 + SIGINT, as shells report it).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import time
 __all__ = ["main"]
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,6 +74,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """Entry point of ``replicafit``; returns the exit status."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C, even while torch is still importing: the user knows why it stopped
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv) -> int:
     from .recipes import RecipeError
 
     args = _parser().parse_args(argv)
@@ -186,7 +196,8 @@ def _fit(args) -> int:
 
 def _example_input(train):
     """The first two rows of the training inputs, for the model summary's output shapes (or None)."""
-    inputs = train[0] if isinstance(train, (tuple, list)) and train else None
+    # A tuple is (x, y) arrays; a list is a list of batches, a Dataset or DataLoader has no row slice.
+    inputs = train[0] if isinstance(train, tuple) and train else None
     try:
         return inputs[:2] if inputs is not None and len(inputs) else None
     except TypeError:  # not an array: the summary goes without shapes

@@ -1,7 +1,8 @@
 """Built-in datasets for recipes: ``digits``, ``classification``, ``regression``, ``npz``, ``csv``.
 
 Each returns ``{"train": (x, y), "validation": (x, y) or None, "task": ..., "inputs": ...,
-"classes": ...}``; the recipe's ``fit`` gets the arrays.
+"classes": ...}``; the recipe's ``fit`` gets the arrays. A recipe's own dataset factory may
+return that dict, or just the training data in any form ``fit`` takes (``as_info``).
 
 Example::
 
@@ -14,12 +15,16 @@ from __future__ import annotations
 
 import csv as csv_module
 import os
+from collections.abc import Mapping
 
 import numpy as np
+import torch
 
 from replicafit.data import datasets as shipped
 
-__all__ = ["digits", "classification", "regression", "npz", "csv"]
+__all__ = ["digits", "classification", "regression", "npz", "csv", "as_info", "training_data_form"]
+
+_FORMS = "(x, y) arrays, a torch Dataset, or a DataLoader or another iterable of batches"
 
 
 def _split(x, y, validation_split: float, shuffle: bool, seed: int):
@@ -158,3 +163,98 @@ def csv(
         raise ValueError(f"{path}: every value must be a number ({error})") from None
     x, y = table[:, :-1].astype(np.float32), table[:, -1]
     return _info(x, _task_labels(y, task), validation_split, shuffle, seed, task)
+
+
+def training_data_form(value) -> str | None:
+    """Which of fit's data forms ``value`` is: ``"arrays"``, ``"dataset"`` (a map-style torch Dataset, batched
+    by the trainer) or ``"batches"`` (a DataLoader or another iterable of batches); None for anything else."""
+    if _is_array_nest(value):
+        return "arrays"
+    if isinstance(value, torch.utils.data.Dataset) and not isinstance(value, torch.utils.data.IterableDataset):
+        return "dataset"
+    if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
+        return None
+    return "batches"
+
+
+def _is_array_nest(value) -> bool:
+    """Arrays or tensors, alone or in (nested) tuples and mappings, as ``data.as_global_batches`` reads them."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return True
+    if isinstance(value, (tuple, Mapping)):
+        items = list(value.values() if isinstance(value, Mapping) else value)
+        return bool(items) and all(_is_array_nest(item) for item in items)
+    return False
+
+
+def as_info(value) -> dict:
+    """What a dataset factory returned, as the dict a recipe reads: ``train``, ``validation``, ``inputs``, ``classes``.
+
+    A dict with ``train`` is taken as it is (a dict without it is an error, even one of arrays, which
+    ``fit`` would read as inputs without targets); anything else ``fit`` takes (``(x, y)`` arrays, a torch
+    ``Dataset``, a ``DataLoader`` or another iterable of batches) is the training data. Where the dict
+    leaves them out, ``inputs`` (features per example) and ``classes`` (for integer labels) are read
+    from the arrays, or ``inputs`` from a Dataset's first example. A ``ValueError`` says what is wrong.
+
+    Example::
+
+        >>> info = as_info((np.zeros((8, 3), np.float32), np.arange(8) % 2))
+        >>> info["inputs"], info["classes"], info["validation"]
+        (3, 2, None)
+    """
+    if isinstance(value, Mapping) and "train" in value:
+        for part in ("train", "validation"):
+            if value.get(part) is not None and training_data_form(value[part]) is None:
+                raise ValueError(f"returned a dict whose {part!r} entry is {_describe(value[part])}: expected {_FORMS}")
+        return {**_read_sizes(value["train"]), "validation": None, **dict(value)}
+    if isinstance(value, Mapping) or training_data_form(value) is None:  # a dict is always the dict form
+        what = "a dict without a 'train' entry" if isinstance(value, Mapping) else _describe(value)
+        raise ValueError(
+            f"returned {what}, not a dataset (expected {_FORMS}, or a dict with 'train' and optionally 'validation')"
+        )
+    return {**_read_sizes(value), "train": value, "validation": None}
+
+
+def _read_sizes(train) -> dict:
+    """``inputs`` and ``classes`` as far as they can be read without going through the data."""
+    form = training_data_form(train)
+    try:
+        if form == "arrays":
+            x, y = (train[0], train[1] if len(train) > 1 else None) if isinstance(train, tuple) else (train, None)
+            if not isinstance(x, (np.ndarray, torch.Tensor)):
+                return {}
+            sizes = {"inputs": int(np.prod(tuple(x.shape[1:])))}
+            if _integer_labels(y):
+                sizes["classes"] = int(y.max()) + 1
+            return sizes
+        dataset = train if form == "dataset" else getattr(train, "dataset", None)
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not isinstance(dataset, torch.utils.data.Dataset):
+            return {}
+        first = dataset[0] if len(dataset) else None
+        x = first[0] if isinstance(first, (tuple, list)) and first else first
+        if isinstance(x, (np.ndarray, torch.Tensor)):
+            return {"inputs": int(np.prod(tuple(x.shape)))}
+    except Exception:  # noqa: BLE001 - a hint only: the model section can say inputs/outputs itself
+        return {}
+    return {}
+
+
+def _integer_labels(y) -> bool:
+    if isinstance(y, np.ndarray):
+        return y.ndim == 1 and len(y) > 0 and np.issubdtype(y.dtype, np.integer)
+    if isinstance(y, torch.Tensor):
+        return (
+            y.dim() == 1
+            and y.numel() > 0
+            and not y.dtype.is_floating_point
+            and not y.dtype.is_complex
+            and (y.dtype is not torch.bool)
+        )
+    return False
+
+
+def _describe(value) -> str:
+    if value is None:
+        return "None"
+    text = repr(value)
+    return f"the {type(value).__name__} {text}" if len(text) <= 40 else f"a {type(value).__name__}"

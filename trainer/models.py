@@ -9,6 +9,8 @@ Example::
 
 from __future__ import annotations
 
+import operator
+
 from torch import nn
 
 __all__ = ["mlp", "cnn", "linear"]
@@ -24,6 +26,30 @@ _ACTIVATIONS = {
 }
 
 
+def _positive(name: str, value) -> int:
+    """``value`` as an int if it is a positive integer (NumPy's too); else a ValueError naming the
+    argument, which a recipe reports at that key."""
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return number
+
+
+def _positive_sizes(name: str, values) -> tuple:
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise ValueError(f"{name} must be a list of positive integers, got {values!r}")
+    return tuple(_positive(f"{name}[{index}]", value) for index, value in enumerate(values))
+
+
+def _dropout(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"dropout must be in [0, 1), got {value!r}")
+    return value
+
+
 def _activation(name: str) -> nn.Module:
     if name not in _ACTIVATIONS:
         raise ValueError(f"unknown activation {name!r}; known: {sorted(_ACTIVATIONS)}")
@@ -33,19 +59,20 @@ def _activation(name: str) -> nn.Module:
 def mlp(
     inputs: int,
     outputs: int,
-    hidden: list = (128,),
+    hidden: list[int] = (128,),
     activation: str = "relu",
     dropout: float = 0.0,
     batch_norm: bool = False,
 ) -> nn.Module:
     """Multi-layer perceptron: Linear -> [BatchNorm] -> activation -> [Dropout] per hidden layer.
 
-    Outputs are logits (pair with ``cross_entropy``) or values (``mse``).
+    Outputs are logits (pair with ``cross_entropy``) or values (``mse``). Every size must be a
+    positive integer (a ``ValueError`` names the one that is not).
     """
-    if not 0 <= dropout < 1:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    width, outputs = _positive("inputs", inputs), _positive("outputs", outputs)
+    hidden, dropout = _positive_sizes("hidden", hidden), _dropout(dropout)
+    _activation(activation)
     layers: list = []
-    width = inputs
     for size in hidden:
         layers.append(nn.Linear(width, size))
         if batch_norm:
@@ -80,14 +107,20 @@ class _CNN(nn.Module):
 
 
 def cnn(
-    outputs: int, in_channels: int = 1, image_size: int = 8, channels: list = (16, 32), dropout: float = 0.0
+    outputs: int, in_channels: int = 1, image_size: int = 8, channels: list[int] = (16, 32), dropout: float = 0.0
 ) -> nn.Module:
     """A small convolutional network for square images: (Conv 3x3 -> ReLU -> MaxPool) per entry of
     ``channels``, then a linear head. Accepts images ``(N, C, H, W)``, ``(N, H, W)`` or flat pixels."""
-    return _CNN(in_channels, outputs, image_size, tuple(channels), dropout)
+    return _CNN(
+        _positive("in_channels", in_channels),
+        _positive("outputs", outputs),
+        _positive("image_size", image_size),
+        _positive_sizes("channels", channels),
+        _dropout(dropout),
+    )
 
 
 def linear(inputs: int, outputs: int = 1) -> nn.Module:
     """A linear model: linear regression with ``mse``, logistic regression with ``binary_crossentropy``
     (``from_logits``) or ``cross_entropy``."""
-    return nn.Linear(inputs, outputs)
+    return nn.Linear(_positive("inputs", inputs), _positive("outputs", outputs))

@@ -11,6 +11,12 @@ A bad recipe gives one message naming the file, the line and the key path::
 
     recipe.yaml:7: optimizer.learning_rat: unknown argument of 'sgd' (did you mean 'learning_rate'?)
 
+A recipe names code to run (``module:attr``), so it is trusted like a script; ``validate``
+never calls code outside replicafit (see ``kinds``): it imports what a recipe names, checks
+its kind and that the arguments bind, and constructs only replicafit's own built-ins (the
+strategy, to check its devices; the data, to check its arguments; a built-in model on the
+``meta`` device, to check its sizes). ``build`` calls the rest and checks what each returns.
+
 Example::
 
     recipe = load("recipes/digits_mlp.yaml", overrides=["fit.epochs=1"])
@@ -21,14 +27,14 @@ Example::
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import re
 from dataclasses import dataclass, field
 
-import yaml
-
-from . import builtins  # noqa: F401 - registers the built-in names
-from .registry import did_you_mean, resolve
+from . import builtins, kinds, recipe_loader  # noqa: F401 - importing builtins registers the built-in names
+from .recipe_loader import RecipeError, format_key
+from .registry import REGISTRIES, did_you_mean, resolve
 
 __all__ = ["RecipeError", "Recipe", "load", "locate", "shipped", "describe", "validate", "build", "Run", "SECTIONS"]
 
@@ -43,16 +49,7 @@ FIT_KEYS = {
     "verbose": "verbose",
 }
 EVALUATE_KEYS = {"batch_size": int, "steps": int}
-_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-
-
-class RecipeError(Exception):
-    """A recipe problem: ``file:line: key.path: what is wrong``."""
-
-    def __init__(self, file: str, line, key: str, message: str):
-        self.file, self.line, self.key, self.message = file, line, key, message
-        location = f"{file}:{line}" if line else file
-        super().__init__(f"{location}: {key}: {message}" if key else f"{location}: {message}")
+MAX_SEED = 2**64 - 1  # torch.manual_seed takes up to this; NumPy's seeds (the data order) must not be negative
 
 
 @dataclass
@@ -78,63 +75,7 @@ class Recipe:
         return None
 
 
-def format_key(key: tuple) -> str:
-    out = ""
-    for part in key:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
 # --- reading -----------------------------------------------------------------------------------
-
-
-def _interpolate(text: str, path: str) -> str:
-    def replace(match, line_number):
-        name, default = match.group(1), match.group(2)
-        value = os.environ.get(name)
-        if value is None:
-            if default is None:
-                raise RecipeError(
-                    path,
-                    line_number,
-                    "",
-                    f"environment variable ${{{name}}} is not set (write ${{{name}:-default}} to give a default)",
-                )
-            value = default
-        return value
-
-    out = []
-    for number, line in enumerate(text.splitlines(keepends=True), start=1):
-        cut = _comment_start(line)
-        out.append(_ENV.sub(lambda m, n=number: replace(m, n), line[:cut]) + line[cut:])
-    return "".join(out)
-
-
-def _comment_start(line: str) -> int:
-    """Where a YAML comment starts on ``line`` (``#`` at the start or after a space, outside quotes)."""
-    quote = None
-    for index, char in enumerate(line):
-        if quote:
-            if char == quote:
-                quote = None
-        elif char in "'\"":
-            quote = char
-        elif char == "#" and (index == 0 or line[index - 1] in " \t"):
-            return index
-    return len(line)
-
-
-def _record_lines(node, key: tuple, lines: dict) -> None:
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            child = key + (key_node.value,)
-            lines[child] = key_node.start_mark.line + 1
-            _record_lines(value_node, child, lines)
-    elif isinstance(node, yaml.SequenceNode):
-        for index, item in enumerate(node.value):
-            child = key + (index,)
-            lines[child] = item.start_mark.line + 1
-            _record_lines(item, child, lines)
 
 
 def _parse_override(text: str, path: str):
@@ -145,12 +86,8 @@ def _parse_override(text: str, path: str):
     for part in key.strip().split("."):
         if not part:
             raise RecipeError(path, None, "--set", f"{key!r} is not a key path (write e.g. fit.epochs=3)")
-        parts.append(int(part) if part.isdigit() else part)
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as error:
-        raise RecipeError(path, None, "--set " + key, f"cannot parse the value {raw!r}: {error}") from None
-    return tuple(parts), value
+        parts.append(int(part) if part.isascii() and part.isdigit() else part)
+    return tuple(parts), recipe_loader.parse_value(raw, path, key)
 
 
 def _apply_override(data: dict, key: tuple, value, path: str) -> None:
@@ -160,14 +97,22 @@ def _apply_override(data: dict, key: tuple, value, path: str) -> None:
         if nxt is None:
             if isinstance(target, dict):
                 nxt = target[part] = {}
-            else:
+            elif isinstance(target, list):
                 raise RecipeError(path, None, format_key(key[: depth + 1]), "--set cannot create an item of a list")
+            else:
+                raise RecipeError(
+                    path, None, format_key(key[:depth]), f"--set: {target!r} is not a mapping, it has no {part!r}"
+                )
         if isinstance(nxt, str) and isinstance(key[depth + 1], str):  # `optimizer: adam` -> {type: adam}
             nxt = target[part] = {"type": nxt}
         target = nxt
     last = key[-1]
     if isinstance(target, list) and (not isinstance(last, int) or last >= len(target)):
         raise RecipeError(path, None, format_key(key), f"--set: no item {last} in that list")
+    if not isinstance(target, (dict, list)):  # `--set seed.x=1` with `seed: 0`
+        raise RecipeError(
+            path, None, format_key(key[:-1]), f"--set: {_short(target)} is not a mapping, it has no {last!r}"
+        )
     target[last] = value
 
 
@@ -224,33 +169,21 @@ def locate(name_or_path) -> str:
 
 
 def load(path, overrides=()) -> Recipe:
-    """Reads a recipe: environment interpolation, YAML (``safe_load``), then ``--set`` overrides.
+    """Reads a recipe: UTF-8 text, environment interpolation, YAML (safe, bounded: see ``recipe_loader``),
+    then ``--set`` overrides.
 
     ``path`` is a file, or the name of a shipped recipe (``"digits_mlp"``, see ``locate``).
     """
     path = locate(path)
-    try:
-        with open(path) as file:
-            text = file.read()
-    except OSError as error:
-        raise RecipeError(path, None, "", f"cannot read the recipe ({error.strerror})") from None
-    text = _interpolate(text, path)
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as error:
-        mark = error.problem_mark or error.context_mark
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
-        raise RecipeError(where, None, "", f"YAML syntax error: {error.problem or error}") from None
+    text = recipe_loader.interpolate(recipe_loader.read_text(path), path)
+    recipe_loader.check_characters(text, path)
+    data, lines = recipe_loader.parse(text, path)
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise RecipeError(
-            path, 1, "", f"a recipe is a mapping of sections ({', '.join(SECTIONS)}), not a {type(data).__name__}"
+            path, 1, "", f"a recipe is a mapping of sections ({', '.join(SECTIONS)}), not {_a(type(data).__name__)}"
         )
-    lines: dict = {}
-    if root is not None:
-        _record_lines(root, (), lines)
     for override in overrides:
         key, value = _parse_override(override, path)
         _apply_override(data, key, value, path)
@@ -291,7 +224,8 @@ def _parameters(factory) -> tuple:
 
 
 def _expected(param) -> tuple:
-    """The Python types a parameter accepts, from its annotation or default (empty: anything)."""
+    """``(types, allow_none, item_type)`` a parameter accepts, from its annotation or default (no types:
+    anything). ``item_type`` is the type of a list's items (``list[int]``), or None."""
     annotation = param.annotation
     names = []
     if isinstance(annotation, str):
@@ -299,18 +233,27 @@ def _expected(param) -> tuple:
     elif isinstance(annotation, type):
         names = [annotation.__name__]
     allow_none = "None" in names or param.default is None
-    types = [_SIMPLE_TYPES[n] for n in names if n in _SIMPLE_TYPES]
+    types, item_type = [], None
+    for name in names:
+        generic = re.fullmatch(r"(list|tuple)\[\s*(\w+)\s*(?:,\s*\.\.\.\s*)?\]", name)
+        if generic:
+            types.append(list)
+            item_type = _SIMPLE_TYPES.get(generic.group(2))
+        elif name in _SIMPLE_TYPES:
+            types.append(_SIMPLE_TYPES[name])
     if not types and param.default not in (inspect.Parameter.empty, None):
         default = param.default
         types = [list if isinstance(default, (list, tuple)) else type(default)]
         if types[0] not in _SIMPLE_TYPES.values():
             types = []
-    return tuple(types), allow_none
+    return tuple(types), allow_none, item_type
 
 
 def _type_problem(value, types: tuple, allow_none: bool):
     if value is None:
         return None if allow_none or not types else "must not be null"
+    if isinstance(value, float) and math.isnan(value):
+        return "NaN is not a usable value: write a number"
     if not types:
         return None
     if isinstance(value, bool):
@@ -327,7 +270,41 @@ def _type_problem(value, types: tuple, allow_none: bool):
         return None
     if isinstance(value, str) and str in types:
         return None
-    return f"expected {_names(types)}, got {type(value).__name__} {value!r}"
+    return f"expected {_names(types)}, got {type(value).__name__} {_short(value)}"
+
+
+def _first_line(error: BaseException, limit: int = 400) -> str:
+    """The first line of an error's message, cut to ``limit`` characters (a message may quote a huge value)."""
+    text = str(error)
+    line = text.splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _a(noun: str) -> str:
+    return f"an {noun}" if noun[:1] in "aeiou" else f"a {noun}"
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _argument_problem(name, value, param):
+    """What is wrong with the value of argument ``name`` (None if nothing): its type, NaN, a learning rate
+    that is infinite or negative. Returns ``(key suffix, message)``."""
+    types, allow_none, item_type = _expected(param)
+    problem = _type_problem(value, types, allow_none)
+    if problem:
+        return (), problem
+    if item_type is not None and isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            problem = _type_problem(item, (item_type,), False)
+            if problem:
+                return (index,), problem
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if str(name).endswith("learning_rate") and is_number and not (math.isfinite(value) and value >= 0):
+        return (), f"a learning rate must be a finite number >= 0, got {value!r}"
+    return None
 
 
 def _names(types) -> str:
@@ -345,47 +322,82 @@ def _names(types) -> str:
 def check_entry(recipe: Recipe, key: tuple, value, kind: str, provided=()):
     """Validates ``{type: name, ...args}`` (or a name) of registry ``kind``; returns ``(factory, args)``.
 
-    ``provided``: arguments the runner fills in itself (e.g. a model's ``inputs``).
+    Imports a ``module:attr`` and checks its kind (``kinds.factory_problem``) and that ``args`` bind
+    its signature; calls nothing. ``provided``: arguments the runner fills in itself (a model's ``inputs``).
     """
-    if isinstance(value, str):
-        type_name, args = value, {}
-    elif isinstance(value, dict):
-        if "type" not in value:
-            raise recipe.error(
-                key, f"missing 'type': name a registered {kind} (`replicafit list {kind}`) or 'package.module:attr'"
-            )
-        type_name, args = value["type"], {k: v for k, v in value.items() if k != "type"}
-        if not isinstance(type_name, str):
-            raise recipe.error(key + ("type",), f"expected a string, got {type(type_name).__name__} {type_name!r}")
-    else:
-        raise recipe.error(
-            key, f"expected a {kind} name or a mapping with 'type', got {type(value).__name__} {value!r}"
-        )
+    type_name, args = _type_and_args(recipe, key, value, kind)
     type_key = key + ("type",) if isinstance(value, dict) else key
-    try:
-        factory = resolve(kind, type_name)
-    except KeyError as error:
-        raise recipe.error(type_key, str(error.args[0])) from None
-    except (ImportError, AttributeError, ValueError) as error:
-        raise recipe.error(type_key, f"cannot import {type_name!r}: {error}") from None
-    if not callable(factory):
+    factory = _resolve(recipe, type_key, kind, type_name)
+    if type_name not in REGISTRIES[kind]:  # registering a name declares its kind
+        problem = kinds.factory_problem(kind, factory)
+        if problem:
+            spec = kinds.kind(kind)
+            raise recipe.error(type_key, f"{type_name!r} is not {spec.noun} (expected {spec.expected}): {problem}")
+    elif not callable(factory):
         raise recipe.error(type_key, f"{type_name!r} is not callable")
     params, open_kwargs = _parameters(factory)
     for name, arg in args.items():
         if name not in params:
-            if open_kwargs:
+            if open_kwargs and isinstance(name, str):
                 continue
             raise recipe.error(key + (name,), f"unknown argument of {type_name!r}{did_you_mean(name, params)}")
+        if params[name].kind is inspect.Parameter.POSITIONAL_ONLY:
+            raise recipe.error(key + (name,), f"positional-only in {type_name!r}: a recipe passes arguments by name")
         if isinstance(arg, dict) and "type" in arg and name == "learning_rate":
             continue  # a schedule: checked by the caller
-        types, allow_none = _expected(params[name])
-        problem = _type_problem(arg, types, allow_none)
+        problem = _argument_problem(name, arg, params[name])
         if problem:
-            raise recipe.error(key + (name,), problem)
+            raise recipe.error(key + (name, *problem[0]), problem[1])
     for name, param in params.items():
         if param.default is inspect.Parameter.empty and name not in args and name not in provided:
+            if param.kind is inspect.Parameter.POSITIONAL_ONLY:
+                raise recipe.error(
+                    key, f"{type_name!r} takes {name!r} positionally only: a recipe passes arguments by name"
+                )
             raise recipe.error(key, f"missing required argument {name!r} of {type_name!r}")
     return factory, args
+
+
+def _type_and_args(recipe: Recipe, key: tuple, value, kind: str) -> tuple:
+    if isinstance(value, str):
+        return value, {}
+    if isinstance(value, dict):
+        if "type" not in value:
+            raise recipe.error(
+                key, f"missing 'type': name a registered {kind} (`replicafit list {kind}`) or 'package.module:attr'"
+            )
+        type_name = value["type"]
+        if not isinstance(type_name, str):
+            got = f"{type(type_name).__name__} {_short(type_name)}"
+            raise recipe.error(key + ("type",), f"expected a string, got {got}")
+        return type_name, {k: v for k, v in value.items() if k != "type"}
+    got = f"{type(value).__name__} {_short(value)}"
+    raise recipe.error(key, f"expected a {kind} name or a mapping with 'type', got {got}")
+
+
+def _resolve(recipe: Recipe, type_key: tuple, kind: str, type_name: str):
+    try:
+        return resolve(kind, type_name)
+    except KeyError as error:
+        if ":" not in type_name:  # not registered: resolve's own message, with a did-you-mean
+            raise recipe.error(type_key, str(error.args[0])) from None
+        raise recipe.error(type_key, f"importing {type_name!r} failed: {_exception_line(error)}") from None
+    except (ImportError, AttributeError, ValueError) as error:
+        raise recipe.error(type_key, f"cannot import {type_name!r}: {error}") from None
+    except Exception as error:  # noqa: BLE001 - the module's own code raised while it was imported
+        raise recipe.error(type_key, f"importing {type_name!r} failed: {_exception_line(error)}") from None
+
+
+def _exception_line(error: BaseException) -> str:
+    """``Type: message (file:line)``, where the line is the innermost frame that raised."""
+    message = _first_line(error)
+    where = ""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is not None:
+        where = f" ({tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})"
+    return f"{type(error).__name__}: {message}{where}" if message else f"{type(error).__name__}{where}"
 
 
 # --- the whole recipe ---------------------------------------------------------------------------
@@ -414,7 +426,8 @@ def _entry_name(value):
 
 
 def validate(recipe: Recipe) -> dict:
-    """Checks everything that can be checked without training; returns the factories and args.
+    """Checks everything that can be checked without training or calling code outside replicafit;
+    returns the factories and args (and the built-in strategy and data, constructed).
 
     Raises ``RecipeError`` for the first problem found.
     """
@@ -425,21 +438,19 @@ def validate(recipe: Recipe) -> dict:
     for required in ("model", "data"):
         if required not in data:
             raise recipe.error((), f"missing section {required!r}")
-    seed = data.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise recipe.error(("seed",), f"expected an integer, got {type(seed).__name__} {seed!r}")
+    _check_seed(recipe, data.get("seed"))
     checked: dict = {}
     checked["strategy"] = check_entry(recipe, ("strategy",), data.get("strategy", "default"), "strategy")
-    checked["strategy_instance"] = _make_strategy(recipe, *checked["strategy"])
+    if kinds.is_builtin("strategy", checked["strategy"][0]):  # bad devices are found now
+        checked["strategy_instance"] = _construct(recipe, ("strategy",), *checked["strategy"])
     data_entry = data["data"]
     batch_keys = {}
     if isinstance(data_entry, dict):
         batch_keys = {k: data_entry[k] for k in ("batch_size",) if k in data_entry}
         data_entry = {k: v for k, v in data_entry.items() if k not in batch_keys}
     checked["data"] = check_entry(recipe, ("data",), data_entry, "dataset")
-    checked["data_instance"] = _call(recipe, ("data",), *checked["data"])  # loads now: bad values fail here
-    if not isinstance(checked["data_instance"], dict) or "train" not in checked["data_instance"]:
-        raise recipe.error(("data",), "a dataset factory must return a dict with a 'train' entry")
+    if kinds.is_builtin("dataset", checked["data"][0]):  # loads now: bad values fail here
+        checked["data_instance"] = _dataset_info(recipe, _construct(recipe, ("data",), *checked["data"]))
     for name, value in batch_keys.items():
         problem = _type_problem(value, (int,), False)
         if problem or value < 1:
@@ -448,6 +459,8 @@ def validate(recipe: Recipe) -> dict:
     checked["model"] = check_entry(
         recipe, ("model",), data["model"], "model", provided=("inputs", "outputs", "in_channels")
     )
+    if kinds.is_builtin("model", checked["model"][0]):
+        _check_builtin_model(recipe, checked)
     optimizer = data.get("optimizer", "adam")
     checked["optimizer"] = check_entry(recipe, ("optimizer",), optimizer, "optimizer")
     rate = optimizer.get("learning_rate") if isinstance(optimizer, dict) else None
@@ -470,12 +483,40 @@ def validate(recipe: Recipe) -> dict:
     return checked
 
 
-def _make_strategy(recipe: Recipe, factory, args):
-    """Builds the strategy now: devices that do not exist are a recipe error, before anything runs."""
+def _check_seed(recipe: Recipe, seed) -> None:
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise recipe.error(("seed",), f"expected an integer, got {type(seed).__name__} {_short(seed)}")
+    if not 0 <= seed <= MAX_SEED:
+        raise recipe.error(("seed",), f"must be in [0, 2**64 - 1] (what torch.manual_seed takes), got {seed}")
+
+
+def _construct(recipe: Recipe, key: tuple, factory, args, **extra):
+    """Calls one of replicafit's own built-ins during validation: whatever it raises is about the recipe's
+    values (a device that does not exist, a split out of range), reported at the argument it names."""
     try:
-        return factory(**args)
-    except (ValueError, TypeError, RuntimeError) as error:
-        raise recipe.error(_blame(("strategy",), args, str(error)), str(error).splitlines()[0]) from None
+        return factory(**args, **extra)
+    except Exception as error:  # noqa: BLE001 - ours, called with the recipe's values: one line, no traceback
+        known = isinstance(error, (ValueError, TypeError, RuntimeError))
+        message = _first_line(error)
+        message = message if known and message else f"{type(error).__name__}: {message}".rstrip(": ")
+        raise recipe.error(_blame(key, args, message), message) from None
+
+
+def _check_builtin_model(recipe: Recipe, checked: dict) -> None:
+    """Builds a built-in model on the ``meta`` device (no memory, no time): its sizes and names are checked."""
+    import torch
+
+    factory, args = checked["model"]
+    info = checked.get("data_instance") or {}
+    extra = _model_inputs(factory, args, info)
+    params, _ = _parameters(factory)
+    for name in ("inputs", "outputs"):  # the data is not known yet: any valid size stands in
+        if name in params and name not in args and name not in extra:
+            extra[name] = 1
+    with torch.device("meta"):
+        _construct(recipe, ("model",), factory, args, **extra)
 
 
 def _blame(key: tuple, args: dict, message: str) -> tuple:
@@ -490,6 +531,11 @@ def _blame(key: tuple, args: dict, message: str) -> tuple:
     if quoted:
         return key + (min(quoted)[1],)
     for name in args:
+        if not isinstance(name, str):
+            continue
+        item = re.search(rf"\b{re.escape(name)}\[(\d+)\]", message)  # "hidden[1] must be ...": that item
+        if item and isinstance(args[name], (list, tuple)) and int(item.group(1)) < len(args[name]):
+            return key + (name, int(item.group(1)))
         if re.search(rf"\b{re.escape(name)}\b", message):
             return key + (name,)
     return key
@@ -587,9 +633,58 @@ class Run:
 def _call(recipe, key, factory, args, **extra):
     try:
         return factory(**args, **extra)
-    except (ValueError, TypeError, RuntimeError) as error:
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    except (ValueError, TypeError, RuntimeError, OverflowError, MemoryError) as error:
+        message = _first_line(error) or type(error).__name__
         raise recipe.error(_blame(key, args, message), message) from None
+
+
+def _built(recipe: Recipe, key: tuple, section: str, factory, args, **extra):
+    """Calls the factory of the entry at ``key`` and refuses what it returns unless it is of ``section``'s kind."""
+    value = _call(recipe, key, factory, args, **extra)
+    problem = kinds.result_problem(section, value)
+    if problem:
+        type_key, type_name = _type_at(recipe, key)
+        raise recipe.error(type_key, f"{type_name!r} {problem}")
+    return value
+
+
+_DEFAULT_ENTRIES = {("strategy",): "default", ("optimizer",): "adam", ("loss",): "cross_entropy"}
+
+
+def _type_at(recipe: Recipe, key: tuple) -> tuple:
+    """``(key of the type, type name)`` of the entry at ``key`` (``("model", "type"), "mypkg:make"``)."""
+    entry = recipe.data
+    for part in key:
+        try:
+            entry = entry[part]
+        except (KeyError, IndexError, TypeError):
+            entry = _DEFAULT_ENTRIES.get(key)
+            break
+    return (key + ("type",) if isinstance(entry, dict) else key), _entry_name(entry)
+
+
+def _dataset_info(recipe: Recipe, value) -> dict:
+    """What the dataset factory returned as ``{"train": ..., "validation": ..., "inputs": ..., ...}``."""
+    from . import datasets
+
+    try:
+        return datasets.as_info(value)
+    except ValueError as error:
+        type_key, type_name = _type_at(recipe, ("data",))
+        raise recipe.error(type_key, f"{type_name!r} {error}") from None
+
+
+def _model_inputs(factory, args: dict, info: dict) -> dict:
+    """The model's ``inputs``/``outputs`` taken from the data, where the recipe leaves them out."""
+    params, _ = _parameters(factory)
+    extra = {}
+    if "inputs" in params and "inputs" not in args and info.get("inputs"):
+        extra["inputs"] = info["inputs"]
+    if "outputs" in params and "outputs" not in args:
+        outputs = info.get("classes") or _target_width(info)
+        if outputs:
+            extra["outputs"] = outputs
+    return extra
 
 
 TENSORBOARD_DIR = "tensorboard"
@@ -598,8 +693,9 @@ TENSORBOARD_DIR = "tensorboard"
 def build(recipe: Recipe, checked: dict | None = None, run_dir=None) -> Run:
     """Validates (unless given the result) and constructs the strategy, data, model, trainer and callbacks.
 
-    With ``run_dir``, a callback whose ``log_dir`` the recipe leaves out (``{type: tensorboard}``)
-    logs into ``run_dir/tensorboard``.
+    This calls the code the recipe names, and refuses what a factory returns unless it is of its
+    section's kind (see ``kinds``). With ``run_dir``, a callback whose ``log_dir`` the recipe leaves
+    out (``{type: tensorboard}``) logs into ``run_dir/tensorboard``.
     """
     import torch
 
@@ -608,43 +704,84 @@ def build(recipe: Recipe, checked: dict | None = None, run_dir=None) -> Run:
     checked = checked or validate(recipe)
     data = recipe.data
     seed = data.get("seed")
-    strategy = checked["strategy_instance"]
-    info = checked["data_instance"]
+    strategy = checked.get("strategy_instance")
+    if strategy is None:
+        strategy = _built(recipe, ("strategy",), "strategy", *checked["strategy"])
+    info = checked.get("data_instance")
+    if info is None:
+        info = _dataset_info(recipe, _built(recipe, ("data",), "dataset", *checked["data"]))
     model_factory, model_args = checked["model"]
-    params, _ = _parameters(model_factory)
-    extra = {}
-    if "inputs" in params and "inputs" not in model_args and info.get("inputs"):
-        extra["inputs"] = info["inputs"]
-    if "outputs" in params and "outputs" not in model_args:
-        outputs = info.get("classes") or _target_width(info)
-        if outputs:
-            extra["outputs"] = outputs
+    extra = _model_inputs(model_factory, model_args, info)
+    _check_model_inputs(recipe, model_factory, model_args, extra)
     if seed is not None:
         torch.manual_seed(seed)
-    model = _call(recipe, ("model",), model_factory, model_args, **extra)
-    with_strategy = strategy.scope()
-    with with_strategy:
+    model = _built(recipe, ("model",), "model", model_factory, model_args, **extra)
+    with strategy.scope():
         optimizer_factory, optimizer_args = checked["optimizer"]
         if "schedule" in checked:
-            optimizer_args = dict(
-                optimizer_args, learning_rate=_call(recipe, ("optimizer", "learning_rate"), *checked["schedule"])
-            )
-        optimizer = _call(recipe, ("optimizer",), optimizer_factory, optimizer_args)
-    loss = _call(recipe, ("loss",), *checked["loss"])
+            schedule = _built(recipe, ("optimizer", "learning_rate"), "schedule", *checked["schedule"])
+            optimizer_args = dict(optimizer_args, learning_rate=schedule)
+        optimizer = _built(recipe, ("optimizer",), "optimizer", optimizer_factory, optimizer_args)
+    loss = _built(recipe, ("loss",), "loss", *checked["loss"])
     metric_names = [_entry_name(m) for m in data.get("metrics", []) or []]
     metrics = [
-        name if name == "accuracy" else _call(recipe, ("metrics", i), name, _named(args, name, metric_names[i]))
-        for i, (name, args) in enumerate(checked["metrics"])
+        factory
+        if factory == "accuracy"
+        else _built(recipe, ("metrics", i), "metric", factory, _named(args, factory, metric_names[i]))
+        for i, (factory, args) in enumerate(checked["metrics"])
     ]
     callbacks = [
-        _call(recipe, ("callbacks", i), f, _in_run_dir(f, a, run_dir)) for i, (f, a) in enumerate(checked["callbacks"])
+        _built(recipe, ("callbacks", i), "callback", f, _in_run_dir(f, a, run_dir))
+        for i, (f, a) in enumerate(checked["callbacks"])
     ]
     trainer = Trainer(strategy=strategy, optimizer=optimizer, loss=loss, metrics=metrics, seed=seed)
     fit_kwargs = dict(checked["fit"])
     fit_kwargs.update(checked["data_batch"])
+    _check_training_data(recipe, info, fit_kwargs, checked["data_batch"])
     if info.get("validation") is not None and "validation_split" not in fit_kwargs:
         fit_kwargs["validation_data"] = info["validation"]
     return Run(recipe, strategy, model, info, trainer, callbacks, fit_kwargs, dict(checked["evaluate"]))
+
+
+def _check_model_inputs(recipe: Recipe, factory, args: dict, extra: dict) -> None:
+    """A model size the recipe leaves out and the data does not give: refused here, with the fix."""
+    params, _ = _parameters(factory)
+    for name, entry in (("inputs", "inputs"), ("outputs", "classes")):
+        param = params.get(name)
+        if param is None or param.default is not inspect.Parameter.empty or name in args or name in extra:
+            continue
+        raise recipe.error(
+            ("model",),
+            f"the model needs {name!r} and the data does not tell it: write `{name}: N` in the model section "
+            f"(or have the dataset factory return {{'train': ..., '{entry}': N}})",
+        )
+
+
+def _check_training_data(recipe: Recipe, info: dict, fit_kwargs: dict, data_batch: dict) -> None:
+    """What ``fit`` would refuse mid-call about the data's form and the batch size, refused now at its key."""
+    from .datasets import training_data_form
+
+    form = training_data_form(info["train"])
+    batch_key = ("data", "batch_size") if "batch_size" in data_batch else ("fit", "batch_size")
+    type_key, type_name = _type_at(recipe, ("data",))
+    if form == "dataset" and fit_kwargs.get("batch_size") is None:
+        raise recipe.error(
+            type_key,
+            f"{type_name!r} gives a torch Dataset of single examples: set data.batch_size (or fit.batch_size) "
+            "to cut it into batches",
+        )
+    if form == "batches" and fit_kwargs.get("batch_size") is not None:
+        raise recipe.error(
+            batch_key,
+            f"{type_name!r} gives batches already (a DataLoader or another iterable of batches): remove "
+            "batch_size here and set it where the batches are made",
+        )
+    if form == "batches" and fit_kwargs.get("validation_split"):
+        raise recipe.error(
+            ("fit", "validation_split"),
+            f"validation_split needs arrays or a torch Dataset, and {type_name!r} gives batches: have the "
+            "dataset factory return {'train': ..., 'validation': ...} instead",
+        )
 
 
 def _in_run_dir(factory, args: dict, run_dir) -> dict:
@@ -662,7 +799,7 @@ def _named(args: dict, factory, name) -> dict:
 
 
 def _target_width(info):
-    train = info["train"]
+    train = info.get("train")
     if isinstance(train, tuple) and len(train) >= 2 and getattr(train[1], "ndim", 1) == 2:
         return int(train[1].shape[1])
     return None

@@ -106,14 +106,23 @@ def register_callback(name: str, description: str = ""):
 def resolve(kind: str, name: str):
     """The factory for ``name`` in registry ``kind``, or ``"module:attr"`` imported.
 
-    Raises ``KeyError`` with a did-you-mean hint for an unknown name, and
-    ``ImportError``/``AttributeError`` for a bad ``module:attr``.
+    Raises ``KeyError`` with a did-you-mean hint for an unknown name, ``ValueError`` for a
+    ``module:attr`` that is relative (``".foo:bar"``) or has an empty part, and
+    ``ImportError``/``AttributeError`` for one that does not import. Importing the module runs its
+    top-level code; nothing named is called.
     """
     registry = REGISTRIES[kind]
     if name in registry:
         return registry.get(name)
     if ":" in name:
         module_name, _, attribute = name.partition(":")
+        if module_name.startswith("."):
+            raise ValueError(
+                "relative module names are not allowed (there is no package to be relative to): "
+                "write the full module path, 'package.module:attr'"
+            )
+        if not module_name or not attribute:
+            raise ValueError("both parts of 'package.module:attr' are needed")
         moved = _moved_spelling(module_name, attribute)
         if moved:
             raise ImportError(

@@ -489,3 +489,48 @@ def test_module_fit_and_evaluate_end_to_end(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["accuracy"] == pytest.approx(accuracy, abs=1e-6)
+
+
+# --- Ctrl-C ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["validate", "fit", "list"])
+def test_ctrl_c_prints_interrupted_and_exits_130(capsys, monkeypatch, command):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, f"_{command}", interrupted)
+    argv = [command] + (["digits_mlp"] if command != "list" else [])
+    status, out, err = run_cli(capsys, *argv)
+    assert (status, out, err) == (130, "", "interrupted\n")
+
+
+@pytest.mark.timeout(180)
+def test_sigint_during_fit_prints_interrupted_and_exits_130(tmp_path):
+    """A real Ctrl-C (SIGINT) in the middle of training: one line, status 130, no traceback."""
+    import select
+    import signal
+    import time
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "replicafit", "fit", "digits_mlp", "--set", "fit.epochs=1000", "--set", "fit.verbose=2"]
+        + ["--run-dir", str(tmp_path / "run")],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        deadline, seen = time.monotonic() + 120, ""
+        while "Epoch 1/1000" not in seen:  # training has started
+            assert process.poll() is None, process.stderr.read()
+            ready, _, _ = select.select([process.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready, f"no epoch line within 120 s; got {seen!r}"
+            seen += process.stdout.readline()
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+        assert process.returncode == 130, err
+        assert err == "interrupted\n"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)

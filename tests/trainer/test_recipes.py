@@ -620,6 +620,231 @@ MALFORMED = [
         "callbacks",
         ["expected a list"],
     ),
+    # --- values that used to pass validate and crash later with a traceback (hardening items 5 and 6)
+    (
+        "seed_beyond_torch_range",
+        """
+        seed: 1000000000000000000000000000000   #<
+        model: mlp
+        data: digits
+        """,
+        "seed",
+        ["2**64 - 1", "torch.manual_seed"],
+    ),
+    (
+        "seed_negative",
+        """
+        seed: -1   #<
+        model: mlp
+        data: digits
+        """,
+        "seed",
+        ["2**64 - 1"],
+    ),
+    (
+        "relative_module_type",
+        """
+        data: digits
+        model:
+          type: ".foo:bar"   #<
+        """,
+        "model.type",
+        ["relative module names are not allowed", "package.module:attr"],
+    ),
+    (
+        "mlp_negative_hidden_size",
+        """
+        data: digits
+        model:
+          type: mlp
+          hidden: [-4]   #<
+        """,
+        "model.hidden[0]",
+        ["positive integer", "-4"],
+    ),
+    (
+        "mlp_zero_hidden_size",
+        """
+        data: digits
+        model:
+          type: mlp
+          hidden:
+            - 16
+            - 0   #<
+        """,
+        "model.hidden[1]",
+        ["positive integer", "0"],
+    ),
+    (
+        "mlp_hidden_size_not_a_number",
+        """
+        data: digits
+        model:
+          type: mlp
+          hidden:
+            - 16
+            - wide   #<
+        """,
+        "model.hidden[1]",
+        ["expected a number", "'wide'"],
+    ),
+    (
+        "mlp_hidden_size_boolean",
+        """
+        data: digits
+        model:
+          type: mlp
+          hidden:
+            - true   #<
+        """,
+        "model.hidden[0]",
+        ["boolean"],
+    ),
+    (
+        "mlp_hidden_size_nested_list",
+        """
+        data: digits
+        model:
+          type: mlp
+          hidden:
+            - [8]   #<
+        """,
+        "model.hidden[0]",
+        ["expected an integer"],
+    ),
+    (
+        "cnn_zero_channels",
+        """
+        data: {type: digits, images: true}
+        model:
+          type: cnn
+          channels:
+            - 16
+            - 0   #<
+        """,
+        "model.channels[1]",
+        ["positive integer"],
+    ),
+    (
+        "cnn_image_size_zero",
+        """
+        data: {type: digits, images: true}
+        model:
+          type: cnn
+          image_size: 0   #<
+        """,
+        "model.image_size",
+        ["positive integer"],
+    ),
+    (
+        "linear_negative_outputs",
+        """
+        data: regression
+        loss: mse
+        model:
+          type: linear
+          outputs: -1   #<
+        """,
+        "model.outputs",
+        ["positive integer"],
+    ),
+    (
+        "mlp_unknown_activation_caught_by_validate",
+        """
+        data: digits
+        model:
+          type: mlp
+          activation: relux   #<
+        """,
+        "model.activation",
+        ["unknown activation"],
+    ),
+    (
+        "mirrored_empty_devices",
+        """
+        model: mlp
+        data: digits
+        strategy:
+          type: mirrored
+          devices: []   #<
+        """,
+        "strategy.devices",
+        ["empty list", "leave devices out"],
+    ),
+    (
+        "central_storage_empty_compute_devices",
+        """
+        model: mlp
+        data: digits
+        strategy:
+          type: central_storage
+          compute_devices: []   #<
+        """,
+        "strategy.compute_devices",
+        ["empty list"],
+    ),
+    (
+        "learning_rate_infinite",
+        """
+        model: mlp
+        data: digits
+        optimizer:
+          type: sgd
+          learning_rate: .inf   #<
+        """,
+        "optimizer.learning_rate",
+        ["finite number >= 0", "inf"],
+    ),
+    (
+        "learning_rate_nan",
+        """
+        model: mlp
+        data: digits
+        optimizer:
+          type: adam
+          learning_rate: .nan   #<
+        """,
+        "optimizer.learning_rate",
+        ["NaN"],
+    ),
+    (
+        "learning_rate_negative",
+        """
+        model: mlp
+        data: digits
+        optimizer:
+          type: sgd
+          learning_rate: -0.1   #<
+        """,
+        "optimizer.learning_rate",
+        ["finite number >= 0", "-0.1"],
+    ),
+    (
+        "schedule_learning_rate_nan",
+        """
+        model: mlp
+        data: digits
+        optimizer:
+          type: sgd
+          learning_rate:
+            type: cosine_decay
+            initial_learning_rate: .nan   #<
+            decay_steps: 10
+        """,
+        "optimizer.learning_rate.initial_learning_rate",
+        ["NaN"],
+    ),
+    (
+        "nan_for_any_number",
+        """
+        model: mlp
+        data:
+          type: classification
+          noise: .nan   #<
+        """,
+        "data.noise",
+        ["NaN"],
+    ),
 ]
 
 
@@ -727,6 +952,12 @@ def test_dataset_argument_out_of_range_is_caught_by_validate(tmp_path, capsys):
     status, out, err = run_cli(capsys, "validate", path)
     assert status == 2, f"validate accepted a recipe that fit rejects: {out}"
     assert "validation_split" in err
+
+
+def test_the_largest_seed_torch_takes_runs(tmp_path, capsys):
+    path = write(tmp_path, CLASSIFICATION.replace("seed: 0", f"seed: {2**64 - 1}"))
+    status, _, err = run_cli(capsys, "fit", path, "--run-dir", tmp_path / "run")
+    assert status == 0, err
 
 
 def test_valid_recipe_validates(tmp_path, capsys):
@@ -841,6 +1072,15 @@ def test_set_missing_list_item(tmp_path, capsys):
     status, _, err = run_cli(capsys, "validate", path, "--set", "model.hidden.3=4")
     assert status == 2
     assert "Traceback" not in err and "model.hidden" in err
+
+
+@pytest.mark.parametrize("override", ["seed.x=1", "fit.epochs.0=1", "fit.epochs.x=1", "model.hidden.0.x=1"])
+def test_set_into_a_scalar(tmp_path, capsys, override):
+    """Found by benchmarks/fuzz_recipes.py: a TypeError traceback before."""
+    path = write(tmp_path, CLASSIFICATION)
+    status, _, err = run_cli(capsys, "validate", path, "--set", override)
+    assert status == 2
+    assert "Traceback" not in err and "is not a mapping" in err and len(err.strip().splitlines()) == 1
 
 
 def test_set_unknown_key_gets_did_you_mean(tmp_path, capsys):
