@@ -66,6 +66,7 @@ from replicafit.strategies.devices import canonicalize
 from replicafit.strategies.values import local_results, value_container
 
 from . import schedules
+from . import state as state_format
 
 __all__ = ["Optimizer"]
 
@@ -82,8 +83,10 @@ class Optimizer:
     """Base class of distribution-aware optimizers (see the module docstring for the pipeline).
 
     Args:
-      learning_rate: a float, a ``schedules.LearningRateSchedule``, or a callable
-        ``step -> float``.
+      learning_rate: a float >= 0, a ``schedules.LearningRateSchedule``, or a callable
+        ``step -> float``. 0 is valid, as in Keras and ``torch.optim`` (the end of a
+        cosine decay, a scheduler's last epoch); negative, NaN and infinite rates are
+        refused, also when a schedule returns one.
       weight_decay: decoupled weight decay: before each update
         ``variable -= variable * weight_decay * learning_rate``.
       clipnorm: clip each aggregated gradient to this L2 norm.
@@ -125,7 +128,7 @@ class Optimizer:
         self._built_ids: set = set()
         self._slots: dict = {}  # (id(container), slot name) -> slot variable
         self._slot_names: dict = {}  # id(container) -> [slot names]
-        self._pending_state: dict | None = None
+        self._pending: state_format.PendingState | None = None  # loaded, for variables not built yet
         self._plans: dict = {}  # multi-tensor plans per variable list
         self._wrapped: dict = {}  # id(raw tensor) -> (tensor, LocalVariable) for plain parameters
 
@@ -134,7 +137,7 @@ class Optimizer:
     def _check_learning_rate(learning_rate):
         if isinstance(learning_rate, schedules.LearningRateSchedule) or callable(learning_rate):
             return learning_rate
-        return _check_positive("learning_rate", learning_rate, allow_none=False)
+        return state_format.check_learning_rate(learning_rate)
 
     @property
     def learning_rate(self) -> float:
@@ -148,7 +151,8 @@ class Optimizer:
     def _current_learning_rate(self) -> float:
         rate = self._learning_rate
         if callable(rate):
-            return float(rate(int(self.iterations)))
+            step = int(self.iterations)
+            return state_format.check_learning_rate(float(rate(step)), f"learning_rate (the schedule at step {step})")
         return rate
 
     # --- building and slots ------------------------------------------------------------------
@@ -184,7 +188,6 @@ class Optimizer:
             slot = ds.Variable(value, trainable=False, name=f"{container.name}/{name}")
         self._slots[key] = slot
         self._slot_names.setdefault(id(container), []).append(name)
-        self._restore_pending_slot(container, name, slot)
         return slot
 
     def get_slot(self, variable, name: str):
@@ -302,6 +305,9 @@ class Optimizer:
             strategy = self._strategy_of(missing)
             with context.enter_or_assert_strategy(strategy):
                 self.build(missing)
+        # A loaded state waits for its variables (built here, or by a direct build() call).
+        if self._pending is not None and self._pending.checked != len(self._variables):
+            self._restore_pending()
 
     def _update_component(self, variable, gradient, learning_rate):
         with torch.no_grad():
@@ -398,47 +404,114 @@ class Optimizer:
         return cls(**config)
 
     def state_dict(self) -> dict:
-        """``{"iterations": int, "slots": {variable name: {slot name: tensor}}}`` (strategy-independent).
+        """``iterations``, the learning rate and every slot, keyed by the variable's position.
 
-        Slots restored by ``load_state_dict`` but not built yet are included as they were loaded.
+        ``{"iterations": int, "variables": [{"name", "shape"}, ...], "slots": {position: {slot name:
+        tensor}}, "learning_rate": float}``: the entry at position ``i`` belongs to the ``i``-th
+        variable the optimizer was built for, and ``variables`` keeps names and shapes as a
+        check (the layout is described in ``replicafit.optimizers.state``). The tensors are
+        aggregated copies (a snapshot), the same under every strategy. Entries loaded by
+        ``load_state_dict`` for variables not built yet are included as they were loaded.
+
+        Example::
+
+            state = optimizer.state_dict()
+            state["slots"][0]["momentum"]          # the first variable's momentum
         """
-        slots: dict = {k: dict(v) for k, v in (self._pending_state or {}).items() if v}
-        for variable in self._variables:
-            for name in self._slot_names.get(id(variable), []):
-                slot = self._slots[(id(variable), name)]
-                slots.setdefault(variable.name, {})[name] = local_results(slot)[0]._read().detach().clone()
+        if self._pending is not None and self._pending.checked != len(self._variables):
+            self._restore_pending()  # variables built by a direct build() call since the load
+        records = state_format.describe(self._variables)
+        slots: dict = {}
+        for position, variable in enumerate(self._variables):
+            slots[position] = {
+                name: local_results(self._slots[(id(variable), name)])[0]._read().detach().clone()
+                for name in self._slot_names.get(id(variable), [])
+            }
+        pending = self._pending
+        if pending is not None and pending.records is None and not self._variables:
+            slots = {name: dict(entry) for name, entry in pending.entries.items()}  # name-keyed, as loaded
+            records = None
+        elif pending is not None and pending.records:
+            for position in range(len(records), len(pending.records)):
+                records.append(dict(pending.records[position]))
+                if position in pending.entries:
+                    slots[position] = dict(pending.entries[position])
         state = {"iterations": int(self.iterations), "slots": slots}
+        if records is not None:
+            state["variables"] = records
         if not callable(self._learning_rate):  # a rate set by a callback must survive a restore
             state["learning_rate"] = float(self._learning_rate)
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores ``state_dict()`` output; slots of variables not built yet are restored when they are."""
-        if not isinstance(state, dict) or "iterations" not in state or "slots" not in state:
-            raise ValueError(
-                "load_state_dict() needs the dict returned by Optimizer.state_dict() (keys 'iterations' and 'slots')."
-            )
-        self.iterations.assign(int(state["iterations"]))
-        if "learning_rate" in state and not callable(self._learning_rate):
-            self.learning_rate = state["learning_rate"]
-        self._pending_state = {k: dict(v) for k, v in state["slots"].items()}
-        for variable in self._variables:
-            for name in self._slot_names.get(id(variable), []):
-                self._restore_pending_slot(variable, name, self._slots[(id(variable), name)])
+        """Restores ``state_dict()`` output; entries of variables not built yet are restored when they are.
 
-    def _restore_pending_slot(self, variable, name, slot) -> None:
-        if not self._pending_state:
+        The entry at position ``i`` goes to the ``i``-th variable the optimizer is built for.
+        A state whose variables (count, names, shapes) or slots (names, shapes) do not fit
+        raises ``ValueError`` naming the position and slot, and changes nothing. States of
+        earlier versions, keyed by variable name, load when no two variables share a name.
+        """
+        iterations, pending = state_format.parse(state, "slots", type(self).__name__)
+        learning_rate = state.get("learning_rate")
+        if learning_rate is not None and not callable(self._learning_rate):
+            learning_rate = state_format.check_learning_rate(learning_rate, "learning_rate (in the optimizer state)")
+        else:
+            learning_rate = None
+        taken, assignments = self._plan_restore(pending)  # every check before any change
+        self.iterations.assign(iterations)
+        if learning_rate is not None:
+            self.learning_rate = learning_rate
+        _assign_all(assignments)
+        pending.discard(taken, self._variables)
+        self._pending = None if pending.done(len(self._variables)) else pending
+
+    def _restore_pending(self) -> None:
+        """Restores the loaded entries of variables built since ``load_state_dict``."""
+        if not self._variables:
             return
-        values = self._pending_state.get(variable.name)
-        if values is None or name not in values:
-            return
-        value = values.pop(name)
-        strategy = getattr(slot, "_distribute_strategy", None) or context.get_strategy()
-        with context.enter_or_assert_strategy(strategy):
-            slot.assign(torch.as_tensor(value))
+        taken, assignments = self._plan_restore(self._pending)
+        _assign_all(assignments)
+        self._pending.discard(taken, self._variables)
+        if self._pending.done(len(self._variables)):
+            self._pending = None
+
+    def _plan_restore(self, pending) -> tuple:
+        """``(entries taken, [(slot, value)])`` for the built variables; ``ValueError`` if they do not fit."""
+        if not self._variables:
+            return {}, []
+        taken = pending.match(self._variables)
+        assignments = []
+        for position, entry in taken.items():
+            variable = self._variables[position]
+            names = self._slot_names.get(id(variable), [])
+            if set(entry) != set(names):
+                raise ValueError(
+                    f"The optimizer state's variable {position} ({variable.name!r}) has slots {sorted(entry)}, but "
+                    f"{type(self).__name__} {self.name!r} keeps {sorted(names)} for it: the state was saved by "
+                    "another optimizer or with other options."
+                )
+            for name in names:
+                slot, value = self._slots[(id(variable), name)], entry[name]
+                expected = list(local_results(slot)[0].shape)
+                if not isinstance(value, torch.Tensor) or list(value.shape) != expected:
+                    found = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+                    raise ValueError(
+                        f"The optimizer state's slot {name!r} of variable {position} ({variable.name!r}) must be a "
+                        f"tensor of shape {expected}, got {found}."
+                    )
+                assignments.append((slot, value))
+        return taken, assignments
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, learning_rate={self._learning_rate!r})"
+
+
+def _assign_all(assignments) -> None:
+    """Writes loaded values into slot variables (every copy of each)."""
+    for slot, value in assignments:
+        strategy = getattr(slot, "_distribute_strategy", None) or context.get_strategy()
+        with context.enter_or_assert_strategy(strategy):
+            slot.assign(value)
 
 
 def _first_tensor(value) -> torch.Tensor:

@@ -15,10 +15,13 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from replicafit.strategies.values import local_results
 
+from . import state as state_format
 from .base import Optimizer
 
 __all__ = ["TorchOptimizer", "from_torch"]
@@ -28,7 +31,8 @@ class TorchOptimizer(Optimizer):
     """Wraps a ``torch.optim.Optimizer`` class (see ``from_torch``).
 
     ``learning_rate`` reads and sets the torch optimizer's ``lr``; ``state_dict()``
-    keys torch's per-parameter state by variable name, so it loads under any strategy.
+    keys torch's per-parameter state by the variable's position (as torch does), with
+    names and shapes as a check, and holds one copy, so it loads under any strategy.
     """
 
     def __init__(
@@ -47,7 +51,7 @@ class TorchOptimizer(Optimizer):
         self._torch_class = optimizer_class
         self._torch_kwargs = dict(torch_kwargs)
         self._torch_optimizers: list = []
-        self._pending_torch_state = None
+        self._pending_groups: list = []  # loaded param_groups (without "params"), applied at build
 
     def build(self, variables) -> None:
         super().build(variables)
@@ -60,16 +64,10 @@ class TorchOptimizer(Optimizer):
             if copy < len(previous):  # keep the state of variables built before
                 optimizer.state.update(previous[copy].state)
             self._torch_optimizers.append(optimizer)
-        if self._pending_torch_state is not None:
-            self._load_torch_state(self._pending_torch_state)
 
     @staticmethod
     def _copy_tensor(variable, copy: int) -> torch.Tensor:
         return local_results(variable)[copy]._read()
-
-    def _current_learning_rate(self) -> float:
-        rate = self._learning_rate
-        return float(rate(int(self.iterations))) if callable(rate) else rate
 
     def _apply_aggregated(self, strategy, grads, variables):
         self._build_for(variables)
@@ -117,47 +115,92 @@ class TorchOptimizer(Optimizer):
         return cls(optimizer_class, **config)
 
     def state_dict(self) -> dict:
-        """``{"iterations", "torch_state": {variable name: torch state}, "param_groups": [...]}``."""
-        names = [v.name for v in self._variables]
-        if not self._torch_optimizers:
-            pending = self._pending_torch_state or {"torch_state": {}, "param_groups": []}
-            return {
-                "iterations": int(self.iterations),
-                "torch_state": dict(pending["torch_state"]),
-                "param_groups": list(pending["param_groups"]),
-            }
-        state = self._torch_optimizers[0].state_dict()
-        per_name = {
-            names[index]: {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
-            for index, entry in state["state"].items()
-        }
-        groups = [{k: v for k, v in group.items() if k != "params"} for group in state["param_groups"]]
-        return {"iterations": int(self.iterations), "torch_state": per_name, "param_groups": groups}
+        """``{"iterations", "variables": [{"name", "shape"}], "torch_state": {position: torch state},
+        "param_groups": [...]}``: torch's own per-parameter state, keyed by the variable's position."""
+        if self._pending is not None and self._pending.checked != len(self._variables) and self._torch_optimizers:
+            self._restore_pending()
+        records = state_format.describe(self._variables)
+        entries: dict = {}
+        groups = [dict(group) for group in self._pending_groups]
+        if self._torch_optimizers:
+            state = self._torch_optimizers[0].state_dict()
+            entries = {index: _cloned(entry) for index, entry in state["state"].items()}
+            groups = [{k: v for k, v in group.items() if k != "params"} for group in state["param_groups"]]
+        pending = self._pending
+        if pending is not None and pending.records is None and not self._variables:
+            entries, records = {name: dict(entry) for name, entry in pending.entries.items()}, None  # as loaded
+        elif pending is not None and pending.records:
+            for position in range(len(records), len(pending.records)):
+                records.append(dict(pending.records[position]))
+                if position in pending.entries:
+                    entries[position] = dict(pending.entries[position])
+        if not callable(self._learning_rate):  # a rate set since the last step (e.g. by a callback) is the rate
+            groups = [group | {"lr": float(self._learning_rate)} for group in groups or [{}]]
+        state = {"iterations": int(self.iterations), "torch_state": entries, "param_groups": groups}
+        if records is not None:
+            state["variables"] = records
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        if not isinstance(state, dict) or "torch_state" not in state:
-            raise ValueError("load_state_dict() needs the dict returned by TorchOptimizer.state_dict().")
-        self.iterations.assign(int(state["iterations"]))
-        if state.get("param_groups") and "lr" in state["param_groups"][0] and not callable(self._learning_rate):
-            self.learning_rate = float(state["param_groups"][0]["lr"])
-        if self._torch_optimizers:
-            self._load_torch_state(state)
-        else:
-            self._pending_torch_state = state
+        """Restores ``state_dict()`` output (see ``Optimizer.load_state_dict`` for the checks).
 
-    def _load_torch_state(self, state: dict) -> None:
-        names = [v.name for v in self._variables]
-        missing = [n for n in state["torch_state"] if n not in names]
-        if missing:
-            raise ValueError(f"The optimizer state has entries for unknown variables {missing}; known: {names}.")
+        Torch's per-parameter entries are checked for their structure and for the
+        variables they belong to (count, names, shapes); the shapes inside an entry are
+        torch's business (they are not all the parameter's shape).
+        """
+        iterations, pending = state_format.parse(state, "torch_state", type(self).__name__)
+        for key, entry in pending.entries.items():
+            for name, value in entry.items():
+                if not _is_state_value(value):
+                    raise ValueError(
+                        f"The optimizer state's torch entry {name!r} of variable {key!r} must be a tensor, a number "
+                        f"or None, got {type(value).__name__}."
+                    )
+        groups = state.get("param_groups") or []
+        if not isinstance(groups, (list, tuple)) or not all(isinstance(group, Mapping) for group in groups):
+            raise ValueError(
+                f"The optimizer state's 'param_groups' must be a list of dicts, got {type(groups).__name__}."
+            )
+        learning_rate = None
+        if groups and "lr" in groups[0] and not callable(self._learning_rate):
+            learning_rate = state_format.check_learning_rate(groups[0]["lr"], "lr (in the optimizer state)")
+        if self._torch_optimizers:
+            pending.match(self._variables)  # every check before any change
+        self.iterations.assign(iterations)
+        if learning_rate is not None:
+            self.learning_rate = learning_rate
+        self._pending_groups = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+        self._pending = pending
+        if self._torch_optimizers:
+            self._restore_pending()
+
+    def _restore_pending(self) -> None:
+        """Loads the pending entries of built variables into every copy's torch optimizer."""
+        if not self._torch_optimizers:
+            return
+        pending = self._pending
+        taken = pending.match(self._variables)
         for optimizer in self._torch_optimizers:
             current = optimizer.state_dict()
             groups = current["param_groups"]
-            for group, saved in zip(groups, state["param_groups"]):
+            for group, saved in zip(groups, self._pending_groups):
                 group.update(saved)
-            entries = {names.index(n): dict(v) for n, v in state["torch_state"].items()}
+            # Each copy gets its own tensors: torch updates its state in place.
+            entries = dict(current["state"]) | {position: _cloned(entry) for position, entry in taken.items()}
             optimizer.load_state_dict({"state": entries, "param_groups": groups})
-        self._pending_torch_state = None
+        pending.discard(taken, self._variables)
+        if pending.done(len(self._variables)):
+            self._pending = None
+
+
+def _cloned(entry: Mapping) -> dict:
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+
+
+def _is_state_value(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(map(_is_state_value, value))
+    return value is None or isinstance(value, (torch.Tensor, int, float))
 
 
 def from_torch(optimizer_class, **kwargs) -> TorchOptimizer:

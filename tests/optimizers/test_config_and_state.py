@@ -314,9 +314,10 @@ def test_variables_lists_iterations_and_slots(make, slot_names):
             assert slot.shape == variable.shape and slot.dtype == variable.dtype
     state = optimizer.state_dict()
     assert state["iterations"] == 1
-    assert set(state["slots"]) == (set(NAMES) if slot_names else set())
-    for name in NAMES if slot_names else []:
-        assert set(state["slots"][name]) == set(slot_names)
+    assert [record["name"] for record in state["variables"]] == NAMES
+    assert set(state["slots"]) == {0, 1}
+    for position in range(len(NAMES)):
+        assert set(state["slots"][position]) == set(slot_names)
     with pytest.raises(KeyError):
         optimizer.get_slot(variables[0], "no_such_slot")
 
@@ -396,30 +397,32 @@ def optimizer_at(make, iterations: int):
     return optimizer
 
 
-def test_state_dict_keys_slots_by_variable_name_and_is_a_snapshot():
+def test_state_dict_keys_slots_by_position_with_names_as_a_check_and_is_a_snapshot():
     variables = make_variables(initial_weights())
     optimizer = optimizers.Adam(0.1)
     optimizer.apply_gradients(zip(gradient_sequence(1)[0], variables))
     state = optimizer.state_dict()
-    assert set(state) >= {"iterations", "slots"}
-    assert set(state["slots"]) == {"kernel", "bias"}
-    assert set(state["slots"]["kernel"]) == {"momentum", "velocity"}
+    assert set(state) >= {"iterations", "variables", "slots"}
+    assert state["variables"] == [{"name": "kernel", "shape": [3, 4]}, {"name": "bias", "shape": [5]}]
+    assert set(state["slots"]) == {0, 1}
+    assert set(state["slots"][0]) == {"momentum", "velocity"}
     momentum = optimizer.get_slot(variables[0], "momentum")
-    assert torch.equal(state["slots"]["kernel"]["momentum"], momentum.value())
-    before = state["slots"]["kernel"]["momentum"].clone()
+    assert torch.equal(state["slots"][0]["momentum"], momentum.value())
+    before = state["slots"][0]["momentum"].clone()
     optimizer.apply_gradients(zip(gradient_sequence(1, seed=3)[0], variables))
-    assert torch.equal(state["slots"]["kernel"]["momentum"], before)  # not a view of the live slot
+    assert torch.equal(state["slots"][0]["momentum"], before)  # not a view of the live slot
     assert not torch.equal(momentum.value(), before)
 
 
-def test_torch_optimizer_state_dict_keys_state_by_variable_name():
+def test_torch_optimizer_state_dict_keys_state_by_position_with_names_as_a_check():
     variables = make_variables(initial_weights())
     optimizer = optimizers.from_torch(torch.optim.Adam, lr=0.1)
     optimizer.apply_gradients(zip(gradient_sequence(1)[0], variables))
     state = optimizer.state_dict()
     assert state["iterations"] == 1
-    assert set(state["torch_state"]) == {"kernel", "bias"}
-    assert {"exp_avg", "exp_avg_sq"} <= set(state["torch_state"]["kernel"])
+    assert state["variables"] == [{"name": "kernel", "shape": [3, 4]}, {"name": "bias", "shape": [5]}]
+    assert set(state["torch_state"]) == {0, 1}
+    assert {"exp_avg", "exp_avg_sq"} <= set(state["torch_state"][0])
 
 
 # --- state across strategies ----------------------------------------------------------------
@@ -471,7 +474,8 @@ def test_state_saved_under_one_strategy_continues_under_another(make, saved_unde
     model_state = copy.deepcopy(dm.state_dict())
     optimizer_state = optimizer.state_dict()
     assert optimizer_state["iterations"] == 3
-    assert set(optimizer_state["slots"]) == {"weight", "bias"}
+    assert [record["name"] for record in optimizer_state["variables"]] == ["weight", "bias"]
+    assert set(optimizer_state["slots"]) == {0, 1}
     distributed_steps(source, dm, optimizer, batches[3:])
     expected = {k: v.detach().clone() for k, v in dm.state_dict().items()}
     for replica in dm.replicas[1:]:  # the replicas agree
@@ -632,3 +636,337 @@ def test_none_gradient_leaves_a_parameter_with_a_stale_grad_unchanged(make):
     optimizer.apply_gradients([(torch.full((3,), 2.0), first), (None, second)])
     assert torch.equal(second.detach(), before)
     assert torch.equal(second.grad, torch.ones(2))  # the user's .grad is left alone
+
+
+# --- state keyed by position: unnamed and same-named variables (hardening item 13) -----------------------
+POSITION_CASES = [
+    lambda: optimizers.SGD(0.05, momentum=0.9),
+    lambda: optimizers.Adam(0.05),
+    lambda: optimizers.RMSprop(0.05, momentum=0.5, centered=True),
+    lambda: optimizers.from_torch(torch.optim.SGD, lr=0.05, momentum=0.9),
+    lambda: optimizers.from_torch(torch.optim.Adam, lr=0.05),
+]
+POSITION_IDS = ["sgd-momentum", "adam", "rmsprop", "torch-sgd-momentum", "torch-adam"]
+
+
+def unnamed_variables(strategy, seed: int = 0) -> list:
+    """Three unnamed variables of one shape: every one is called "Variable"."""
+    generator = torch.Generator().manual_seed(seed)
+    with strategy.scope():
+        return [ds.Variable(torch.randn(3, generator=generator)) for _ in range(3)]
+
+
+def two_modules_variables(strategy, seed: int = 0) -> list:
+    """Two Linear(3, 3) modules trained by one optimizer: "weight", "bias", "weight", "bias"."""
+    torch.manual_seed(seed)
+    modules = [strategy.distribute_module(torch.nn.Linear(3, 3)) for _ in range(2)]
+    return [v for module in modules for v in module.trainable_variables]
+
+
+def position_gradients(variables, steps: int, seed: int = 1) -> list:
+    generator = torch.Generator().manual_seed(seed)
+    return [[torch.randn(v.shape, generator=generator) for v in variables] for _ in range(steps)]
+
+
+def run_steps(strategy, optimizer, variables, grad_seq) -> None:
+    for grads in grad_seq:
+        strategy.run(lambda grads=grads: optimizer.apply_gradients(zip(grads, variables)))
+
+
+@pytest.mark.parametrize("make_variables_for", [unnamed_variables, two_modules_variables], ids=["unnamed", "modules"])
+@pytest.mark.parametrize("make", POSITION_CASES, ids=POSITION_IDS)
+def test_variables_sharing_a_name_restore_like_an_uninterrupted_run(strategy, make, make_variables_for, tmp_path):
+    """Names need not be unique; the state is keyed by position, so each variable gets its own slots back."""
+    variables = make_variables_for(strategy)
+    assert len({v.name for v in variables}) < len(variables)
+    grad_seq = position_gradients(variables, 7)
+    with strategy.scope():
+        uninterrupted = make()
+    run_steps(strategy, uninterrupted, variables, grad_seq)
+    expected = values(variables)
+
+    variables = make_variables_for(strategy)
+    with strategy.scope():
+        first = make()
+    run_steps(strategy, first, variables, grad_seq[:3])
+    torch.save(first.state_dict(), tmp_path / "state.pt")
+    state = torch.load(tmp_path / "state.pt", weights_only=True)
+
+    resumed_variables = make_variables_for(strategy, seed=9)
+    for variable, value in zip(resumed_variables, values(variables)):
+        variable.assign(value)
+    with strategy.scope():
+        resumed = make()
+    resumed.load_state_dict(state)
+    run_steps(strategy, resumed, resumed_variables, grad_seq[3:])
+    for position, (got, want) in enumerate(zip(values(resumed_variables), expected)):
+        assert torch.equal(got, want), f"variable {position}"
+    assert int(resumed.iterations) == 7
+
+
+def built_adam(names=("a", "b"), shapes=((3,), (2, 2))):
+    variables = [ds.Variable(torch.ones(shape), name=name) for name, shape in zip(names, shapes)]
+    optimizer = optimizers.Adam(0.1)
+    optimizer.apply_gradients(zip([torch.ones(shape) for shape in shapes], variables))
+    return optimizer, variables
+
+
+def edited(state: dict, edit) -> dict:
+    state = copy.deepcopy(state)
+    edit(state)
+    return state
+
+
+MISFITS = {
+    "one-variable-fewer": (
+        lambda s: (s["variables"].pop(), s["slots"].pop(1)),
+        "holds 1 variables, but this optimizer has 2",
+    ),
+    "another-name": (lambda s: s["variables"][1].update(name="c"), r"variable 1 is 'c'.*variable 1 is 'b'"),
+    "another-shape": (lambda s: s["variables"][0].update(shape=[4]), r"variable 0 is 'a' of shape \[4\]"),
+    "a-missing-slot": (lambda s: s["slots"][1].pop("velocity"), r"variable 1 \('b'\) has slots \['momentum'\]"),
+    "an-extra-slot": (lambda s: s["slots"][0].update(extra=torch.ones(3)), "variable 0"),
+    "a-slot-of-another-shape": (
+        lambda s: s["slots"][1].update(momentum=torch.ones(7)),
+        r"slot 'momentum' of variable 1 \('b'\) must be a tensor of shape \[2, 2\], got shape \[7\]",
+    ),
+    "a-slot-that-is-no-tensor": (lambda s: s["slots"][0].update(velocity="junk"), "slot 'velocity' of variable 0"),
+    "a-position-out-of-range": (lambda s: s["slots"].update({5: {}}), "positions 0..1"),
+    "string-keys-with-variables": (lambda s: s["slots"].update(a={}), "positions 0..1"),
+    "slots-not-a-dict": (lambda s: s.update(slots="junk"), "'slots' must be a dict"),
+    "iterations-not-an-int": (lambda s: s.update(iterations="3"), "'iterations' must be an int"),
+    "variables-not-records": (lambda s: s.update(variables=["a", "b"]), "variable 0 must be"),
+    "a-negative-learning-rate": (lambda s: s.update(learning_rate=-1.0), "learning_rate"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISFITS))
+def test_a_state_that_does_not_fit_raises_naming_the_position_and_changes_nothing(case):
+    edit, message = MISFITS[case]
+    source, _ = built_adam()
+    source.apply_gradients(zip([torch.full((3,), 2.0), torch.full((2, 2), 3.0)], source._variables))
+    state = edited(source.state_dict(), edit)
+    target, _ = built_adam()
+    before = target.state_dict()
+    with pytest.raises(ValueError, match=message):
+        target.load_state_dict(state)
+    after = target.state_dict()
+    assert after["iterations"] == before["iterations"] == 1
+    for position in before["slots"]:
+        for slot, value in before["slots"][position].items():
+            assert torch.equal(after["slots"][position][slot], value), (position, slot)
+
+
+def test_a_state_of_another_optimizer_is_refused():
+    adam, _ = built_adam()
+    sgd = optimizers.SGD(0.1, momentum=0.9)
+    sgd.apply_gradients(
+        zip(
+            [torch.ones(3), torch.ones(2, 2)],
+            [ds.Variable(torch.ones(3), name="a"), ds.Variable(torch.ones(2, 2), name="b")],
+        )
+    )
+    with pytest.raises(ValueError, match=r"has slots \['momentum', 'velocity'\], but SGD 'sgd' keeps \['momentum'\]"):
+        sgd.load_state_dict(adam.state_dict())
+
+
+def test_a_misfit_found_when_the_optimizer_is_built_later_raises_at_its_first_apply():
+    state = built_adam()[0].state_dict()
+    fresh = optimizers.Adam(0.1)
+    fresh.load_state_dict(state)  # not built yet: nothing to check against
+    other = [ds.Variable(torch.ones(3), name="a"), ds.Variable(torch.ones(5), name="b")]
+    with pytest.raises(ValueError, match=r"variable 1 is 'b' of shape \[2, 2\]"):
+        fresh.apply_gradients(zip([torch.ones(3), torch.ones(5)], other))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: optimizers.from_torch(torch.optim.Adam, lr=0.1), lambda: optimizers.from_torch(torch.optim.SGD, lr=0.1)],
+    ids=["torch-adam", "torch-sgd"],
+)
+def test_a_torch_optimizer_state_that_does_not_fit_raises(make):
+    variables = make_variables(initial_weights())
+    source = make()
+    train(source, variables, gradient_sequence(2))
+    state = source.state_dict()
+    target = make()
+    train(target, make_variables(initial_weights()), gradient_sequence(1))
+    for edit, message in [
+        (lambda s: s["variables"][1].update(name="other"), "variable 1 is 'other'"),
+        (lambda s: (s["variables"].pop(), s["torch_state"].pop(1, None)), "holds 1 variables, but this optimizer"),
+        (lambda s: s["torch_state"].setdefault(0, {}).update(exp_avg="junk"), "torch entry 'exp_avg' of variable 0"),
+        (lambda s: s.update(torch_state={"kernel": {}, 0: {}}), "must be the positions"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            target.load_state_dict(edited(state, edit))
+        assert int(target.iterations) == 1
+
+
+def name_keyed(state: dict, key: str = "slots") -> dict:
+    """``state`` in the layout of earlier versions: entries keyed by variable name, no ``variables``."""
+    legacy = {k: v for k, v in state.items() if k not in ("variables", key)}
+    legacy[key] = {state["variables"][p]["name"]: entry for p, entry in state[key].items()}
+    return legacy
+
+
+@pytest.mark.parametrize("fresh_applied_first", [False, True], ids=["before-first-apply", "after-first-apply"])
+@pytest.mark.parametrize(
+    "make,key",
+    [
+        (lambda: optimizers.Adam(0.05), "slots"),
+        (lambda: optimizers.SGD(0.05, momentum=0.9), "slots"),
+        (lambda: optimizers.from_torch(torch.optim.Adam, lr=0.05), "torch_state"),
+    ],
+    ids=["adam", "sgd-momentum", "torch-adam"],
+)
+def test_name_keyed_states_of_earlier_versions_load_when_names_are_unique(make, key, fresh_applied_first):
+    grad_seq = gradient_sequence(6)
+    variables = make_variables(initial_weights())
+    optimizer = make()
+    train(optimizer, variables, grad_seq[:3])
+    legacy = name_keyed(optimizer.state_dict(), key)
+    assert set(legacy[key]) == set(NAMES)
+    saved_weights = values(variables)
+    train(optimizer, variables, grad_seq[3:])
+    expected = values(variables)
+
+    restored = make()
+    fresh = make_variables(initial_weights(seed=4))
+    if fresh_applied_first:
+        restored.apply_gradients(zip(gradient_sequence(1, seed=9)[0], fresh))
+    for variable, value in zip(fresh, saved_weights):
+        variable.assign(value)
+    restored.load_state_dict(legacy)
+    train(restored, fresh, grad_seq[3:])
+    for name, x, y in zip(NAMES, values(fresh), expected):
+        assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize(
+    "make,key",
+    [
+        (lambda: optimizers.SGD(0.05, momentum=0.9), "slots"),
+        (lambda: optimizers.from_torch(torch.optim.Adam), "torch_state"),
+    ],
+    ids=["sgd-momentum", "torch-adam"],
+)
+def test_name_keyed_states_are_refused_when_variables_share_a_name(make, key):
+    strategy = ds.get_strategy()
+    variables = unnamed_variables(strategy)
+    optimizer = make()
+    run_steps(strategy, optimizer, variables, position_gradients(variables, 2))
+    state = optimizer.state_dict()
+    legacy = {k: v for k, v in state.items() if k not in ("variables", key)} | {key: {"Variable": state[key][0]}}
+    restored = make()
+    run_steps(strategy, restored, unnamed_variables(strategy), position_gradients(variables, 1))
+    with pytest.raises(ValueError, match=r"variables \[0, 1, 2\] are all named 'Variable'.*cannot be told apart"):
+        restored.load_state_dict(legacy)
+    pending = make()
+    pending.load_state_dict(legacy)  # not built: refused once it is built for the variables
+    with pytest.raises(ValueError, match="cannot be told apart"):
+        run_steps(strategy, pending, unnamed_variables(strategy), position_gradients(variables, 1))
+
+
+# --- a learning rate of 0 (hardening item 12) -----------------------------------------------------------------
+ZERO_RATE = [
+    lambda lr: optimizers.SGD(lr),
+    lambda lr: optimizers.SGD(lr, momentum=0.9),
+    lambda lr: optimizers.Adam(lr),
+    lambda lr: optimizers.AdamW(lr, weight_decay=0.1),
+    lambda lr: optimizers.RMSprop(lr),
+    lambda lr: optimizers.Adagrad(lr),
+    lambda lr: optimizers.from_torch(torch.optim.SGD, lr=lr, momentum=0.9),
+    lambda lr: optimizers.from_torch(torch.optim.Adam, lr=lr),
+]
+ZERO_RATE_IDS = ["sgd", "sgd-momentum", "adam", "adamw", "rmsprop", "adagrad", "torch-sgd", "torch-adam"]
+
+
+@pytest.mark.parametrize("make", ZERO_RATE, ids=ZERO_RATE_IDS)
+def test_a_learning_rate_of_0_is_valid_and_leaves_the_variables_as_torch_optim_does(make):
+    weights = initial_weights()
+    variables = make_variables(weights)
+    optimizer = make(0.0)
+    assert optimizer.learning_rate == 0.0
+    train(optimizer, variables, gradient_sequence(3))
+    # torch.optim's oracle: lr=0 moves no parameter.
+    params = [torch.from_numpy(w.copy()).requires_grad_() for w in weights]
+    oracle = torch.optim.SGD(params, lr=0.0, momentum=0.9)
+    for grads in gradient_sequence(3):
+        for p, g in zip(params, grads):
+            p.grad = g
+        oracle.step()
+    for got, want in zip(values(variables), params):
+        assert torch.equal(got, want.detach())
+    assert int(optimizer.iterations) == 3
+
+    moving = make(0.1)
+    moving.learning_rate = 0.0  # the setter too (a LearningRateScheduler's path)
+    state = moving.state_dict()
+    assert state.get("learning_rate", state.get("param_groups", [{}])[0].get("lr")) == 0.0
+    restored = make(0.1)
+    restored.load_state_dict(state)  # a backup taken at rate 0 restores
+    assert restored.learning_rate == 0.0
+
+
+BAD_RATES = [-0.1, -1, float("nan"), float("inf"), float("-inf"), "0.1", True, None]
+BAD_RATE_IDS = ["negative", "negative-int", "nan", "inf", "-inf", "string", "bool", "none"]
+
+
+@pytest.mark.parametrize("bad", BAD_RATES, ids=BAD_RATE_IDS)
+def test_negative_nan_and_infinite_learning_rates_are_refused(bad):
+    for cls in (optimizers.SGD, optimizers.Adam, optimizers.AdamW, optimizers.RMSprop, optimizers.Adagrad):
+        with pytest.raises(ValueError, match="learning_rate"):
+            cls(learning_rate=bad)
+    if not isinstance(bad, (str, bool)) and bad is not None:
+        with pytest.raises(ValueError):
+            optimizers.from_torch(torch.optim.SGD, lr=bad)
+    optimizer = optimizers.SGD(0.1)
+    with pytest.raises(ValueError, match="learning_rate"):
+        optimizer.learning_rate = bad
+    assert optimizer.learning_rate == 0.1
+    variables = make_variables(initial_weights())
+    train(optimizer, variables, gradient_sequence(1))
+    if bad is not None:
+        state = optimizer.state_dict() | {"learning_rate": bad}
+        with pytest.raises(ValueError, match="learning_rate"):
+            optimizers.SGD(0.1).load_state_dict(state)
+
+
+def with_schedule(make, schedule):
+    optimizer = make()
+    optimizer.learning_rate = schedule
+    return optimizer
+
+
+@pytest.mark.parametrize("rate", [-0.01, float("nan"), float("inf")], ids=["negative", "nan", "inf"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: optimizers.SGD(0.1), lambda: optimizers.from_torch(torch.optim.SGD, lr=0.1)],
+    ids=["builtin", "torch"],
+)
+def test_a_schedule_giving_a_refused_rate_raises_at_that_step(rate, make):
+    optimizer = with_schedule(make, lambda step: 0.1 if step < 2 else rate)
+    variables = make_variables(initial_weights())
+    train(optimizer, variables, gradient_sequence(2))
+    before = values(variables)
+    with pytest.raises(ValueError, match="schedule at step 2"):
+        train(optimizer, variables, gradient_sequence(1))
+    for got, want in zip(values(variables), before):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: optimizers.SGD(0.1), lambda: optimizers.from_torch(torch.optim.SGD, lr=0.1)],
+    ids=["builtin", "torch"],
+)
+def test_a_schedule_reaching_0_is_valid(make):
+    schedule = schedules.CosineDecay(0.1, decay_steps=3, alpha=0.0)
+    assert schedule(3) == 0.0
+    optimizer = with_schedule(make, schedule)
+    variables = make_variables(initial_weights())
+    train(optimizer, variables, gradient_sequence(3))
+    frozen = values(variables)
+    train(optimizer, variables, gradient_sequence(2, seed=5))  # steps 3 and 4 run at rate 0
+    for got, want in zip(values(variables), frozen):
+        assert torch.equal(got, want)
