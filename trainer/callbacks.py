@@ -526,7 +526,7 @@ class BackupAndRestore(_Periodic):
     def on_train_begin(self, logs=None):
         self._steps = 0
         if os.path.exists(self.path):
-            self.trainer._restore_training_state(checkpoint.load(self.path, kind="backup"))
+            self.trainer._restore_training_state(checkpoint.load(self.path, kind="backup"), self.path)
 
     def _on_step(self, epoch, batch, logs):
         checkpoint.save(self.trainer._training_state(epoch, batch + 1), self.path)

@@ -28,6 +28,7 @@ logs add ``<output>_loss`` and ``<output>_<metric>`` per output.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Mapping
 
@@ -43,7 +44,8 @@ from . import checkpoint, losses, metrics
 
 __all__ = ["Trainer"]
 
-_FORMAT = "replicafit-checkpoint-v1"
+_FORMAT = checkpoint.FORMAT  # the tag of checkpoints and backups (checked by checkpoint.load)
+_NOTHING = object()
 
 
 def _unpack(element):
@@ -98,7 +100,11 @@ class _Cursor:
             try:
                 batch = next(self._iterator)
             except StopIteration:
-                raise ValueError("The training data is empty: it yielded no batch.") from None
+                raise ValueError(
+                    f"The training data yielded no batch on pass {self.pass_index + 1} over it, so steps_per_epoch "
+                    "cannot repeat it: a one-shot iterator (such as a generator) is used up after one pass. Pass a "
+                    "re-iterable source (arrays, a Dataset, a DataLoader or a list of batches) or fewer steps."
+                ) from None
         self.position += 1
         return batch
 
@@ -303,7 +309,7 @@ class Trainer:
             return dataset, None
         if isinstance(dataset, torch.utils.data.Dataset) and not isinstance(dataset, torch.utils.data.IterableDataset):
             n = len(dataset)
-            cut = n - int(n * validation_split)
+            cut = _split_point(n, validation_split)
             return (torch.utils.data.Subset(dataset, range(cut)), torch.utils.data.Subset(dataset, range(cut, n)))
         if not _batchable(dataset):
             raise ValueError(
@@ -312,7 +318,7 @@ class Trainer:
             )
         leaves = [data_layer.sources._leaf_tensor(leaf) for leaf in nest.flatten(dataset)]
         n = leaves[0].shape[0]
-        cut = n - int(n * validation_split)
+        cut = _split_point(n, validation_split)
         train = nest.pack_sequence_as(dataset, [leaf[:cut] for leaf in leaves])
         valid = nest.pack_sequence_as(dataset, [leaf[cut:] for leaf in leaves])
         return train, valid
@@ -338,7 +344,10 @@ class Trainer:
         ``Dataset`` with ``batch_size`` (shuffled per epoch when ``shuffle``), or a
         ``DataLoader``/iterable of batches. ``steps_per_epoch`` repeats the data when it
         runs out. ``validation_split`` keeps the last fraction of arrays/datasets for
-        validation.
+        validation (both parts need at least one example).
+
+        Training or validation data with no batch at all raises ``ValueError`` before any
+        callback runs (as ``predict`` does): an empty run has no loss to report.
         """
         if self.seed is not None:
             torch.manual_seed(self.seed)
@@ -346,6 +355,9 @@ class Trainer:
         train_data, split_validation = self._split(dataset, validation_split)
         validation_data = validation_data if validation_data is not None else split_validation
         source = self._source(train_data, batch_size, shuffle, self._data_seed)
+        source, first = _first_batch(source, "training data", "fit()", self._probes_outputs())
+        if validation_data is not None:
+            validation_data = self._checked_validation(validation_data, batch_size)
         distributed = self.strategy.experimental_distribute_dataset(source)
         dm = self._distribute(model)
         dm.train()
@@ -361,7 +373,7 @@ class Trainer:
         )
         self.history, self.stop_training, self._resume = history, False, None
         self._cursor = cursor = _Cursor(source, distributed, repeat=steps_per_epoch is not None)
-        self._first_batch_structure(source, dm)
+        self._first_batch_structure(first, dm)
         callback_list.call("on_train_begin", {})
         start_epoch, start_step = initial_epoch, 0
         resume = self._resume
@@ -417,21 +429,29 @@ class Trainer:
         callback_list.call("on_train_end", logs)
         return history
 
-    def _first_batch_structure(self, source, dm) -> None:
+    def _probes_outputs(self) -> bool:
+        """Whether the metrics need the model's outputs on a first batch (not when the loss names them)."""
+        return not isinstance(self.loss, (Mapping, list))
+
+    def _checked_validation(self, validation_data, batch_size):
+        """``validation_data``, checked to yield a batch (a one-shot iterator comes back re-chained)."""
+        source = self._source(validation_data, batch_size, False, None)
+        checked, _ = _first_batch(source, "validation data", "fit()", False)
+        return checked if _one_shot(source) else validation_data
+
+    def _first_batch_structure(self, first, dm) -> None:
         """Builds the metrics, which need to know whether the model has several outputs.
 
-        A re-iterable source is probed with one example of its first batch (model in eval
-        mode, no gradients); a one-shot iterator is not consumed: its model is taken to
-        have one output unless the loss is a dict or list.
+        The model (in eval mode, no gradients) is probed with one example of the first
+        batch ``first``, unless the loss is a dict or list, which names the outputs.
         """
         structure = None
         if isinstance(self.loss, Mapping):
             structure = dict.fromkeys(self.loss)
         elif isinstance(self.loss, list):
             structure = [None] * len(self.loss)
-        elif not _one_shot(source):
-            first = next(source.iterate(0, 0) if hasattr(source, "iterate") else iter(source), None)
-            x = _unpack(first)[0] if first is not None else None
+        elif first is not None:
+            x = _unpack(first)[0]
             if x is not None and _rows(x) > 0:
                 was_training = dm.module.training
                 dm.module.eval()
@@ -458,12 +478,14 @@ class Trainer:
         """Loss and metrics of ``model`` on ``dataset``, each example counted exactly once.
 
         Returns ``{"loss": ..., metric: ...}`` with ``return_dict``, else a list in that
-        order (a float when there are no metrics).
+        order (a float when there are no metrics). Data with no batch raises ``ValueError``.
         """
         source = self._source(dataset, batch_size, False, None)
+        if not _fitting:  # fit checked its validation data once, before training
+            source, first = _first_batch(source, "evaluation data", "evaluate()", self._probes_outputs())
         dm = self._distribute(model) if not _fitting else self._distributed
         if not _fitting:
-            self._first_batch_structure(source, dm)
+            self._first_batch_structure(first, dm)
         saved = None
         if _fitting:  # validation must not disturb the training accumulators
             saved = {m.name: m.state_dict() for m in self._all_metrics()}
@@ -538,21 +560,54 @@ class Trainer:
         )
 
     def load_checkpoint(self, path, model=None) -> dict:
-        """Restores a ``save_checkpoint`` file into ``model`` (or the model last used) and the optimizer."""
-        state = checkpoint.load(path)
-        if state.get("format") != _FORMAT:
-            raise checkpoint.CheckpointError(
-                f"{path!r} is not a replicafit trainer checkpoint (no format tag {_FORMAT!r})."
-            )
+        """Restores a ``save_checkpoint`` file into ``model`` (or the model last used) and the optimizer.
+
+        All or nothing: a file that is missing, damaged or lacks an entry (or holds one of
+        the wrong type) raises ``CheckpointError`` saying which; a model state that does not
+        fit the model raises torch's ``RuntimeError``/``ValueError``; an optimizer state that
+        does not fit the optimizer raises ``CheckpointError`` naming the variable and slot.
+        In every case the model and optimizer are left as they were.
+        """
+        state = checkpoint.load(path, kind="checkpoint")
         if model is not None:
             self._distribute(model)
         if self._distributed is None:
             raise ValueError("load_checkpoint() needs the model: pass model=... (or fit/evaluate it first).")
-        self._distributed.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self._load_model_and_optimizer(state, path, "checkpoint")
         self._epoch, self._step = state["epoch"], state["step"]
         torch.set_rng_state(state["rng"])
         return state
+
+    def _load_model_and_optimizer(self, state: dict, path, kind: str) -> None:
+        """Loads ``state["model"]`` and ``state["optimizer"]``, or neither.
+
+        The optimizer is built for the model's trainable variables first (as Keras does
+        when it restores one), so that its state is checked against them now rather than
+        at the first training step.
+        """
+        dm = self._distributed
+        before = {name: value.detach().clone() for name, value in dm.state_dict().items()}
+        try:
+            dm.load_state_dict(state["model"])
+        except (RuntimeError, ValueError) as error:
+            dm.load_state_dict(before)
+            if kind == "checkpoint":  # the caller's model is not the one saved: torch's own error says how
+                raise
+            raise checkpoint.CheckpointError(
+                f"The {kind} {str(path)!r} does not fit this model ({str(error).splitlines()[0]}): it was written "
+                "for another model. Delete it, or use another backup_dir, to start afresh."
+            ) from error
+        try:
+            if dm.trainable_variables:
+                with context.enter_or_assert_strategy(self.strategy):
+                    self.optimizer.build(dm.trainable_variables)
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, TypeError, KeyError) as error:
+            dm.load_state_dict(before)
+            raise checkpoint.CheckpointError(
+                f"The {kind} {str(path)!r} holds an optimizer state that does not fit this "
+                f"{type(self.optimizer).__name__} optimizer. {error}"
+            ) from error
 
     # --- backup and restore ----------------------------------------------------------------------
     def _training_state(self, epoch: int, step: int, epoch_logs=None) -> dict:
@@ -577,11 +632,14 @@ class Trainer:
             "rng": torch.get_rng_state(),
         }
 
-    def _restore_training_state(self, state: dict) -> None:
-        if state.get("format") != _FORMAT:
-            raise checkpoint.CheckpointError("The backup is not a replicafit training backup.")
-        self._distributed.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+    def _restore_training_state(self, state: dict, path) -> None:
+        """Restores a backup read by ``checkpoint.load(path, kind="backup")`` (its structure is checked there).
+
+        A backup that does not fit this model, optimizer or metrics raises
+        ``CheckpointError`` before anything is restored.
+        """
+        self._check_metric_states(state["metrics"], path)
+        self._load_model_and_optimizer(state, path, "backup")
         self.history.history = {k: list(v) for k, v in state["history"]["history"].items()}
         self.history.epoch = list(state["history"]["epoch"])
         self._data_seed = state["data_seed"]
@@ -595,6 +653,21 @@ class Trainer:
             "cursor": tuple(state["cursor"]),
             "metrics": state["metrics"],
         }
+
+    def _check_metric_states(self, states: dict, path) -> None:
+        """Each saved metric state must have this trainer's accumulators (names and shapes)."""
+        for metric in self._all_metrics():
+            saved, current = states.get(metric.name), metric.state_dict()
+            if not saved or not current:
+                continue
+            expected = {name: list(value.shape) for name, value in current.items()}
+            found = {name: list(value.shape) for name, value in saved.items()}
+            if found != expected:
+                raise checkpoint.CheckpointError(
+                    f"The backup {str(path)!r} holds metric {metric.name!r} with accumulators {found}, but this "
+                    f"trainer's has {expected}: it was written with other metrics. Delete it, or use another "
+                    "backup_dir, to start afresh."
+                )
 
     def _restore_metrics(self, states: dict) -> None:
         for metric in self._all_metrics():
@@ -618,6 +691,42 @@ def _history_with(history, epoch_logs) -> dict:
         for key, value in logs.items():
             records.setdefault(key, []).append(value)
     return {"history": records, "epoch": epochs}
+
+
+def _split_point(n: int, validation_split: float) -> int:
+    """Where ``validation_split`` cuts ``n`` examples; both parts must hold one at least (as in Keras)."""
+    cut = n - int(n * validation_split)
+    if cut == 0 or cut == n:
+        raise ValueError(
+            f"validation_split={validation_split} of {n} examples leaves {cut} for training and {n - cut} for "
+            "validation, and each needs at least one: pass more data or another validation_split (or "
+            "validation_data)."
+        )
+    return cut
+
+
+def _first_batch(source, what: str, caller: str, want_batch: bool):
+    """``(source, first batch or None)``, after checking that ``source`` yields a batch at all.
+
+    A sized source is checked by its length (and read only when ``want_batch``); others
+    are read for one batch, and a one-shot iterator gets it put back in front. An empty
+    source raises ``ValueError`` naming ``what`` was empty.
+    """
+    length = _length(source)
+    first = None
+    if length != 0 and (length is None or want_batch):
+        if _one_shot(source):
+            first = next(source, _NOTHING)
+            if first is not _NOTHING:
+                source = itertools.chain([first], source)
+        else:
+            first = next(source.iterate(0, 0) if hasattr(source, "iterate") else iter(source), _NOTHING)
+    if length == 0 or first is _NOTHING:
+        raise ValueError(
+            f"The {what} of {caller} is empty: it yields no batch. Pass at least one example "
+            "(check the arrays, Dataset or iterable, and any filtering or splitting before it)."
+        )
+    return source, first
 
 
 def _one_shot(source) -> bool:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -562,3 +563,354 @@ def test_backup_resumes_a_process_killed_with_sigkill(tmp_path):
     assert got["optimizer"]["iterations"] == 20
     assert got["history"] == want["history"]
     assert got["epoch"] == want["epoch"] == [0, 1, 2, 3]
+
+
+# --- damaged entries: a clear CheckpointError, nothing restored (hardening item 9) --------------------------------
+
+
+def rewritten(source: Path, target: Path, edit) -> Path:
+    """``source`` loaded, changed by ``edit`` and saved as ``target`` (a file that still reads fine)."""
+    state = torch.load(source, weights_only=True)
+    edit(state)
+    torch.save(state, target)
+    return target
+
+
+def first_slots(state: dict) -> dict:
+    return next(iter(state["optimizer"]["slots"].values()))
+
+
+ENTRY_DAMAGE = {
+    "no-model": (lambda s: s.pop("model"), "no 'model'"),
+    "no-optimizer": (lambda s: s.pop("optimizer"), "no 'optimizer'"),
+    "no-rng": (lambda s: s.pop("rng"), "no 'rng'"),
+    "no-epoch-and-step": (lambda s: (s.pop("epoch"), s.pop("step")), "no 'epoch', 'step'"),
+    "model-a-list": (lambda s: s.update(model=[1, 2]), "model must be a model state dict"),
+    "model-entry-a-string": (lambda s: s["model"].update({"0.weight": "w"}), r"model\['0.weight'\] must be a tensor"),
+    "optimizer-a-string": (lambda s: s.update(optimizer="adam"), "optimizer must be an optimizer state dict"),
+    "optimizer-without-iterations": (lambda s: s["optimizer"].pop("iterations"), "optimizer has no 'iterations'"),
+    "rng-a-list": (lambda s: s.update(rng=[1, 2, 3]), "rng must be torch's CPU random state"),
+    "rng-of-floats": (lambda s: s.update(rng=s["rng"].float()), "rng must be torch's CPU random state"),
+    "rng-too-short": (lambda s: s.update(rng=s["rng"][:100]), "rng must be torch's CPU random state"),
+    "epoch-a-word": (lambda s: s.update(epoch="three"), "epoch must be an int >= 0, found 'three'"),
+    "step-negative": (lambda s: s.update(step=-1), "step must be an int >= 0"),
+    "step-a-bool": (lambda s: s.update(step=True), "step must be an int >= 0"),
+}
+
+OPTIMIZER_DAMAGE = {
+    "slots-garbage": (lambda s: s["optimizer"].update(slots="garbage"), "'slots' must be a dict"),
+    "slot-of-another-shape": (lambda s: first_slots(s).update(momentum=torch.ones(7)), "slot 'momentum' of variable"),
+    "slot-a-string": (lambda s: first_slots(s).update(velocity="v"), "slot 'velocity' of variable"),
+    "slot-missing": (lambda s: first_slots(s).pop("velocity"), "has slots"),
+    "iterations-a-word": (lambda s: s["optimizer"].update(iterations="ten"), r"iterations'\] must be an int"),
+    "learning-rate-negative": (lambda s: s["optimizer"].update(learning_rate=-0.5), "learning_rate"),
+}
+
+
+def assert_nothing_loaded(trainer, model, before) -> None:
+    assert_same_state(model.state_dict(), before)
+    assert int(trainer.optimizer.iterations) == 0
+    for slots in trainer.optimizer.state_dict()["slots"].values():
+        for value in slots.values():
+            assert not value.any()  # fresh slots: nothing half-restored
+
+
+@pytest.mark.parametrize("case", list(ENTRY_DAMAGE))
+def test_checkpoint_with_a_missing_or_mistyped_entry_raises_checkpoint_error_naming_it(tmp_path, case):
+    edit, message = ENTRY_DAMAGE[case]
+    path = rewritten(good_checkpoint(tmp_path), tmp_path / f"{case}.pt", edit)
+    trainer, model = make_trainer(), make_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=message) as info:
+        trainer.load_checkpoint(path, model=model)
+    assert str(path) in str(info.value) and len(str(info.value)) < 600
+    assert_nothing_loaded(trainer, model, before)
+
+
+@pytest.mark.parametrize("case", list(OPTIMIZER_DAMAGE))
+def test_checkpoint_with_a_garbage_optimizer_state_says_it_is_the_optimizer_state(tmp_path, case):
+    edit, message = OPTIMIZER_DAMAGE[case]
+    path = rewritten(good_checkpoint(tmp_path), tmp_path / f"{case}.pt", edit)
+    trainer, model = make_trainer(), make_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=message) as info:
+        trainer.load_checkpoint(path, model=model)
+    text = str(info.value)
+    assert "optimizer" in text and str(path) in text and "model" not in text.split("optimizer")[0]
+    assert_nothing_loaded(trainer, model, before)
+
+
+def test_checkpoint_of_another_model_still_raises_torchs_error_and_loads_nothing(tmp_path):
+    path = good_checkpoint(tmp_path)
+    trainer = make_trainer()
+    other = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))  # 3 classes
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises((RuntimeError, ValueError)) as info:
+        trainer.load_checkpoint(path, model=other)
+    assert not isinstance(info.value, CheckpointError)  # the CLI reports "does not match the recipe's model"
+    assert_same_state(trainer.model_state_dict(), before)
+
+
+def test_weights_files_are_checked_as_weights(tmp_path):
+    from replicafit.trainer import ModelCheckpoint, checkpoint
+
+    trainer, model = make_trainer(), make_model()
+    fit(trainer, model, [ModelCheckpoint(tmp_path / "w.pt", save_weights_only=True)], epochs=1)
+    assert_same_state(checkpoint.load(tmp_path / "w.pt", kind="weights"), trainer.model_state_dict())
+    bad = rewritten(tmp_path / "w.pt", tmp_path / "bad.pt", lambda s: s.update({"0.bias": [0.0] * 8}))
+    with pytest.raises(CheckpointError, match=r"'0.bias'\] must be a tensor"):
+        checkpoint.load(bad, kind="weights")
+    with pytest.raises(CheckpointError, match="no format tag"):
+        checkpoint.load(tmp_path / "w.pt", kind="checkpoint")
+
+
+# The CLI: `replicafit evaluate/predict --checkpoint` prints one message, exit status 2, no traceback.
+CLI_RECIPE = REPO / "recipes" / "digits_onedevice.yaml"
+CLI_SMALL = ["--set", "model.hidden=[16]", "--set", "fit.verbose=0"]
+
+
+@pytest.fixture(scope="module")
+def cli_checkpoint(tmp_path_factory):
+    from replicafit.trainer import cli
+
+    run_dir = tmp_path_factory.mktemp("cli") / "run"
+    status = cli.main(["fit", str(CLI_RECIPE), *CLI_SMALL, "--set", "fit.epochs=1", "--run-dir", str(run_dir)])
+    assert status == 0
+    return run_dir / "checkpoints" / "last.pt"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", ["evaluate", "predict"])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("no-model", "no 'model'"),
+        ("no-optimizer", "no 'optimizer'"),
+        ("rng-a-list", "rng must be"),
+        ("epoch-a-word", "epoch must be an int"),
+        ("slots-garbage", "optimizer"),
+        ("slot-of-another-shape", "optimizer"),
+    ],
+)
+def test_cli_reports_a_damaged_checkpoint_in_one_message(cli_checkpoint, tmp_path, capsys, command, case, message):
+    from replicafit.trainer import cli
+
+    edit = {**ENTRY_DAMAGE, **OPTIMIZER_DAMAGE}[case][0]
+    bad = rewritten(cli_checkpoint, tmp_path / f"{case}.pt", edit)
+    argv = [command, str(CLI_RECIPE), "--checkpoint", str(bad), *CLI_SMALL]
+    if command == "predict":
+        argv += ["--output", str(tmp_path / "out.npy")]
+    status = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert status == 2, (out, err)
+    assert "Traceback" not in err and str(bad) in err and message in err
+    if case.startswith("slot"):
+        assert "optimizer state" in err and "does not match the recipe's model" not in err
+
+
+# --- damaged backups: CheckpointError before anything is trained -------------------------------------------------
+
+BACKUP_DAMAGE = {
+    "no-cursor": (lambda s: s.pop("cursor"), "no 'cursor'"),
+    "cursor-a-word": (lambda s: s.update(cursor="start"), "cursor must be"),
+    "history-garbage": (lambda s: s.update(history={"history": 3}), "history must be"),
+    "no-metrics": (lambda s: s.pop("metrics"), "no 'metrics'"),
+    "metric-of-other-accumulators": (
+        lambda s: s["metrics"].update(loss={"other": torch.zeros(2)}),
+        "metric 'loss' with accumulators",
+    ),
+    "optimizer-slot-garbage": (
+        lambda s: first_slots(s).update(momentum=torch.ones(3)),
+        "backup .* holds an optimizer state that does not fit",
+    ),
+    "another-model": (
+        lambda s: s["model"].update({"2.weight": torch.zeros(3, 8), "2.bias": torch.zeros(3)}),
+        "does not fit this model",
+    ),
+    "epoch-a-float": (lambda s: s.update(epoch=2.0), "epoch must be an int"),
+}
+
+
+@pytest.mark.parametrize("case", list(BACKUP_DAMAGE))
+def test_backup_with_a_damaged_entry_raises_checkpoint_error_before_training(tmp_path, case):
+    edit, message = BACKUP_DAMAGE[case]
+    backup = tmp_path / "backup"
+    with pytest.raises(Crash):
+        fit(make_trainer(), make_model(), [BackupAndRestore(backup, save_freq=3), CrashAt(4)])
+    rewritten(backup / "backup.pt", backup / "backup.pt", edit)
+    damaged = (backup / "backup.pt").read_bytes()
+
+    trainer, model = make_trainer(), make_model(seed=4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    steps = []
+    marker = LambdaCallback(on_train_batch_begin=lambda batch, logs: steps.append(batch))
+    with pytest.raises(CheckpointError, match=message) as info:
+        fit(trainer, model, [BackupAndRestore(backup, save_freq=3), marker])
+    assert "backup" in str(info.value) and len(str(info.value)) < 600
+    assert steps == []
+    assert_nothing_loaded(trainer, model, before)
+    assert (backup / "backup.pt").read_bytes() == damaged  # kept for the user to inspect
+
+
+# --- temporary files of interrupted saves; permissions (hardening item 10) -----------------------------------------
+
+KILLED_SAVE = textwrap.dedent(
+    """
+    import os, signal, sys
+
+    import torch
+
+    from replicafit.trainer import checkpoint
+
+    def killed_midway(obj, file, *args, **kwargs):
+        file.write(b"half a checkpoint")
+        file.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    torch.save = killed_midway
+    checkpoint.save({"weight": torch.ones(3)}, sys.argv[1])
+    """
+)
+
+
+def leftovers(folder: Path) -> list:
+    return sorted(name for name in os.listdir(folder) if name.startswith("."))
+
+
+@pytest.mark.timeout(120)
+def test_the_next_save_removes_the_temporary_file_of_a_save_killed_midway(tmp_path):
+    script = tmp_path / "save.py"
+    script.write_text(KILLED_SAVE)
+    folder = tmp_path / "ckpt"
+    killed = run_script(script, str(folder / "last.pt"))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert len(leftovers(folder)) == 1 and not (folder / "last.pt").exists()
+
+    trainer = make_trainer()
+    fit(trainer, make_model(), None, epochs=1)
+    trainer.save_checkpoint(folder / "last.pt")
+    assert sorted(os.listdir(folder)) == ["last.pt"]
+
+
+def our_temporary_name(pid: int, host: str | None = None) -> str:
+    from replicafit.trainer import checkpoint
+
+    return f".replicafit-tmp-{pid}-{host or checkpoint._host_tag()}-0123abcd.pt"
+
+
+@pytest.mark.timeout(60)
+def test_the_next_save_keeps_the_temporary_file_of_a_live_writer_and_foreign_files(tmp_path):
+    from replicafit.trainer import checkpoint
+
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        kept = [our_temporary_name(writer.pid), our_temporary_name(os.getpid())]
+        foreign = [".tmp-notes.txt", "notes.pt", ".replicafit-tmp-x.pt", ".tmp-ABCDEFGH.pt"]
+        for name in kept + foreign:
+            (tmp_path / name).write_bytes(b"being written")
+        two_hours_ago = time.time() - 7200
+        for name in kept + foreign:  # old: a live writer's (stopped for long) and files of other naming stay
+            os.utime(tmp_path / name, (two_hours_ago, two_hours_ago))
+        checkpoint.save({"weight": torch.ones(3)}, tmp_path / "ckpt.pt")
+        assert sorted(os.listdir(tmp_path)) == sorted(["ckpt.pt", *kept, *foreign])
+    finally:
+        writer.kill()
+        writer.wait(timeout=30)
+    checkpoint.save({"weight": torch.ones(3)}, tmp_path / "ckpt.pt")  # the writer is gone now
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt.pt", kept[1], *foreign])
+
+
+def test_the_next_save_removes_temporary_files_untouched_for_an_hour(tmp_path):
+    from replicafit.trainer import checkpoint
+
+    old = [".tmp-abcd_123.pt", our_temporary_name(1, host="0badc0de")]  # an earlier version's; another host's
+    fresh = [".tmp-efgh_456.pt", our_temporary_name(2, host="0badc0de")]
+    for name in old + fresh:
+        (tmp_path / name).write_bytes(b"x")
+    two_hours_ago = time.time() - 7200
+    for name in old:
+        os.utime(tmp_path / name, (two_hours_ago, two_hours_ago))
+    checkpoint.save({"weight": torch.ones(3)}, tmp_path / "ckpt.pt")
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt.pt", *fresh])
+    assert checkpoint.STALE_AFTER_SECONDS <= 3600
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
+def test_checkpoints_get_the_permissions_the_umask_gives_any_new_file(tmp_path, umask):
+    from replicafit.trainer import checkpoint
+
+    previous = os.umask(umask)
+    try:
+        trainer = make_trainer()
+        fit(trainer, make_model(), [BackupAndRestore(tmp_path / "backup", save_freq=2), CrashAt(3)][:1], epochs=1)
+        trainer.save_checkpoint(tmp_path / "full.pt")
+        checkpoint.save({"weight": torch.ones(3)}, tmp_path / "plain.pt")
+        with pytest.raises(Crash):
+            fit(make_trainer(), make_model(), [BackupAndRestore(tmp_path / "backup", save_freq=2), CrashAt(3)])
+        (tmp_path / "other.txt").write_text("a file the user creates")
+    finally:
+        os.umask(previous)
+    expected = 0o666 & ~umask
+    assert (tmp_path / "other.txt").stat().st_mode & 0o777 == expected
+    for path in (tmp_path / "full.pt", tmp_path / "plain.pt", tmp_path / "backup" / "backup.pt"):
+        assert path.stat().st_mode & 0o777 == expected, path
+
+
+# --- old checkpoints: optimizer state keyed by variable name (hardening item 13) ------------------------------------
+
+
+def test_a_checkpoint_with_a_name_keyed_optimizer_state_still_loads(tmp_path):
+    path = good_checkpoint(tmp_path)
+    state = torch.load(path, weights_only=True)
+    optimizer = state["optimizer"]
+    names = [record["name"] for record in optimizer.pop("variables")]
+    optimizer["slots"] = {names[position]: slots for position, slots in optimizer["slots"].items()}
+    legacy = tmp_path / "legacy.pt"
+    torch.save(state, legacy)
+
+    current, old = make_trainer(), make_trainer()
+    current.load_checkpoint(path, model=make_model(seed=3))
+    old.load_checkpoint(legacy, model=make_model(seed=4))
+    assert_same_optimizer_state(old.optimizer.state_dict(), current.optimizer.state_dict())
+
+
+# --- a learning rate of 0 survives a backup (hardening item 12) ---------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_backup_restores_a_learning_rate_of_0(tmp_path):
+    backup = tmp_path / "backup"
+    freeze = LambdaCallback(
+        on_epoch_end=lambda epoch, logs: setattr(trainer.optimizer, "learning_rate", 0.0) if epoch == 1 else None
+    )
+    trainer = make_trainer(learning_rate=0.01)
+    with pytest.raises(Crash):
+        fit(trainer, make_model(), [freeze, BackupAndRestore(backup, save_freq=3), CrashAt(13)])
+    resumed = make_trainer(learning_rate=0.01)
+    probe = Probe()
+    fit(resumed, make_model(), [BackupAndRestore(backup, save_freq=3), probe])
+    assert probe.begin[(2, 2)][1] == 0.0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["default", "mirrored2", "central_storage2"])
+def test_backup_of_a_from_torch_optimizer_resumes_with_the_same_weights(tmp_path, strategy):
+    """Each copy of a from_torch optimizer gets its own restored state (torch updates it in place)."""
+
+    def torch_trainer():
+        optimizer = optimizers.from_torch(torch.optim.Adam, lr=0.01)
+        return Trainer(strategy=make_strategy(strategy), optimizer=optimizer, metrics=["accuracy"], seed=0)
+
+    reference = torch_trainer()
+    reference_history = fit(reference, make_model(), None)
+    with pytest.raises(Crash):
+        fit(torch_trainer(), make_model(), [BackupAndRestore(tmp_path, save_freq=3), CrashAt(13)])
+    trainer = torch_trainer()
+    history = fit(trainer, make_model(seed=7), [BackupAndRestore(tmp_path, save_freq=3)])
+    assert_same_state(trainer.model_state_dict(), reference.model_state_dict())
+    got, want = trainer.optimizer.state_dict(), reference.optimizer.state_dict()
+    assert got["variables"] == want["variables"] and got["iterations"] == want["iterations"] == 20
+    for position, entry in want["torch_state"].items():
+        assert_same_state(got["torch_state"][position], entry)
+    # The resumed epoch's loss is a sum restored across replicas: equal up to float rounding.
+    assert history.history["loss"] == pytest.approx(reference_history.history["loss"], abs=1e-6)

@@ -8,6 +8,7 @@ trained weights; batch-norm statistics are aggregated as their cross-replica mea
 
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
@@ -20,7 +21,7 @@ from torch import nn
 import replicafit.strategies as ds
 from replicafit import optimizers
 from replicafit.data import as_global_batches, datasets
-from replicafit.trainer import Callback, Trainer
+from replicafit.trainer import Callback, LambdaCallback, LearningRateScheduler, Trainer
 
 ALL_STRATEGIES = ["default", "one_device", "mirrored2", "mirrored3", "central_storage2"]
 
@@ -653,3 +654,160 @@ def test_a_custom_loop_with_strategy_run_works_beside_the_trainer(strategy_name)
     history = trainer.fit(model_a, (x, y), batch_size=4, epochs=1, shuffle=False, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
     assert total > 0
+
+
+# --- data with no batch at all (hardening item 11) ------------------------------------------------------------
+class HookLog(Callback):
+    """Records every hook called: an empty run must call none."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __getattribute__(self, name):
+        if name.startswith("on_"):
+            self_calls = object.__getattribute__(self, "calls")
+            return lambda *args, **kwargs: self_calls.append(name)
+        return object.__getattribute__(self, name)
+
+
+def empty_data(kind: str):
+    """``(dataset, fit/evaluate keyword arguments)`` with no example at all."""
+    x, y = np.zeros((0, 3), np.float32), np.zeros((0,), np.int64)
+    tensors = torch.utils.data.TensorDataset(torch.zeros(0, 3), torch.zeros(0, dtype=torch.long))
+    return {
+        "arrays": ((x, y), {"batch_size": 4}),
+        "tensors": ((torch.from_numpy(x), torch.from_numpy(y)), {"batch_size": 4}),
+        "dataset": (tensors, {"batch_size": 4}),
+        "dataloader": (torch.utils.data.DataLoader(tensors, batch_size=4), {}),
+        "list": ([], {}),
+        "generator": ((batch for batch in []), {}),
+        "iterable-dataset": (torch.utils.data.DataLoader(EmptyStream(), batch_size=None), {}),
+    }[kind]
+
+
+class EmptyStream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(())
+
+
+EMPTY_KINDS = ["arrays", "tensors", "dataset", "dataloader", "list", "generator", "iterable-dataset"]
+
+
+@pytest.mark.parametrize("kind", EMPTY_KINDS)
+def test_fit_on_data_with_no_batch_raises_before_any_callback(strategy, kind, tmp_path):
+    from replicafit.trainer import BackupAndRestore, CSVLogger
+
+    data, kwargs = empty_data(kind)
+    trainer = Trainer(strategy=strategy, optimizer=optimizers.SGD(0.1), seed=0)
+    log, csv_path = HookLog(), tmp_path / "history.csv"
+    csv_path.write_text("an earlier run's history\n")
+    callbacks = [log, CSVLogger(csv_path), BackupAndRestore(tmp_path / "backup", save_freq=1)]
+    with pytest.raises(ValueError, match=r"training data of fit\(\) is empty: it yields no batch"):
+        trainer.fit(mlp(), data, epochs=2, callbacks=callbacks, verbose=0, **kwargs)
+    assert log.calls == []
+    assert csv_path.read_text() == "an earlier run's history\n"  # CSVLogger did not start
+    assert not (tmp_path / "backup").exists()
+    assert trainer.history is None and int(trainer.optimizer.iterations) == 0
+
+
+@pytest.mark.parametrize("kind", ["arrays", "generator"])
+def test_fit_with_steps_per_epoch_on_data_with_no_batch_raises_before_any_callback(kind):
+    data, kwargs = empty_data(kind)
+    log = HookLog()
+    with pytest.raises(ValueError, match="training data of fit"):
+        Trainer(seed=0).fit(mlp(), data, epochs=2, steps_per_epoch=3, callbacks=[log], verbose=0, **kwargs)
+    assert log.calls == []
+
+
+@pytest.mark.parametrize("kind", EMPTY_KINDS)
+def test_evaluate_on_data_with_no_batch_raises(strategy, kind):
+    data, kwargs = empty_data(kind)
+    log = HookLog()
+    with pytest.raises(ValueError, match=r"evaluation data of evaluate\(\) is empty"):
+        Trainer(strategy=strategy, seed=0).evaluate(mlp(), data, callbacks=[log], verbose=0, **kwargs)
+    assert log.calls == []
+
+
+@pytest.mark.parametrize("kind", ["arrays", "dataset", "list", "generator"])
+def test_fit_with_empty_validation_data_raises_before_training(strategy, kind):
+    x, y = tiny_data()
+    validation, kwargs = empty_data(kind)
+    log = HookLog()
+    trainer = Trainer(strategy=strategy, optimizer=optimizers.SGD(0.1), seed=0)
+    batch_size = 4 if kwargs else None
+    train = (x, y) if batch_size else [(x[:4], y[:4]), (x[4:], y[4:])]
+    with pytest.raises(ValueError, match=r"validation data of fit\(\) is empty"):
+        trainer.fit(mlp(), train, batch_size=batch_size, validation_data=validation, callbacks=[log], verbose=0)
+    assert log.calls == [] and int(trainer.optimizer.iterations) == 0
+
+
+@pytest.mark.parametrize("as_dataset", [False, True], ids=["arrays", "dataset"])
+def test_a_validation_split_that_leaves_no_validation_example_raises(as_dataset):
+    x, y = tiny_data(n=3)
+    data = torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y)) if as_dataset else (x, y)
+    log = HookLog()
+    with pytest.raises(ValueError, match=r"validation_split=0.2 of 3 examples leaves 3 for training and 0 for valid"):
+        Trainer(seed=0).fit(mlp(), data, batch_size=4, validation_split=0.2, callbacks=[log], verbose=0)
+    assert log.calls == []
+    history = Trainer(seed=0).fit(mlp(), data, batch_size=4, validation_split=0.34, verbose=0)  # one example
+    assert len(history.history["val_loss"]) == 1
+
+
+def test_a_generator_trains_and_evaluates_like_a_list_of_its_batches(strategy):
+    """Checking that a one-shot iterator yields a batch reads its first batch: it must not be lost."""
+    x, y = tiny_data()
+    batches = [(torch.from_numpy(x[i : i + 4]), torch.from_numpy(y[i : i + 4])) for i in range(0, 10, 4)]
+    results = []
+    for one_shot in (False, True):
+        model = Recorder(features=3, classes=3)
+        trainer = Trainer(strategy=make_strategy_like(strategy), optimizer=optimizers.SGD(0.1), seed=0)
+        history = trainer.fit(model, (b for b in batches) if one_shot else batches, epochs=1, verbose=0)
+        logs = trainer.evaluate(model, (b for b in batches) if one_shot else batches, verbose=0, return_dict=True)
+        results.append((model.seen, clone_state(model.state_dict()), history.history, logs))
+    (seen, state, history, logs), (seen_once, state_once, history_once, logs_once) = results
+    assert seen_once == seen and len(seen) == 3
+    assert_states_equal(state_once, state)
+    assert history_once == history and logs_once == logs
+
+
+def make_strategy_like(strategy):
+    """A fresh strategy of the fixture's kind."""
+    for name in ("default", "one_device", "mirrored2", "central_storage2"):
+        candidate = make_strategy(name)
+        if type(candidate) is type(strategy) and candidate.num_replicas_in_sync == strategy.num_replicas_in_sync:
+            return candidate
+    raise AssertionError(strategy)
+
+
+# --- a learning rate of 0 (hardening item 12) ------------------------------------------------------------------
+def weights_per_epoch(trainer, model, x, y, callbacks, epochs=3):
+    states = []
+    record = LambdaCallback(on_epoch_end=lambda epoch, logs: states.append(clone_state(model.state_dict())))
+    history = trainer.fit(model, (x, y), batch_size=4, epochs=epochs, callbacks=[*callbacks, record], verbose=0)
+    return states, history
+
+
+def test_a_learning_rate_scheduler_ending_at_0_trains(strategy):
+    """A cosine schedule per epoch that reaches exactly 0 at the last epoch (as Keras allows)."""
+    x, y = tiny_data()
+
+    def cosine(epoch):
+        return 0.1 * 0.5 * (1 + math.cos(math.pi * epoch / 2))
+
+    assert cosine(2) == 0.0
+    trainer = Trainer(strategy=strategy, optimizer=optimizers.SGD(0.1), seed=0)
+    states, history = weights_per_epoch(trainer, mlp(), x, y, [LearningRateScheduler(cosine)])
+    assert history.history["learning_rate"] == [0.1, 0.05, 0.0]
+    assert not torch.equal(states[1]["0.weight"], states[0]["0.weight"])
+    assert_states_equal(states[2], states[1])  # torch.optim's rule too: a rate of 0 moves nothing
+
+
+def test_a_cosine_decay_reaching_0_keeps_training_at_rate_0(strategy):
+    x, y = tiny_data()
+    schedule = optimizers.schedules.CosineDecay(0.1, decay_steps=3, alpha=0.0)  # 0 from step 3 on
+    trainer = Trainer(strategy=strategy, optimizer=optimizers.SGD(schedule), seed=0)
+    states, history = weights_per_epoch(trainer, mlp(), x, y, [])
+    assert trainer.optimizer.learning_rate == 0.0 and int(trainer.optimizer.iterations) == 9
+    assert_states_equal(states[2], states[1])
+    assert len(history.history["loss"]) == 3
