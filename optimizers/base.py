@@ -538,7 +538,7 @@ def _merge_apply(strategy, optimizer, grads, variables):
 
     A gradient that is the very same object on every replica counts once per replica.
     """
-    count = strategy.num_replicas_in_sync
+    count = strategy.extended._num_local_replicas  # the components of this worker
     grads = [g if isinstance(g, ds.DistributedValues) else ds.PerReplica([g] * count) for g in grads]
     reduced = strategy.extended.batch_reduce_to(ds.ReduceOp.SUM, list(zip(grads, variables)))
     return optimizer._apply_aggregated(strategy, reduced, variables)

@@ -10,6 +10,13 @@ Example::
 """
 
 from .central_storage import CentralStorageStrategy
+from .cluster_resolver import (
+    ClusterResolver,
+    SimpleClusterResolver,
+    TFConfigClusterResolver,
+    TorchrunClusterResolver,
+)
+from .collective import WorkerFailedError
 from .context import (
     experimental_set_strategy,
     get_cross_replica_context,
@@ -18,11 +25,12 @@ from .context import (
     has_strategy,
     in_cross_replica_context,
 )
-from .cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice
+from .cross_device_ops import CollectiveAllReduce, CrossDeviceOps, NcclAllReduce, ReductionToOneDevice
 from .devices import get_logical_cpu_count, list_logical_devices, set_logical_cpu_count
 from .distribute_lib import Strategy, StrategyExtended, ValueContext
 from .mirrored import MirroredStrategy
 from .module import DistributedModule
+from .multi_worker_mirrored import MultiWorkerMirroredStrategy
 from .one_device import OneDeviceStrategy
 from .reduce_util import (
     CommunicationImplementation,
@@ -45,6 +53,8 @@ from .variables import (
 __all__ = [
     "CentralStorageStrategy",
     "CentralStorageVariable",
+    "ClusterResolver",
+    "CollectiveAllReduce",
     "CommunicationImplementation",
     "CommunicationOptions",
     "CrossDeviceOps",
@@ -55,6 +65,7 @@ __all__ = [
     "Mirrored",
     "MirroredStrategy",
     "MirroredVariable",
+    "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
     "PerReplica",
@@ -63,11 +74,15 @@ __all__ = [
     "ReplicaContext",
     "Strategy",
     "StrategyExtended",
+    "SimpleClusterResolver",
     "SyncOnReadVariable",
+    "TFConfigClusterResolver",
+    "TorchrunClusterResolver",
     "ValueContext",
     "Variable",
     "VariableAggregation",
     "VariableSynchronization",
+    "WorkerFailedError",
     "experimental_set_strategy",
     "get_cross_replica_context",
     "get_logical_cpu_count",

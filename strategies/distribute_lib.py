@@ -188,6 +188,47 @@ class StrategyExtended:
     def _num_replicas_in_sync(self) -> int:
         return len(self._worker_devices)
 
+    # --- workers (one here; MultiWorkerMirroredStrategy overrides these) -------------
+    _replica_id_offset = 0  # global id of this worker's first replica
+    _num_workers = 1
+    _worker_index = 0
+
+    @property
+    def _num_local_replicas(self) -> int:
+        """The replicas of this worker (``experimental_local_results`` has this many components)."""
+        return len(self._worker_devices)
+
+    def _all_workers_sizes(self, sizes: tuple) -> tuple:
+        """The sizes of every replica of every worker, given this worker's (a collective across workers)."""
+        return sizes
+
+    def _global_count(self, count: int) -> int:
+        """``count`` summed over the workers (a collective across workers)."""
+        return count
+
+    def _broadcast_object(self, obj):
+        """Worker 0's ``obj`` on every worker (picklable; a collective across workers)."""
+        return obj
+
+    def _agree(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any worker (a collective across workers)."""
+        return bool(flag)
+
+    def _from_first_worker(self, value):
+        """Worker 0's ``value`` (a tensor or number of the same shape on every worker; a collective)."""
+        return value
+
+    def _barrier(self, name: str) -> None:
+        """Waits until every worker reaches the barrier ``name`` (bounded by the timeout)."""
+
+    def _as_local_replicas(self, value):
+        """``value`` as a distributed value of this worker's replicas where a plain value is
+        worker-specific (across workers); unchanged in one process."""
+        return value
+
+    def _sync_module_state(self, module: torch.nn.Module) -> None:
+        """Makes ``module``'s parameters and buffers worker 0's (before replication)."""
+
     def _input_workers(self) -> tuple:
         """``(this worker's replica devices, number of workers, this worker's index)`` for the data layer."""
         return self.worker_devices, 1, 0
@@ -196,7 +237,7 @@ class StrategyExtended:
     def call_for_each_replica(self, fn, args=(), kwargs=None):
         """Runs ``fn`` once per replica (``strategy.run`` without the argument checks)."""
         strategy = self._strategy
-        check_component_counts((args, kwargs), self._num_replicas_in_sync, "An argument of call_for_each_replica()")
+        check_component_counts((args, kwargs), self._num_local_replicas, "An argument of call_for_each_replica()")
         with strategy.scope():
             return self._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
 
@@ -559,7 +600,7 @@ class Strategy:
                 f"run(options=...) takes a replicafit.strategies.CommunicationOptions or None, got {options!r}."
             )
         if args or kwargs:
-            check_component_counts((args, kwargs), self.num_replicas_in_sync, "An argument of strategy.run()")
+            check_component_counts((args, kwargs), self._extended._num_local_replicas, "An argument of strategy.run()")
         with _Scope(self):
             return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}), timeout)
 
@@ -596,6 +637,7 @@ class Strategy:
             return nest.map_structure(lambda leaf: self._reduce_leaf(op, leaf, axis), value)
 
     def _reduce_leaf(self, op, value, axis):
+        value = self._extended._as_local_replicas(value)
         device = self._extended.worker_devices[0]
         count = self.num_replicas_in_sync
         distributed = isinstance(value, DistributedValues)
@@ -619,7 +661,10 @@ class Strategy:
             total = total * count
         if op is ReduceOp.SUM:
             return total
-        elements = sum(t.shape[axis] for t in tensors) * (1 if distributed else count)
+        if distributed:
+            elements = self._extended._global_count(sum(t.shape[axis] for t in tensors))
+        else:
+            elements = tensors[0].shape[axis] * count
         return total / elements
 
     def gather(self, value, axis: int):
@@ -636,6 +681,7 @@ class Strategy:
             raise TypeError(f"`axis` must be an int, got {axis!r}.")
 
         def leaf(v):
+            v = self._extended._as_local_replicas(v)
             if not isinstance(v, DistributedValues):
                 return v
             return self._extended._gather_to(v, axis, self._extended.worker_devices[0])
@@ -676,8 +722,9 @@ class Strategy:
         With one replica the value is returned as it is.
         """
         count = self.num_replicas_in_sync
-        values = [value_fn(ValueContext(i, count)) for i in range(count)]
-        if count == 1:
+        first = self._extended._replica_id_offset  # this worker's replicas get their global ids
+        values = [value_fn(ValueContext(first + i, count)) for i in range(self._extended._num_local_replicas)]
+        if len(values) == 1:
             return values[0]
         return regroup(values, always_wrap=True, devices=self._extended.worker_devices)
 

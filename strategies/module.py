@@ -59,6 +59,7 @@ class DistributedModule:
         extended = strategy.extended
         devices = extended._torch_devices
         first = module.to(devices[0]) if _module_device(module) not in (None, devices[0]) else module
+        extended._sync_module_state(first)  # across workers: every worker starts from worker 0's values
         replicas = [first] + [copy.deepcopy(first).to(device) for device in devices[1:]]
         self._replicas = tuple(replicas)
         self._variables: OrderedDict = OrderedDict()
@@ -112,7 +113,7 @@ class DistributedModule:
         """The replica of the replica context running this code (replica 0 elsewhere)."""
         ctx = context.current_mode().replica_context
         if ctx is not None and not ctx._is_default and ctx.strategy is self._strategy:
-            return self._replicas[ctx.replica_id_in_sync_group]
+            return self._replicas[ctx._replica_id]
         return self._replicas[0]
 
     def __call__(self, *args, **kwargs):

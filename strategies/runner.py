@@ -121,8 +121,12 @@ class ReplicaContext:
 
     @property
     def replica_id_in_sync_group(self) -> int:
-        """This replica's index, ``0 <= id < num_replicas_in_sync`` (a Python int)."""
-        return self._replica_id
+        """This replica's index, ``0 <= id < num_replicas_in_sync`` (a Python int).
+
+        Global across workers (``worker_index * local replicas + local index``) under
+        ``MultiWorkerMirroredStrategy``, as in TensorFlow.
+        """
+        return self._replica_id + self._strategy.extended._replica_id_offset
 
     @property
     def devices(self) -> tuple:
@@ -164,7 +168,7 @@ class ReplicaContext:
         require_replica_context(self)
         op = as_reduce_op(reduce_op)
         flat = [_as_tensor(v) for v in nest.flatten(value)]
-        if self._state is None:
+        if self._state is None and self._strategy.num_replicas_in_sync == 1:
             return nest.pack_sequence_as(value, flat)
         if torch.is_grad_enabled() and any(t.requires_grad for t in flat):
             reduced = _AllReduce.apply(self, op, options, *flat)
@@ -179,7 +183,7 @@ class ReplicaContext:
         """
         require_replica_context(self)
         flat = [_as_tensor(v) for v in nest.flatten(value)]
-        if self._state is None:
+        if self._state is None and self._strategy.num_replicas_in_sync == 1:
             return nest.pack_sequence_as(value, flat)
         if torch.is_grad_enabled() and any(t.requires_grad for t in flat):
             gathered = _AllGather.apply(self, axis, options, *flat)
@@ -188,7 +192,7 @@ class ReplicaContext:
         return nest.pack_sequence_as(value, list(gathered))
 
     def __repr__(self) -> str:
-        return f"ReplicaContext(strategy={self._strategy!r}, replica_id_in_sync_group={self._replica_id})"
+        return f"ReplicaContext(strategy={self._strategy!r}, replica_id_in_sync_group={self.replica_id_in_sync_group})"
 
 
 class DefaultReplicaContext(ReplicaContext):
@@ -204,7 +208,7 @@ def _as_tensor(value):
 def _per_replica(strategy, value):
     if isinstance(value, PerReplica):
         return value
-    return PerReplica([value] * strategy.num_replicas_in_sync)
+    return PerReplica([value] * strategy.extended._num_local_replicas)
 
 
 def _owned(result):
@@ -233,6 +237,7 @@ def _batch_all_gather(strategy, axis, flat_values):
     for value in flat_values:
         value = _per_replica(strategy, value)
         sizes = tuple(t.shape[axis] if t.dim() > axis else 0 for t in value.values)
+        sizes = strategy.extended._all_workers_sizes(sizes)  # every replica's, across workers
         out.append((_owned(strategy.extended._gather_to(value, axis, value)), PerReplicaConstant(sizes)))
     return out
 
@@ -267,7 +272,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         reduced = ctx.replica_ctx._merge_call(_batch_all_reduce, (ReduceOp.SUM, list(grads), ctx.options), {})
-        replica_id = ctx.replica_ctx.replica_id_in_sync_group
+        replica_id = ctx.replica_ctx.replica_id_in_sync_group  # sizes are of every replica, all workers
         out = []
         for grad, sizes in zip(reduced, ctx.sizes):
             start = sum(sizes[:replica_id])

@@ -162,7 +162,7 @@ def _local_index(count: int) -> int:
         return mode.update_replica
     ctx = mode.replica_context
     if ctx is not None:
-        replica_id = ctx.replica_id_in_sync_group
+        replica_id = ctx._replica_id  # this worker's index of the replica
         if replica_id < count:
             return replica_id
     return 0

@@ -482,7 +482,7 @@ def _merge_aggregated_update(strategy, var, op, value):
     aggregation = var.aggregation
     extended = strategy.extended
     if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
-        reduced = local_results(value)[0]
+        reduced = extended._from_first_worker(local_results(value)[0])  # replica 0 of worker 0
     else:
         reduced = extended.reduce_to(ReduceOp.from_variable_aggregation(aggregation), value, destinations=var)
     extended.update(var, _assign_component(op), args=(reduced,))
@@ -601,10 +601,10 @@ class SyncOnReadVariable(DistributedVariable):
 
     def _aggregate(self) -> torch.Tensor:
         aggregation = self._aggregation
-        if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
-            return self._values[0]._tensor
-        op = ReduceOp.from_variable_aggregation(aggregation)
         extended = self._distribute_strategy.extended
+        if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            return extended._from_first_worker(self._values[0]._tensor)
+        op = ReduceOp.from_variable_aggregation(aggregation)
         tensors = [c._tensor for c in self._values]
         return extended._reduce_tensors(op, tensors, self._values[0]._device)
 
@@ -619,8 +619,8 @@ class SyncOnReadVariable(DistributedVariable):
                     f"SyncOnReadVariable does not support `{op}` in cross-replica context when aggregation "
                     "is set to `tf.VariableAggregation.SUM`."
                 )
-            # Each copy gets its share, so that reading the SUM gives the value back.
-            count = len(self._values)
+            # Each copy gets its share, so that reading the SUM gives the value back (all workers' copies).
+            count = self._distribute_strategy.num_replicas_in_sync
 
             def share(item):
                 tensor = as_assign_value(item, self._primary_tensor(), self._name)
@@ -697,13 +697,13 @@ class CentralStorageVariable(Variable):
     def _read(self) -> torch.Tensor:
         ctx = _own_replica_context(self._distribute_strategy)
         if ctx is not None:
-            return self._replica_tensors[ctx.replica_id_in_sync_group]
+            return self._replica_tensors[ctx._replica_id]
         return self._primary._tensor
 
     def _device_name(self) -> str:
         ctx = _own_replica_context(self._distribute_strategy)
         if ctx is not None:
-            return self._distribute_strategy.extended.worker_devices[ctx.replica_id_in_sync_group]
+            return self._distribute_strategy.extended.worker_devices[ctx._replica_id]
         return self._primary._device
 
     def _after_update(self) -> None:

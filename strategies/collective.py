@@ -1,0 +1,230 @@
+"""Collectives across worker processes (``torch.distributed``): the only module that calls it.
+
+One ``Collective`` per process owns the process groups of a ``MultiWorkerMirroredStrategy``:
+
+* the **data** group (gloo on CPU, NCCL on CUDA) carries reductions, gathers and
+  broadcasts of tensors: one flat buffer per pack, started together and waited in order;
+* the **control** group (always gloo) carries small host-side agreements: object
+  broadcasts, flags, counts and barriers;
+* the **input** group (gloo) carries the per-step input agreement, which may run on the
+  input pipeline's prefetch thread: each thread has a group of its own, so two threads
+  never interleave collectives on one group (gloo pairs messages by order).
+
+Every call is bounded by the process-group timeout (``CommunicationOptions.timeout_seconds``;
+``None``: torch's default, 30 minutes). A worker whose process is gone is an error at once
+on gloo; one that stops arriving, after the timeout. Either way every other worker raises
+``WorkerFailedError`` naming the operation, and the collective refuses further work: a
+group that lost a member cannot be used again (restart every worker; ``BackupAndRestore``
+resumes).
+
+Example::
+
+    >>> from replicafit.strategies.collective import WorkerFailedError
+    >>> issubclass(WorkerFailedError, RuntimeError)
+    True
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import threading
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Collective", "WorkerFailedError"]
+
+
+class WorkerFailedError(RuntimeError):
+    """A worker died or stopped arriving at a collective (``strategies.WorkerFailedError``).
+
+    Raised on every other worker, naming the operation; torch's own error is chained as
+    ``__cause__``. The process group is unusable afterwards: end the process, restart
+    every worker (``replicafit fit --workers N --max-restarts K`` does) and resume from a
+    backup.
+
+    Example::
+
+        try:
+            trainer.fit(model, data)
+        except ds.WorkerFailedError as error:
+            print("a worker failed:", error)      # e.g. during batch_reduce_to (pack 1 of 1)
+            raise SystemExit(1)
+    """
+
+
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+
+
+def backend_for(device: torch.device) -> str:
+    """The process-group backend for replicas on ``device``: gloo for CPU, NCCL for CUDA."""
+    try:
+        return _BACKENDS[device.type]
+    except KeyError:
+        raise ValueError(
+            f"MultiWorkerMirroredStrategy has no collective backend for {device.type!r} devices "
+            "(gloo serves CPU devices, NCCL CUDA devices)."
+        ) from None
+
+
+class Collective:
+    """The process groups of this worker and the collectives the strategy needs.
+
+    Created once per process (``Collective.get``); a second strategy for the same cluster
+    shares it. If ``torch.distributed`` is already initialised (the user's own
+    ``init_process_group`` under ``torchrun``), its default group is the data group.
+    """
+
+    _instance: Collective | None = None
+    _instance_lock = threading.Lock()
+
+    def __init__(self, rank: int, world_size: int, address: str, port: int, device, timeout_seconds):
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device)
+        self.timeout = datetime.timedelta(seconds=timeout_seconds) if timeout_seconds else None
+        self._key = (rank, world_size, address, port)
+        self._failed: str | None = None
+        self._owns_default = False
+        backend = backend_for(self.device)
+        with self._guard("joining the cluster (init_process_group)"):
+            if dist.is_initialized():
+                if dist.get_rank() != rank or dist.get_world_size() != world_size:
+                    raise ValueError(
+                        f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                        f"{dist.get_world_size()}, but the cluster resolver says worker {rank} of {world_size}."
+                    )
+            else:
+                kwargs = {"timeout": self.timeout} if self.timeout else {}
+                dist.init_process_group(
+                    backend,
+                    init_method=f"tcp://{_host(address)}:{port}",
+                    rank=rank,
+                    world_size=world_size,
+                    **kwargs,
+                )
+                self._owns_default = True
+            self.data_group = None  # the default group
+            kwargs = {"timeout": self.timeout} if self.timeout else {}
+            self.control_group = dist.new_group(backend="gloo", **kwargs)
+            self.input_group = dist.new_group(backend="gloo", **kwargs)
+        self.operations = 0  # data collectives issued (benchmarks count them)
+
+    @classmethod
+    def get(cls, rank, world_size, address, port, device, timeout_seconds) -> Collective:
+        """The process's collective for this cluster (created on first use)."""
+        with cls._instance_lock:
+            current = cls._instance
+            if current is not None and current._failed is None:
+                if current._key != (rank, world_size, address, port):
+                    raise ValueError(
+                        f"This process already belongs to a cluster (worker {current.rank} of {current.world_size}); "
+                        "a process can be a worker of one cluster only."
+                    )
+                return current
+            cls._instance = cls(rank, world_size, address, port, device, timeout_seconds)
+            return cls._instance
+
+    # --- failure handling ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def _guard(self, operation: str):
+        if self._failed is not None:
+            raise WorkerFailedError(
+                f"Cannot run {operation}: the cluster failed earlier ({self._failed}). A process group that lost "
+                "a worker cannot be used again: end this process and restart every worker."
+            )
+        try:
+            yield
+        except WorkerFailedError:
+            raise
+        except RuntimeError as error:  # torch.distributed's errors (DistError and its kinds) are RuntimeErrors
+            self._failed = operation
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise WorkerFailedError(
+                f"Worker {self.rank} of {self.world_size}: another worker died or stopped arriving during "
+                f"{operation} ({first}). Every worker must make the same collectives in the same order; after a "
+                "failure restart every worker (replicafit fit --workers N --max-restarts K) and resume from a "
+                "backup (BackupAndRestore)."
+            ) from error
+
+    # --- data collectives ------------------------------------------------------------------
+    def all_reduce_flat(self, buffers: list, what: str) -> None:
+        """Sums each flat buffer across workers in place: all started, then waited in order."""
+        with self._guard(what):
+            works = [dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True) for buffer in buffers]
+            self.operations += len(works)
+            for work in works:
+                work.wait()
+
+    def all_gather(self, tensor: torch.Tensor, what: str) -> list:
+        """Every worker's ``tensor`` (same shape on all), in worker order."""
+        with self._guard(what):
+            out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+            dist.all_gather(out, tensor.contiguous())
+            self.operations += 1
+            return out
+
+    def broadcast(self, tensor: torch.Tensor, what: str) -> None:
+        """Worker 0's ``tensor`` into ``tensor`` on every worker, in place."""
+        with self._guard(what):
+            dist.broadcast(tensor, src=0)
+            self.operations += 1
+
+    # --- control collectives (host, gloo) ----------------------------------------------------
+    def all_gather_object(self, obj, what: str) -> list:
+        with self._guard(what):
+            out = [None] * self.world_size
+            dist.all_gather_object(out, obj, group=self.control_group)
+            return out
+
+    def broadcast_object(self, obj, what: str):
+        with self._guard(what):
+            box = [obj]
+            dist.broadcast_object_list(box, src=0, group=self.control_group)
+            return box[0]
+
+    def sum_ints(self, values: list, what: str, group: str = "control") -> list:
+        """Element-wise sums of small integer vectors across workers."""
+        with self._guard(what):
+            tensor = torch.tensor(values, dtype=torch.int64)
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=getattr(self, f"{group}_group"))
+            return tensor.tolist()
+
+    def start_sum_ints(self, values: list, what: str):
+        """``sum_ints`` on the input group, started now; returns ``finish() -> list``."""
+        with self._guard(what):
+            tensor = torch.tensor(values, dtype=torch.int64)
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.input_group, async_op=True)
+
+        def finish() -> list:
+            with self._guard(what):
+                work.wait()
+                return tensor.tolist()
+
+        return finish
+
+    def barrier(self, what: str) -> None:
+        """Waits for every worker; a missing one is named (gloo's monitored barrier)."""
+        with self._guard(what):
+            timeout = self.timeout or datetime.timedelta(minutes=30)
+            dist.monitored_barrier(group=self.control_group, timeout=timeout, wait_all_ranks=True)
+
+    def destroy(self) -> None:
+        """Leaves the cluster (at interpreter exit; a failed group is left as it is)."""
+        if self._owns_default and dist.is_initialized() and self._failed is None:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        self._owns_default = False
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address and not address.startswith("[") else address
+
+
+@atexit.register
+def _leave_cluster() -> None:
+    collective = Collective._instance
+    if collective is not None:
+        collective.destroy()

@@ -1,0 +1,278 @@
+"""``MultiWorkerMirroredStrategy``: one process per worker, replicas on each worker's devices.
+
+TensorFlow's between-graph model on ``torch.distributed``: the same program runs in every
+worker process. ``run``, ``merge_call`` and ``experimental_local_results`` are local to the
+worker (its replicas are threads, as under ``MirroredStrategy``); ``reduce``,
+``batch_reduce_to``, ``gather``, replica-context ``all_reduce``/``all_gather``, reading a
+``SyncOnRead`` variable and creating variables or distributed modules are collectives that
+**every worker calls in the same order** (the SPMD rule: branch on ``worker_index`` only
+around code that makes no collective, such as writing a file).
+
+Example (run with ``replicafit fit RECIPE --workers 2``, ``torchrun --nproc-per-node 2``, or
+one process per worker with ``SimpleClusterResolver``)::
+
+    import replicafit.strategies as ds
+
+    strategy = ds.MultiWorkerMirroredStrategy()            # the cluster comes from the environment
+    with strategy.scope():
+        v = ds.Variable(0.0)                                # worker 0's initial value everywhere
+    out = strategy.run(lambda: torch.tensor(1.0 + ds.get_replica_context().replica_id_in_sync_group))
+    strategy.reduce("SUM", out, axis=None)                  # 3.0 on both workers of a 2-worker cluster
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+
+from .cluster_resolver import ClusterResolver, resolve_cluster
+from .collective import Collective, WorkerFailedError
+from .cross_device_ops import CollectiveAllReduce, destination_devices
+from .devices import canonicalize_list, torch_device
+from .distribute_lib import Strategy, StrategyExtended, _tensor_of
+from .mirrored import _default_cross_device_ops
+from .reduce_util import CommunicationOptions
+from .values import DistributedValues, PerReplica
+
+__all__ = ["MultiWorkerMirroredStrategy", "WorkerFailedError"]
+
+
+def _default_devices(resolver: ClusterResolver) -> tuple:
+    # The resolver knows the GPU conventions (one per process under torchrun, all of them with
+    # TF_CONFIG); without GPUs a worker has one replica on the host.
+    return tuple(resolver.local_devices() or ("cpu:0",))
+
+
+class MultiWorkerMirroredExtended(StrategyExtended):
+    """Mirrored variables on this worker's devices; reductions across every worker."""
+
+    def __init__(self, strategy, devices, resolver: ClusterResolver, options: CommunicationOptions):
+        self._resolver = resolver
+        self._num_workers = resolver.num_workers
+        self._worker_index = resolver.worker_index
+        self._replica_id_offset = resolver.worker_index * len(devices)
+        self._collective = None
+        if resolver.num_workers > 1:
+            self._collective = Collective.get(
+                resolver.worker_index,
+                resolver.num_workers,
+                resolver.master_address,
+                resolver.master_port,
+                torch_device(devices[0]),
+                options.timeout_seconds,
+            )
+            counts = self._collective.all_gather_object(len(devices), "checking each worker's replica count")
+            if len(set(counts)) > 1:
+                shown = ", ".join(f"worker {w}: {c}" for w, c in enumerate(counts))
+                raise ValueError(
+                    f"Every worker of a MultiWorkerMirroredStrategy needs the same number of local replicas ({shown})."
+                )
+            ops = CollectiveAllReduce(self._collective, len(devices) * resolver.num_workers)
+        else:
+            ops = _default_cross_device_ops(devices)
+        super().__init__(strategy, devices, devices, ops, options)
+
+    # --- workers ---------------------------------------------------------------------
+    @property
+    def _num_replicas_in_sync(self) -> int:
+        return len(self._worker_devices) * self._num_workers
+
+    def _input_workers(self) -> tuple:
+        return self.worker_devices, self._num_workers, self._worker_index
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Whether this worker writes files: the chief (worker 0) only."""
+        return self._worker_index == 0
+
+    @property
+    def should_save_summary(self) -> bool:
+        return self._worker_index == 0
+
+    @property
+    def experimental_between_graph(self) -> bool:
+        return True
+
+    @property
+    def experimental_should_init(self) -> bool:
+        return True
+
+    @property
+    def _in_multi_worker_mode(self) -> bool:
+        return self._num_workers > 1
+
+    def _batch_reduce_to(self, op, pairs, options) -> list:
+        if self._collective is not None and len(self._worker_devices) == 1:
+            # As in TensorFlow: with one local replica a plain value is that replica's value.
+            pairs = [(self._as_local_replicas(value), d) for value, d in pairs]
+        return super()._batch_reduce_to(op, pairs, options)
+
+    def _as_local_replicas(self, value):
+        if self._collective is None or isinstance(value, DistributedValues):
+            return value
+        # Across workers a plain value is this worker's value (each local replica's), as in TensorFlow:
+        # with one replica per worker, what strategy.run returned on this worker.
+        tensor = _tensor_of(value)
+        return PerReplica((tensor,) * len(self._worker_devices), self._worker_devices)
+
+    # --- collectives across workers ---------------------------------------------------
+    def _all_workers_sizes(self, sizes: tuple) -> tuple:
+        if self._collective is None:
+            return sizes
+        parts = self._collective.all_gather(torch.tensor(sizes, dtype=torch.int64), "all_gather (sizes)")
+        return tuple(int(s) for part in parts for s in part.tolist())
+
+    def _global_count(self, count: int) -> int:
+        if self._collective is None:
+            return count
+        return self._collective.sum_ints([count], "reduce (the global row count)")[0]
+
+    def _broadcast_object(self, obj):
+        if self._collective is None:
+            return obj
+        return self._collective.broadcast_object(obj, "broadcasting worker 0's value")
+
+    def _agree(self, flag: bool) -> bool:
+        if self._collective is None:
+            return bool(flag)
+        return self._collective.sum_ints([int(bool(flag))], "agreeing on a flag")[0] > 0
+
+    def _barrier(self, name: str) -> None:
+        if self._collective is not None:
+            self._collective.barrier(f"barrier {name!r}")
+
+    def _from_first_worker(self, value):
+        if self._collective is None:
+            return value
+        tensor = value.detach().clone() if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+        host = tensor.to(self._collective.device).contiguous()
+        self._collective.broadcast(host, "broadcasting replica 0's value")
+        return host.to(tensor.device)
+
+    def _sync_module_state(self, module: torch.nn.Module) -> None:
+        if self._collective is None:
+            return
+        tensors = [("parameter", n, p) for n, p in module.named_parameters()]
+        tensors += [("buffer", n, b) for n, b in module.named_buffers() if b is not None]
+        layout = [(kind, name, tuple(t.shape), str(t.dtype)) for kind, name, t in tensors]
+        _check_same(self._collective, layout, f"the module {type(module).__name__}")
+        _broadcast_in_place(self._collective, [t for _, _, t in tensors], "broadcasting the module's initial values")
+
+    # --- variables ---------------------------------------------------------------------
+    def _create_variable(self, spec):
+        colocated = self._colocated_with()
+        devices = destination_devices(colocated) if colocated is not None else self._worker_devices
+        if self._collective is not None:
+            value = torch.as_tensor(spec.initial_value)
+            _check_same(self._collective, (spec.name, tuple(value.shape), str(value.dtype)), "a variable")
+            value = value.detach().clone().contiguous()
+            _broadcast_in_place(self._collective, [value], f"broadcasting the initial value of {spec.name!r}")
+            spec.initial_value = value
+        return self._create_distributed_variable(spec, devices)
+
+    _module_variable = StrategyExtended._replicated_module_variable
+
+
+def _check_same(collective, layout, what: str) -> None:
+    """Raises ``ValueError`` on every worker unless every worker passes the same ``layout``."""
+    digest = pickle.dumps(layout)
+    layouts = collective.all_gather_object(digest, f"checking that every worker creates the same {what}")
+    for worker, other in enumerate(layouts):
+        if other != digest:
+            raise ValueError(
+                f"Worker {worker} creates {what} as {pickle.loads(other)!r} but worker "
+                f"{collective.rank} as {layout!r}: every worker must create the same variables and modules, "
+                "in the same order (only their initial values may differ; worker 0's are used)."
+            )
+
+
+def _broadcast_in_place(collective, tensors, what: str) -> None:
+    """Worker 0's values into ``tensors``: one flat broadcast per dtype."""
+    groups: dict = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    with torch.no_grad():
+        for (_, _device), members in groups.items():
+            flat = torch.cat([t.detach().reshape(-1) for t in members]).to(collective.device)
+            collective.broadcast(flat, what)
+            offset = 0
+            for tensor in members:
+                count = tensor.numel()
+                tensor.copy_(flat[offset : offset + count].view_as(tensor))
+                offset += count
+
+
+class MultiWorkerMirroredStrategy(Strategy):
+    """Synchronous training over several worker processes (``tf.distribute.MultiWorkerMirroredStrategy``).
+
+    Args:
+      communication_options: a ``CommunicationOptions``: ``bytes_per_pack`` for the packs
+        that cross processes, ``timeout_seconds`` for every wait (local rendezvous and the
+        process group: a worker that stops arriving is a ``WorkerFailedError`` after it;
+        ``None``: torch's default, 30 minutes), ``implementation`` (``AUTO``; ``RING`` means
+        gloo, ``NCCL`` needs CUDA devices).
+      cluster_resolver: a ``ClusterResolver``; ``None`` detects the environment:
+        ``torchrun``'s variables, then ``TF_CONFIG``, else one local worker.
+
+    The cluster is joined when the strategy is built (every worker must build it). Each
+    worker's replicas run on its local devices (the resolver's ``devices``; else every GPU,
+    one GPU per process under ``torchrun`` with several processes per machine, or
+    ``"cpu:0"``); ``num_replicas_in_sync`` counts the replicas of every worker and
+    ``replica_id_in_sync_group`` is global. Initial values of variables and distributed
+    modules are worker 0's. Only the chief (worker 0) writes files
+    (``extended.should_checkpoint``).
+
+    Example::
+
+        strategy = ds.MultiWorkerMirroredStrategy(
+            cluster_resolver=ds.SimpleClusterResolver(2, worker_index, "127.0.0.1", port),
+            communication_options=ds.CommunicationOptions(timeout_seconds=60))
+        trainer = Trainer(strategy=strategy, optimizer=optimizers.SGD(0.1), loss="cross_entropy")
+        trainer.fit(model, (x, y), batch_size=64)          # the same call on every worker
+    """
+
+    def __init__(self, communication_options: CommunicationOptions | None = None, cluster_resolver=None):
+        if communication_options is None:
+            communication_options = CommunicationOptions()
+        if not isinstance(communication_options, CommunicationOptions):
+            raise ValueError(
+                "communication_options must be a replicafit.strategies.CommunicationOptions, got "
+                f"{communication_options!r}."
+            )
+        if cluster_resolver is None:
+            cluster_resolver = resolve_cluster()
+        if not isinstance(cluster_resolver, ClusterResolver):
+            raise ValueError(
+                "cluster_resolver must be a replicafit.strategies ClusterResolver (TorchrunClusterResolver, "
+                f"TFConfigClusterResolver, SimpleClusterResolver), got {cluster_resolver!r}."
+            )
+        devices = canonicalize_list(list(_default_devices(cluster_resolver)), "devices")
+        implementation = communication_options.implementation.value
+        if implementation == "NCCL" and not all(d.startswith("cuda") for d in devices):
+            raise ValueError(f"CommunicationImplementation.NCCL needs CUDA devices; this worker's are {list(devices)}.")
+        self._cluster_resolver = cluster_resolver
+        super().__init__(MultiWorkerMirroredExtended(self, devices, cluster_resolver, communication_options))
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver:
+        """The cluster this strategy belongs to (read-only)."""
+        return self._cluster_resolver
+
+    def __repr__(self) -> str:
+        extended = self._extended
+        return (
+            f"MultiWorkerMirroredStrategy(worker {extended._worker_index} of {extended._num_workers}, "
+            f"devices={extended.worker_devices})"
+        )
+
+    def configure(self, session_config=None, cluster_spec=None, task_type=None, task_id=None) -> None:
+        """Validated; the cluster itself comes from ``cluster_resolver`` (it must match)."""
+        Strategy.configure(self, session_config, None, task_type, task_id)
+        if cluster_spec:
+            tasks = sum(len(v) if isinstance(v, (list, tuple)) else 1 for v in dict(cluster_spec).values())
+            if tasks != self._extended._num_workers:
+                raise ValueError(
+                    f"configure(cluster_spec=...) names {tasks} tasks, but this strategy's cluster has "
+                    f"{self._extended._num_workers} workers: pass the cluster as cluster_resolver when building it."
+                )

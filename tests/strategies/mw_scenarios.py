@@ -1,0 +1,141 @@
+"""Scenarios run by the multi-worker tests, in worker processes and (``ops``) in the test process.
+
+``ops(strategy)`` makes the same calls under any strategy and returns global values only, so
+a ``MultiWorkerMirroredStrategy`` of 2 workers × 1 replica can be compared bit for bit with
+``MirroredStrategy(["cpu:0", "cpu:1"])`` run in the test process.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+import replicafit.strategies as ds
+
+
+def strategy_for(rank, num_workers, port, devices=None, timeout=20.0):
+    if devices and any(d != "cpu:0" for d in devices):
+        ds.set_logical_cpu_count(max(8, len(devices)))
+    resolver = ds.SimpleClusterResolver(num_workers, rank, "127.0.0.1", port, devices=devices)
+    return ds.MultiWorkerMirroredStrategy(ds.CommunicationOptions(timeout_seconds=timeout), resolver)
+
+
+def _values(replica_id: int, rows: int = 3) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 + replica_id)
+    return torch.randn(rows, 4, generator=generator)
+
+
+def ops(strategy) -> dict:
+    """Every cross-replica operation, with results that are the same on every worker."""
+    out: dict = {}
+    ctx_id = lambda: ds.get_replica_context().replica_id_in_sync_group  # noqa: E731
+
+    per_replica = strategy.run(lambda: _values(ctx_id()))
+    out["run_gathered"] = strategy.gather(per_replica, axis=0)
+    out["reduce_sum"] = strategy.reduce("SUM", per_replica, axis=None)
+    out["reduce_mean"] = strategy.reduce("MEAN", per_replica, axis=None)
+    out["reduce_sum_axis0"] = strategy.reduce("SUM", per_replica, axis=0)
+    # Uneven rows: replica r has r + 1 rows, so MEAN along axis 0 divides by the global row count.
+    uneven = strategy.run(lambda: _values(ctx_id(), rows=ctx_id() % 3 + 1))
+    out["reduce_mean_axis0_uneven"] = strategy.reduce("MEAN", uneven, axis=0)
+    out["gather_uneven"] = strategy.gather(uneven, axis=0)
+    out["plain_sum"] = strategy.reduce("SUM", torch.tensor([1.0, 2.0]), axis=None)
+    out["ids"] = strategy.gather(strategy.run(lambda: torch.tensor([ctx_id()])), axis=0)
+    values = strategy.experimental_distribute_values_from_function(
+        lambda c: torch.tensor([float(c.replica_id_in_sync_group), float(c.num_replicas_in_sync)])
+    )
+    out["values_from_function"] = strategy.gather(strategy.run(lambda v: v.unsqueeze(0), args=(values,)), axis=0)
+
+    # Variables: worker 0's initial value everywhere (each worker draws its own here).
+    torch.manual_seed(_worker(strategy))
+    with strategy.scope():
+        w = ds.Variable(torch.randn(4, 2), name="w")
+        total = ds.Variable(torch.zeros(2), synchronization="ON_READ", aggregation="SUM", name="total")
+        mean = ds.Variable(torch.zeros(2), synchronization="ON_READ", aggregation="MEAN", name="mean")
+        first = ds.Variable(torch.zeros(2), aggregation="ONLY_FIRST_REPLICA", name="first")
+    out["w_initial"] = w.read_value().clone()
+
+    def step():
+        rid = ctx_id()
+        x = _values(rid).requires_grad_(True)
+        y = ds.get_replica_context().all_reduce("SUM", x @ w.read_value())
+        y.pow(2).sum().backward()
+        gathered = ds.get_replica_context().all_gather(x.detach() * (rid + 1), axis=0)
+        total.assign_add(torch.full((2,), float(rid + 1)))
+        mean.assign_add(torch.full((2,), float(rid + 1)))
+        first.assign(torch.full((2,), float(rid + 7)))
+
+        def merge_fn(s, grad):
+            reduced = s.extended.batch_reduce_to("SUM", [(grad, w)])[0]
+            return s.extended.update(w, lambda c, g: c.assign_sub(0.01 * g), args=(reduced,))
+
+        grad = torch.ones(4, 2) * (rid + 1)
+        ds.get_replica_context().merge_call(merge_fn, args=(grad,))
+        return y.detach(), x.grad, gathered
+
+    y, xgrad, gathered = strategy.run(step)
+    out["all_reduce"] = strategy.gather(y, axis=0)
+    out["all_reduce_grad"] = strategy.gather(xgrad, axis=0)
+    out["all_gather"] = strategy.gather(gathered, axis=0)
+    out["w_after"] = w.read_value().clone()
+    out["sync_on_read_sum"] = total.read_value().clone()
+    out["sync_on_read_mean"] = mean.read_value().clone()
+    out["only_first"] = first.read_value().clone()
+    with strategy.scope():
+        total.assign(torch.tensor([6.0, 8.0]))  # each copy gets its share of all replicas
+    out["sync_on_read_assigned"] = total.read_value().clone()
+    out["num_replicas"] = strategy.num_replicas_in_sync
+    return out
+
+
+def _worker(strategy) -> int:
+    return strategy.extended._worker_index
+
+
+def basics(rank, num_workers, port, devices=None):
+    strategy = strategy_for(rank, num_workers, port, devices)
+    result = ops(strategy)
+    result["local_results"] = len(strategy.experimental_local_results(strategy.run(lambda: torch.tensor(1.0))))
+    result["should_checkpoint"] = strategy.extended.should_checkpoint
+    result["repr"] = repr(strategy)
+    strategy.extended._barrier("end")
+    return result
+
+
+def module_broadcast(rank, num_workers, port):
+    strategy = strategy_for(rank, num_workers, port)
+    torch.manual_seed(rank)  # different initial weights per worker
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    dm = strategy.distribute_module(model)
+    state = {k: v.clone() for k, v in dm.state_dict().items()}
+    strategy.extended._barrier("end")
+    return state
+
+
+def module_mismatch(rank, num_workers, port):
+    strategy = strategy_for(rank, num_workers, port)
+    model = torch.nn.Linear(3, 4 + rank)
+    strategy.distribute_module(model)
+    return "built"
+
+
+def stuck_or_killed(rank, num_workers, port, mode="sleep", timeout=2.0):
+    strategy = strategy_for(rank, num_workers, port, timeout=timeout)
+    with strategy.scope():
+        v = ds.Variable(torch.zeros(3))
+    for step in range(1000):
+        if rank == 1 and step == 3:
+            if mode == "sleep":
+                time.sleep(60)
+            else:
+                os.kill(os.getpid(), 9)
+        start = time.monotonic()
+        try:
+            out = strategy.run(lambda: torch.ones(3))
+            with strategy.scope():
+                v.assign(strategy.reduce("SUM", out, axis=None))
+        except ds.WorkerFailedError as error:
+            return {"step": step, "waited": time.monotonic() - start, "message": str(error)}
+    return {"step": None}

@@ -1,0 +1,134 @@
+"""MultiWorkerMirroredStrategy across 2-3 worker processes (gloo over 127.0.0.1), and one worker in-process.
+
+Two workers × one replica must equal ``MirroredStrategy(["cpu:0", "cpu:1"])`` bit for bit (a
+two-rank gloo sum adds the same two numbers as the replica-order sum); two workers × two
+logical CPUs equal Mirrored(4) within float tolerance.
+"""
+
+from __future__ import annotations
+
+import mw_scenarios
+import pytest
+import torch
+from multiworker_harness import results, run_workers
+
+import replicafit.strategies as ds
+
+SCENARIOS = mw_scenarios.__file__
+
+
+def _assert_same(expected: dict, got: dict, exact: bool, what: str) -> None:
+    for key, value in expected.items():
+        other = got[key]
+        if isinstance(value, torch.Tensor):
+            if exact:
+                assert torch.equal(value, other), f"{what}: {key}: {value} != {other}"
+            else:
+                torch.testing.assert_close(other, value, msg=f"{what}: {key}")
+        else:
+            assert value == other, f"{what}: {key}: {value!r} != {other!r}"
+
+
+@pytest.fixture(scope="module")
+def two_workers():
+    return results(run_workers(SCENARIOS, "basics", 2, timeout=90))
+
+
+@pytest.mark.timeout(120)
+def test_two_workers_equal_mirrored_bit_for_bit(two_workers):
+    expected = mw_scenarios.ops(ds.MirroredStrategy(["cpu:0", "cpu:1"]))
+    for worker, got in enumerate(two_workers):
+        _assert_same(expected, got, exact=True, what=f"worker {worker}")
+
+
+@pytest.mark.timeout(120)
+def test_two_workers_local_view(two_workers):
+    assert [r["local_results"] for r in two_workers] == [1, 1]
+    assert [r["should_checkpoint"] for r in two_workers] == [True, False]
+    assert two_workers[1]["repr"].startswith("MultiWorkerMirroredStrategy(worker 1 of 2")
+    assert two_workers[0]["ids"].tolist() == [0, 1]
+
+
+@pytest.mark.timeout(120)
+def test_two_workers_of_two_logical_cpus_equal_mirrored_four():
+    got = results(run_workers(SCENARIOS, "basics", 2, timeout=90, kwargs={"devices": ["cpu:0", "cpu:1"]}))
+    ds.set_logical_cpu_count(max(8, ds.get_logical_cpu_count()))
+    expected = mw_scenarios.ops(ds.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2", "cpu:3"]))
+    for worker, result in enumerate(got):
+        _assert_same(expected, result, exact=False, what=f"worker {worker}")
+    assert got[1]["ids"].tolist() == [0, 1, 2, 3]
+    assert torch.equal(got[0]["w_after"], got[1]["w_after"])
+
+
+@pytest.mark.timeout(120)
+def test_module_initial_values_come_from_worker_0():
+    states = results(run_workers(SCENARIOS, "module_broadcast", 2, timeout=60))
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).state_dict()
+    for worker, state in enumerate(states):
+        for key, value in reference.items():
+            assert torch.equal(state[key], value), f"worker {worker}: {key}"
+
+
+@pytest.mark.timeout(120)
+def test_different_module_shapes_are_an_error_on_every_worker():
+    outcomes = run_workers(SCENARIOS, "module_mismatch", 2, timeout=60)
+    for outcome in outcomes:
+        assert not outcome["ok"]
+        assert "every worker must create the same variables and modules" in outcome["error"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["sleep", "kill"])
+def test_a_stuck_or_killed_worker_is_an_error_on_the_other(mode):
+    timeout = 2.0
+    outcomes = run_workers(
+        SCENARIOS, "stuck_or_killed", 2, timeout=60, grace=1.0, kwargs={"mode": mode, "timeout": timeout}
+    )
+    survivor = outcomes[0]
+    assert survivor["ok"], survivor["error"]
+    found = survivor["result"]
+    assert found["step"] == 3
+    limit = timeout + 1.0 if mode == "sleep" else 1.0
+    assert found["waited"] < limit, found
+    assert "another worker died or stopped arriving during" in found["message"]
+
+
+def test_one_worker_in_process_is_mirrored():
+    strategy = ds.MultiWorkerMirroredStrategy(cluster_resolver=ds.SimpleClusterResolver(1, 0))
+    assert strategy.num_replicas_in_sync == 1
+    assert strategy.extended.should_checkpoint
+    expected = mw_scenarios.ops(ds.OneDeviceStrategy("cpu:0"))
+    _assert_same(expected, mw_scenarios.ops(strategy), exact=True, what="one worker")
+
+
+def test_one_worker_with_two_logical_cpus_is_mirrored_two():
+    strategy = ds.MultiWorkerMirroredStrategy(
+        cluster_resolver=ds.SimpleClusterResolver(1, 0, devices=["cpu:0", "cpu:1"])
+    )
+    assert strategy.num_replicas_in_sync == 2
+    expected = mw_scenarios.ops(ds.MirroredStrategy(["cpu:0", "cpu:1"]))
+    _assert_same(expected, mw_scenarios.ops(strategy), exact=True, what="one worker, two replicas")
+
+
+def test_the_environment_decides_without_a_resolver(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TF_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    strategy = ds.MultiWorkerMirroredStrategy()
+    assert strategy.extended._num_workers == 1
+    assert strategy.extended.worker_devices == ("cpu:0",)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="communication_options"):
+        ds.MultiWorkerMirroredStrategy(communication_options={"timeout_seconds": 1})
+    with pytest.raises(ValueError, match="cluster_resolver"):
+        ds.MultiWorkerMirroredStrategy(cluster_resolver="localhost:1234")
+    with pytest.raises(ValueError, match="NCCL needs CUDA"):
+        ds.MultiWorkerMirroredStrategy(
+            ds.CommunicationOptions(implementation="NCCL"), cluster_resolver=ds.SimpleClusterResolver(1, 0)
+        )
+
+
+def test_worker_failed_error_is_a_runtime_error():
+    assert issubclass(ds.WorkerFailedError, RuntimeError)
