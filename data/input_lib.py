@@ -77,10 +77,16 @@ class InputWorkers:
         self.num_replicas_in_sync = self.num_local_replicas * num_workers
         self.first_replica = worker_index * self.num_local_replicas
 
+    # The strategy's ``Collective`` when the workers are processes (per-step input agreement), else None.
+    collective = None
+
     @classmethod
     def of(cls, strategy) -> InputWorkers:
         devices, num_workers, worker_index = strategy.extended._input_workers()
-        return cls(devices, num_workers, worker_index)
+        workers = cls(devices, num_workers, worker_index)
+        if num_workers > 1:
+            workers.collective = getattr(strategy.extended, "_collective", None)
+        return workers
 
 
 def _as_tensor(leaf):
@@ -121,6 +127,10 @@ class _Placer:
         size = options.experimental_per_replica_buffer_size
         if size is None:  # prefetch where there is something to overlap: copies onto accelerators
             size = int(self.fetch and any(d.type != "cpu" for d in self.torch_devices))
+        if workers.collective is not None:
+            # Across workers each step's input is agreed by a collective on the input group; two
+            # iterators' prefetch threads (training and validation) could interleave theirs.
+            size = 0
         self.buffer_size = size
 
     def place(self, tensor: torch.Tensor, replica_id: int) -> torch.Tensor:
@@ -136,6 +146,55 @@ class _Placer:
         if len(per_replica_nests) == 1:
             return per_replica_nests[0]
         return nest.map_structure(lambda *leaves: PerReplica(leaves, self.devices), *per_replica_nests)
+
+
+class _Step:
+    """A step's distributed batch with the number of rows of the global batch (all workers)."""
+
+    __slots__ = ("value", "rows")
+
+    def __init__(self, value, rows: int):
+        self.value, self.rows = value, rows
+
+
+class _Agreement:
+    """Checks that every worker has a step of a global-batch source, one step behind.
+
+    Each step starts a small all-reduce of "I have this step" on the input group and checks
+    the previous one's result, so a divergence (one worker's source ends earlier) is an error
+    on every worker without a blocking collective per step; the end itself is agreed at once.
+    """
+
+    def __init__(self, collective):
+        self.collective = collective
+        self.pending = None
+        self.step = 0
+
+    def check_pending(self) -> None:
+        if self.pending is not None:
+            finish, step = self.pending
+            self.pending = None
+            self._verify(finish()[0], 1, step)
+
+    def have(self) -> None:
+        self.check_pending()
+        self.pending = (self.collective.start_sum_ints([1], "the input agreement"), self.step)
+        self.step += 1
+
+    def end(self) -> None:
+        self.check_pending()
+        total = self.collective.sum_ints([0], "the input agreement (end of data)", group="input")[0]
+        self._verify(total, 0, self.step)
+
+    def _verify(self, total: int, mine: int, step: int) -> None:
+        workers = self.collective.world_size
+        if total not in (0, workers):
+            raise RuntimeError(
+                f"The workers' input diverged at step {step}: {total} of {workers} workers had a batch "
+                f"(this worker {'did' if mine else 'did not'}). A global-batch source must yield the same number "
+                "of batches on every worker (same data, same seed); for per-worker shards use "
+                "distribute_datasets_from_function, which handles uneven shards."
+            )
 
 
 def split_global_batch(element, workers: InputWorkers, placer: _Placer):
@@ -211,6 +270,9 @@ class DistributedIterator:
     does exhausting or dropping the iterator.
     """
 
+    # Rows of the last step's global batch over every worker (set across workers, else None).
+    global_batch_size = None
+
     def __init__(self, produce, buffer_size: int = 1):
         self._produce = produce
         self._done = False
@@ -232,10 +294,11 @@ class DistributedIterator:
             raise StopIteration
         if self._prefetch is None:
             try:
-                return self._produce()
+                item = self._produce()
             except StopIteration:
                 self._done = True
                 raise
+            return self._unwrap(item)
         buffer, thread, finalizer = self._prefetch
         while True:
             try:
@@ -252,6 +315,12 @@ class DistributedIterator:
             if item is _END:
                 raise StopIteration
             raise item.error
+        return self._unwrap(item)
+
+    def _unwrap(self, item):
+        if type(item) is _Step:
+            self.global_batch_size = item.rows
+            return item.value
         return item
 
     def get_next(self):
@@ -305,11 +374,24 @@ class DistributedDataset:
     def iterate(self, batches) -> DistributedIterator:
         """Distributes the global batches of the iterator ``batches`` (e.g. a resumed epoch)."""
         workers, placer = self._workers, self._placer
+        if workers.collective is None:
 
-        def produce():
-            return split_global_batch(next(batches), workers, placer)
+            def produce():
+                return split_global_batch(next(batches), workers, placer)
 
-        return DistributedIterator(produce, self._placer.buffer_size)
+            return DistributedIterator(produce, self._placer.buffer_size)
+        agreement = _Agreement(workers.collective)
+
+        def produce_agreed():
+            element = next(batches, _END)
+            if element is _END:
+                agreement.end()
+                raise StopIteration
+            agreement.have()
+            rows = _batch_size([_as_tensor(leaf) for leaf in nest.flatten(element)])
+            return _Step(split_global_batch(element, workers, placer), rows)
+
+        return DistributedIterator(produce_agreed, self._placer.buffer_size)
 
     def __len__(self) -> int:
         return len(self._dataset)
@@ -359,15 +441,34 @@ class DistributedDatasetsFromFunction:
         placer = self._placer
         per_replica_sources = len(iterators) > 1
 
+        collective = self._workers.collective
+        seen = [None]  # this worker's last element: the template of its empty batches
+
         def produce():
             elements = [next(iterators[r] if per_replica_sources else iterators[0], _END) for r in range(count)]
-            if all(e is _END for e in elements):
+            rows = 0
+            if collective is not None:  # TensorFlow's per-step agreement: stop when every worker is out
+                mine = sum(1 for e in elements if e is not _END)
+                rows = sum(_batch_size([_as_tensor(v) for v in nest.flatten(e)]) for e in elements if e is not _END)
+                having, rows = collective.sum_ints([int(mine > 0), rows], "the input agreement", group="input")
+                if having == 0:
+                    raise StopIteration
+                if mine == 0 and seen[0] is None:
+                    raise ValueError(
+                        "This worker's dataset yielded no element while other workers still have data, so its "
+                        "replicas cannot be given empty batches of the right shape: give every worker's shard at "
+                        "least one batch."
+                    )
+            elif all(e is _END for e in elements):
                 raise StopIteration
-            template = next(e for e in elements if e is not _END)
+            template = next((e for e in elements if e is not _END), seen[0])
+            seen[0] = template
             nests = []
             for replica_id, element in enumerate(elements):
                 element = _empty_like(template) if element is _END else element
                 nests.append(nest.map_structure(lambda v, r=replica_id: placer.place(_as_tensor(v), r), element))
+            if collective is not None:
+                return _Step(placer.group(nests), rows)
             return placer.group(nests)
 
         return DistributedIterator(produce, self._placer.buffer_size)

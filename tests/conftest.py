@@ -7,7 +7,7 @@ import torch
 
 import replicafit.strategies as ds
 
-STRATEGY_IDS = ["default", "one_device", "mirrored2", "central_storage2"]
+STRATEGY_IDS = ["default", "one_device", "mirrored2", "central_storage2", "multi_worker1x2"]
 
 
 def make_strategy(name: str):
@@ -22,6 +22,9 @@ def make_strategy(name: str):
     if name.startswith("central_storage"):
         count = int(name[len("central_storage") :])
         return ds.CentralStorageStrategy([f"cpu:{i}" for i in range(count)], parameter_device="cpu:0")
+    if name == "multi_worker1x2":  # one worker (no process group) with two logical CPUs
+        resolver = ds.SimpleClusterResolver(1, 0, devices=["cpu:0", "cpu:1"])
+        return ds.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
     raise ValueError(name)
 
 

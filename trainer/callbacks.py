@@ -79,6 +79,19 @@ class Callback:
     def set_params(self, params: dict) -> None:
         self.params = params
 
+    # Set on callbacks that act on the (global) logs alone, so decide alike on every worker.
+    _decides_from_logs = False
+
+    @property
+    def _is_chief(self) -> bool:
+        """Whether this process writes files and prints (worker 0 of a multi-worker run; always in one process)."""
+        trainer = self.trainer
+        return trainer is None or trainer.strategy.extended.should_checkpoint
+
+    def _print(self, message: str) -> None:
+        if self._is_chief:
+            print(message, flush=True)
+
     def on_train_begin(self, logs=None): ...
     def on_train_end(self, logs=None): ...
     def on_epoch_begin(self, epoch, logs=None): ...
@@ -119,6 +132,16 @@ class CallbackList:
             getattr(cb, hook)(*args)
 
 
+def may_stop_mid_epoch(callbacks) -> bool:
+    """Whether a callback that is not one of the built-ins acting on the (global) logs alone has a
+    per-batch hook, so might set ``stop_training`` on one worker only."""
+    return any(
+        not cb._decides_from_logs
+        and any(_overrides(cb, hook) or hook in vars(cb) for hook in ("on_train_batch_begin", "on_train_batch_end"))
+        for cb in callbacks
+    )
+
+
 def _overrides(callback: Callback, hook: str) -> bool:
     method = getattr(type(callback), hook, None)
     return method is not None and method is not getattr(Callback, hook)
@@ -126,6 +149,8 @@ def _overrides(callback: Callback, hook: str) -> bool:
 
 class History(Callback):
     """Records the epoch logs: ``history.history["loss"]`` etc., ``history.epoch``. ``fit`` returns it."""
+
+    _decides_from_logs = True
 
     def __init__(self):
         super().__init__()
@@ -146,6 +171,8 @@ class ProgbarLogger(Callback):
     """Keras-like progress: a tqdm bar per epoch with loss and metrics (``verbose=1``), one
     line per epoch (``verbose=2``), nothing (``0``); ``"auto"``: 1 on a terminal, else 2."""
 
+    _decides_from_logs = True
+
     def __init__(self, verbose=1, stream=None):
         super().__init__()
         self.verbose = resolve_verbose(verbose)
@@ -159,7 +186,7 @@ class ProgbarLogger(Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._start = time.perf_counter()
         epochs = self.params.get("epochs")
-        if self.verbose == 1:
+        if self.verbose == 1 and self._is_chief:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(
@@ -183,7 +210,7 @@ class ProgbarLogger(Callback):
             self._bar.set_postfix({k: f"{v:.4f}" for k, v in (logs or {}).items() if isinstance(v, float)})
             self._bar.close()
             self._bar = None
-        elif self.verbose == 2:
+        elif self.verbose == 2 and self._is_chief:
             print(
                 f"Epoch {epoch + 1}/{self.params.get('epochs')} - {elapsed:.1f}s - {_format_logs(logs or {})}",
                 file=self._stream(),
@@ -206,6 +233,8 @@ def resolve_verbose(verbose) -> int:
 
 class _Periodic(Callback):
     """A callback that acts at each epoch's end, or every ``save_freq`` training steps."""
+
+    _decides_from_logs = True
 
     def __init__(self, save_freq):
         super().__init__()
@@ -288,11 +317,12 @@ class ModelCheckpoint(_Periodic):
                 return
             self.best = current
         if self.save_weights_only:
-            checkpoint.save(self.trainer.model_state_dict(), path)
+            state = self.trainer.model_state_dict()  # every worker takes part; the chief writes
+            self.trainer._chief_write("ModelCheckpoint", lambda: checkpoint.save(state, path))
         else:
             self.trainer.save_checkpoint(path)
         if self.verbose:
-            print(f"Epoch {epoch + 1}: saved {path}", flush=True)
+            self._print(f"Epoch {epoch + 1}: saved {path}")
 
 
 class EarlyStopping(Callback):
@@ -301,6 +331,8 @@ class EarlyStopping(Callback):
     Keras 3's rules: ``mode`` min/max/auto, ``baseline``, ``start_from_epoch``, and
     ``restore_best_weights`` (the best epoch's weights are put back at the end).
     """
+
+    _decides_from_logs = True
 
     def __init__(
         self,
@@ -355,15 +387,17 @@ class EarlyStopping(Callback):
 
     def on_train_end(self, logs=None):
         if self.stopped_epoch > 0 and self.verbose:
-            print(f"Epoch {self.stopped_epoch + 1}: early stopping", flush=True)
+            self._print(f"Epoch {self.stopped_epoch + 1}: early stopping")
         if self.restore_best_weights and self.best_weights is not None:
             if self.verbose:
-                print(f"Restoring model weights from the end of the best epoch: {self.best_epoch + 1}.", flush=True)
+                self._print(f"Restoring model weights from the end of the best epoch: {self.best_epoch + 1}.")
             self.trainer.load_model_state_dict(self.best_weights)
 
 
 class LearningRateScheduler(Callback):
     """Sets the learning rate at the start of each epoch to ``schedule(epoch, lr)`` (or ``schedule(epoch)``)."""
+
+    _decides_from_logs = True
 
     def __init__(self, schedule, verbose: int = 0):
         super().__init__()
@@ -379,7 +413,7 @@ class LearningRateScheduler(Callback):
             raise ValueError(f"The schedule must return a number, got {rate!r}.")
         optimizer.learning_rate = float(rate)
         if self.verbose:
-            print(f"Epoch {epoch + 1}: LearningRateScheduler setting learning rate to {rate}.", flush=True)
+            self._print(f"Epoch {epoch + 1}: LearningRateScheduler setting learning rate to {rate}.")
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
@@ -388,6 +422,8 @@ class LearningRateScheduler(Callback):
 
 class ReduceLROnPlateau(Callback):
     """Multiplies the learning rate by ``factor`` when ``monitor`` stops improving (Keras 3's rules)."""
+
+    _decides_from_logs = True
 
     def __init__(
         self,
@@ -435,10 +471,8 @@ class ReduceLROnPlateau(Callback):
                 if old > np.float32(self.min_lr):
                     optimizer.learning_rate = max(old * self.factor, self.min_lr)
                     if self.verbose:
-                        print(
-                            f"Epoch {epoch + 1}: ReduceLROnPlateau reducing learning rate to "
-                            f"{optimizer.learning_rate}.",
-                            flush=True,
+                        self._print(
+                            f"Epoch {epoch + 1}: ReduceLROnPlateau reducing learning rate to {optimizer.learning_rate}."
                         )
                     self.cooldown_counter = self.cooldown
                     self.wait = 0
@@ -447,17 +481,21 @@ class ReduceLROnPlateau(Callback):
 class CSVLogger(Callback):
     """Writes one CSV row per epoch: ``epoch`` and every log value."""
 
+    _decides_from_logs = True
+
     def __init__(self, filename, separator: str = ",", append: bool = False):
         super().__init__()
         self.filename, self.separator, self.append = os.fspath(filename), separator, append
         self._keys = None
 
     def on_train_begin(self, logs=None):
-        if not self.append and os.path.exists(self.filename):
-            os.unlink(self.filename)
         self._keys = None
+        if self._is_chief and not self.append and os.path.exists(self.filename):
+            os.unlink(self.filename)
 
     def on_epoch_end(self, epoch, logs=None):
+        if not self._is_chief:  # one file, written by the chief (the logs are global)
+            return
         logs = logs or {}
         exists = os.path.exists(self.filename) and os.path.getsize(self.filename) > 0
         if self._keys is None:
@@ -474,10 +512,12 @@ class CSVLogger(Callback):
 class TerminateOnNaN(Callback):
     """Stops training as soon as a batch's loss is NaN or infinite."""
 
+    _decides_from_logs = True
+
     def on_train_batch_end(self, batch, logs=None):
         loss = (logs or {}).get("loss")
         if loss is not None and not math.isfinite(loss):
-            print(f"Batch {batch}: invalid loss {loss}, terminating training", flush=True)
+            self._print(f"Batch {batch}: invalid loss {loss}, terminating training")
             self.trainer.stop_training = True
 
 
@@ -525,15 +565,23 @@ class BackupAndRestore(_Periodic):
 
     def on_train_begin(self, logs=None):
         self._steps = 0
-        if os.path.exists(self.path):
+        # The chief decides whether to resume, for every worker (file systems may disagree on exists()).
+        if self.trainer.strategy.extended._broadcast_object(os.path.exists(self.path)):
             self.trainer._restore_training_state(checkpoint.load(self.path, kind="backup"), self.path)
 
     def _on_step(self, epoch, batch, logs):
-        checkpoint.save(self.trainer._training_state(epoch, batch + 1), self.path)
+        self._save(self.trainer._training_state(epoch, batch + 1))
 
     def _on_epoch(self, epoch, logs):
-        checkpoint.save(self.trainer._training_state(epoch + 1, 0, (epoch, dict(logs))), self.path)
+        self._save(self.trainer._training_state(epoch + 1, 0, (epoch, dict(logs))))
+
+    def _save(self, state) -> None:
+        self.trainer._chief_write("BackupAndRestore", lambda: checkpoint.save(state, self.path))
 
     def on_train_end(self, logs=None):
-        if self.delete_checkpoint and os.path.exists(self.path):
+        if self.delete_checkpoint:
+            self.trainer._chief_write("BackupAndRestore (delete)", self._delete)
+
+    def _delete(self) -> None:
+        if os.path.exists(self.path):
             os.unlink(self.path)

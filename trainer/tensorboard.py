@@ -61,6 +61,8 @@ class TensorBoard(Callback):
         TensorBoard(log_dir="logs", update_freq=50, histogram_freq=1)
     """
 
+    _decides_from_logs = True
+
     def __init__(
         self,
         log_dir="logs",

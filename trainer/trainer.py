@@ -29,6 +29,7 @@ logs add ``<output>_loss`` and ``<output>_<metric>`` per output.
 from __future__ import annotations
 
 import itertools
+import os
 import random
 from collections.abc import Mapping
 
@@ -107,6 +108,11 @@ class _Cursor:
                 ) from None
         self.position += 1
         return batch
+
+    @property
+    def global_batch_size(self):
+        """Rows of the last batch over every worker (known across workers, else None)."""
+        return getattr(self._iterator, "global_batch_size", None)
 
     def close(self) -> None:
         if self._iterator is not None:
@@ -294,7 +300,19 @@ class Trainer:
 
     def _set_global_batch(self, batch) -> None:
         first = nest.flatten(batch)[0]
-        self._global_batch = max(1, sum(t.shape[0] for t in self.strategy.experimental_local_results(first)))
+        rows = sum(t.shape[0] for t in self.strategy.experimental_local_results(first))
+        if self.strategy.extended._num_workers > 1:  # every worker's rows: the data layer knows them
+            rows = getattr(self._cursor, "global_batch_size", None) or self.strategy.extended._global_count(rows)
+        self._global_batch = max(1, rows)
+
+    def _chief_write(self, what: str, write, default=None):
+        """``write()`` on the chief only (the one worker that writes files), then every worker waits
+        for it, so none races ahead of a file being written. Returns ``write()``'s result (``default``
+        elsewhere)."""
+        extended = self.strategy.extended
+        result = write() if extended.should_checkpoint else default
+        extended._barrier(what)
+        return result
 
     # --- data --------------------------------------------------------------------------------
     def _source(self, dataset, batch_size, shuffle, seed):
@@ -352,6 +370,8 @@ class Trainer:
         if self.seed is not None:
             torch.manual_seed(self.seed)
         self._data_seed = self.seed if self.seed is not None else random.randrange(2**31)
+        # Every worker must shuffle alike: a seed drawn per process would train on other rows.
+        self._data_seed = self.strategy.extended._broadcast_object(self._data_seed)
         train_data, split_validation = self._split(dataset, validation_split)
         validation_data = validation_data if validation_data is not None else split_validation
         source = self._source(train_data, batch_size, shuffle, self._data_seed)
@@ -380,13 +400,17 @@ class Trainer:
         if resume is not None:
             start_epoch, start_step = resume["epoch"], resume["step"]
         batch_logs = callback_list.wants_batch_logs["on_train_batch_end"]
+        extended = self.strategy.extended
+        # Logs are global, so built-in callbacks decide alike on every worker; a user's callback
+        # might not, so its stop_training is agreed after every step where it could set it.
+        agree_each_step = extended._num_workers > 1 and callbacks_module.may_stop_mid_epoch(callback_list)
         logs: dict = {}
         try:
             for epoch in range(start_epoch, epochs):
                 self._epoch = epoch
                 self._reset_metrics()
                 if resume is not None and resume["step"] and epoch == start_epoch:
-                    self._restore_metrics(resume["metrics"])
+                    self._restore_metrics(resume["metrics"], resume.get("metric_replicas"))
                     cursor.start(*resume["cursor"])
                 elif steps_per_epoch is None:
                     cursor.start(epoch, 0)
@@ -407,6 +431,8 @@ class Trainer:
                     step += 1
                     self._step = step
                     callback_list.call("on_train_batch_end", step - 1, self._logs() if batch_logs else {})
+                    if agree_each_step:
+                        self.stop_training = extended._agree(self.stop_training)
                     if self.stop_training:
                         break
                 dm.sync_buffers()  # replica-mean statistics for validation and in the user's module
@@ -422,6 +448,8 @@ class Trainer:
                     )
                     logs.update({f"val_{k}": v for k, v in val_logs.items()})
                 callback_list.call("on_epoch_end", epoch, logs)
+                if extended._num_workers > 1:  # a callback on any worker stops every worker
+                    self.stop_training = extended._agree(self.stop_training)
                 if self.stop_training:
                     break
         finally:
@@ -534,7 +562,10 @@ class Trainer:
                 if steps is not None and index >= steps:
                     break
                 result = self.strategy.run(self.predict_step, args=(batch,))
-                outputs.extend(self.strategy.experimental_local_results(result))
+                if self.strategy.extended._num_workers > 1:  # every worker's rows, in input order
+                    outputs.append(self.strategy.gather(result, axis=0))
+                else:
+                    outputs.extend(self.strategy.experimental_local_results(result))
         finally:
             dm.train(was_training)
         if not outputs:
@@ -547,17 +578,15 @@ class Trainer:
 
         Strategy-independent; loads with ``torch.load(path, weights_only=True)``.
         """
-        return checkpoint.save(
-            {
-                "format": _FORMAT,
-                "model": self.model_state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "epoch": self._epoch,
-                "step": self._step,
-                "rng": torch.get_rng_state(),
-            },
-            path,
-        )
+        state = {
+            "format": _FORMAT,
+            "model": self.model_state_dict(),  # every worker takes part (SyncOnRead reads are collectives)
+            "optimizer": self.optimizer.state_dict(),
+            "epoch": self._epoch,
+            "step": self._step,
+            "rng": torch.get_rng_state(),
+        }
+        return self._chief_write("save_checkpoint", lambda: checkpoint.save(state, path), os.fspath(path))
 
     def load_checkpoint(self, path, model=None) -> dict:
         """Restores a ``save_checkpoint`` file into ``model`` (or the model last used) and the optimizer.
@@ -628,9 +657,19 @@ class Trainer:
             "model": self.model_state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "metrics": {m.name: m.state_dict() for m in self._all_metrics()},
+            "metric_replicas": self._metric_replica_states(),
             "history": _history_with(self.history, epoch_logs),
             "rng": torch.get_rng_state(),
+            **self._worker_rng_states(),
         }
+
+    def _worker_rng_states(self) -> dict:
+        """``{"worker_rng": [every worker's generator state]}`` across workers (each resumes its own), else ``{}``."""
+        extended = self.strategy.extended
+        if extended._num_workers == 1:
+            return {}
+        collective = extended._collective
+        return {"worker_rng": collective.all_gather_object(torch.get_rng_state(), "gathering the workers' RNG states")}
 
     def _restore_training_state(self, state: dict, path) -> None:
         """Restores a backup read by ``checkpoint.load(path, kind="backup")`` (its structure is checked there).
@@ -646,12 +685,13 @@ class Trainer:
         source = self._cursor.source
         if hasattr(source, "seed"):
             source.seed = self._data_seed
-        torch.set_rng_state(state["rng"])
+        torch.set_rng_state(_own_rng_state(state, self.strategy.extended))
         self._resume = {
             "epoch": state["epoch"],
             "step": state["step"],
             "cursor": tuple(state["cursor"]),
             "metrics": state["metrics"],
+            "metric_replicas": state.get("metric_replicas"),
         }
 
     def _check_metric_states(self, states: dict, path) -> None:
@@ -669,10 +709,45 @@ class Trainer:
                     "backup_dir, to start afresh."
                 )
 
-    def _restore_metrics(self, states: dict) -> None:
+    def _restore_metrics(self, states: dict, replicas=None) -> None:
         for metric in self._all_metrics():
             if metric.name in states and states[metric.name]:
                 metric.load_state_dict(states[metric.name])
+        if replicas:
+            self._restore_metric_replicas(replicas)
+
+    def _metric_replica_states(self) -> dict:
+        """Every replica's own metric accumulators, of every worker: ``{"metric/state": [tensor per replica]}``.
+
+        Restoring these (rather than dividing the aggregate among the replicas) makes a resumed
+        epoch's logs bit-identical to the uninterrupted run's.
+        """
+        states = {
+            f"{metric.name}/{name}": [
+                c._read().detach().clone() for c in self.strategy.experimental_local_results(variable)
+            ]
+            for metric in self._all_metrics()
+            for name, variable in metric._states.items()
+        }
+        extended = self.strategy.extended
+        if extended._num_workers > 1:
+            parts = extended._collective.all_gather_object(states, "gathering the replicas' metric states")
+            states = {key: [t for part in parts for t in part[key]] for key in states}
+        return states
+
+    def _restore_metric_replicas(self, replicas: dict) -> None:
+        extended = self.strategy.extended
+        first, count = extended._replica_id_offset, extended._num_local_replicas
+        for metric in self._all_metrics():
+            for name, variable in metric._states.items():
+                saved = replicas.get(f"{metric.name}/{name}")
+                components = self.strategy.experimental_local_results(variable)
+                if not isinstance(saved, list) or len(saved) != self.strategy.num_replicas_in_sync:
+                    continue  # another replica count: the aggregate, divided among the replicas, stands
+                with torch.no_grad():
+                    for component, value in zip(components, saved[first : first + count]):
+                        if isinstance(value, torch.Tensor) and value.shape == component._tensor.shape:
+                            component._tensor.copy_(value)
 
 
 def _batchable(dataset) -> bool:
@@ -691,6 +766,16 @@ def _history_with(history, epoch_logs) -> dict:
         for key, value in logs.items():
             records.setdefault(key, []).append(value)
     return {"history": records, "epoch": epochs}
+
+
+def _own_rng_state(state: dict, extended):
+    """This worker's generator state in a backup (the chief's where the backup has no entry for it)."""
+    states = state.get("worker_rng")
+    if isinstance(states, (list, tuple)) and len(states) == extended._num_workers:
+        own = states[extended._worker_index]
+        if isinstance(own, torch.Tensor):
+            return own
+    return state["rng"]
 
 
 def _split_point(n: int, validation_split: float) -> int:

@@ -87,7 +87,9 @@ def test_int32_sum_stays_integer_and_mean_is_floating(multi_strategy):
 # --- NumPy oracle over every strategy ---------------------------------------------------------
 
 
-@pytest.fixture(params=["default", "one_device", "mirrored2", "central_storage2", "mirrored3", "mirrored4"])
+@pytest.fixture(
+    params=["default", "one_device", "mirrored2", "central_storage2", "mirrored3", "mirrored4", "multi_worker1x2"]
+)
 def any_strategy(request):
     return make_strategy(request.param)
 

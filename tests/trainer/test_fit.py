@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_strategy
+from conftest import STRATEGY_IDS, make_strategy
 from torch import nn
 
 import replicafit.strategies as ds
@@ -773,7 +773,7 @@ def test_a_generator_trains_and_evaluates_like_a_list_of_its_batches(strategy):
 
 def make_strategy_like(strategy):
     """A fresh strategy of the fixture's kind."""
-    for name in ("default", "one_device", "mirrored2", "central_storage2"):
+    for name in STRATEGY_IDS:
         candidate = make_strategy(name)
         if type(candidate) is type(strategy) and candidate.num_replicas_in_sync == strategy.num_replicas_in_sync:
             return candidate

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+_HERE = os.path.dirname(os.path.abspath(__file__))  # tests/: where this module lives
 
 _CHILD = """
 import sys

@@ -1,0 +1,146 @@
+"""``Trainer`` scenarios run in worker processes by test_multi_worker_fit.py (and ``fit_run`` in-process)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import torch
+
+import replicafit.strategies as ds
+from replicafit import optimizers
+from replicafit.trainer import Trainer, callbacks
+
+
+def strategy_for(rank, num_workers, port, timeout=30.0):
+    resolver = ds.SimpleClusterResolver(num_workers, rank, "127.0.0.1", port)
+    return ds.MultiWorkerMirroredStrategy(ds.CommunicationOptions(timeout_seconds=timeout), resolver)
+
+
+def data():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(150, 8, generator=generator)
+    y = (x[:, :3].sum(dim=1) > 0).long() + (x[:, 3] > 1).long()
+    return x, y
+
+
+def fit_run(strategy, init_seed, *, seed=None, data_seed=None, extra_callbacks=(), epochs=3, **fit_kwargs):
+    """A small fit (partial last batch: 120 training rows in batches of 32, then 30 for validation)."""
+    torch.manual_seed(init_seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    trainer = Trainer(
+        strategy=strategy, optimizer=optimizers.SGD(0.1, momentum=0.9), loss="cross_entropy", seed=seed
+    )
+    if data_seed is not None:  # the reference run takes the seed the workers agreed on
+        random.seed(data_seed)
+    history = trainer.fit(
+        model,
+        data(),
+        batch_size=32,
+        epochs=epochs,
+        validation_split=0.2,
+        verbose=0,
+        callbacks=list(extra_callbacks),
+        **fit_kwargs,
+    )
+    return {
+        "history": history.history,
+        "weights": {k: v.clone() for k, v in model.state_dict().items()},
+        "data_seed": trainer._data_seed,
+        "iterations": int(trainer.optimizer.iterations),
+        "predict": trainer.predict(model, data()[0][:37], batch_size=16),
+        "evaluate": trainer.evaluate(model, data(), batch_size=32, verbose=0, return_dict=True),
+    }
+
+
+def fit(rank, num_workers, port, seed=None):
+    random.seed(1000 + rank)  # each process would draw another data seed: the chief's must win
+    return fit_run(strategy_for(rank, num_workers, port), init_seed=100 + rank, seed=seed)
+
+
+class StopOnOneWorker(callbacks.Callback):
+    """Sets stop_training on one worker only (a user's callback with its own reasons)."""
+
+    def __init__(self, worker, at_step):
+        super().__init__()
+        self.worker, self.at_step, self.steps = worker, at_step, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps += 1
+        if self.trainer.strategy.extended._worker_index == self.worker and self.steps == self.at_step:
+            self.trainer.stop_training = True
+
+
+def stop_on_one_worker(rank, num_workers, port):
+    strategy = strategy_for(rank, num_workers, port)
+    return fit_run(strategy, init_seed=0, seed=1, extra_callbacks=[StopOnOneWorker(1, 5)], epochs=5)
+
+
+def chief_writes(rank, num_workers, port, outdir):
+    strategy = strategy_for(rank, num_workers, port)
+    cbs = [
+        callbacks.ModelCheckpoint(os.path.join(outdir, "best.pt"), monitor="val_loss", save_best_only=True),
+        callbacks.ModelCheckpoint(os.path.join(outdir, "weights-{epoch}.pt"), save_weights_only=True),
+        callbacks.CSVLogger(os.path.join(outdir, "history.csv")),
+        callbacks.BackupAndRestore(os.path.join(outdir, "backup"), save_freq=2, delete_checkpoint=False),
+    ]
+    result = fit_run(strategy, init_seed=0, seed=3, extra_callbacks=cbs)
+    result["files"] = sorted(os.listdir(outdir))
+    result["backup_files"] = sorted(os.listdir(os.path.join(outdir, "backup")))
+    return result
+
+
+class KillAt(callbacks.Callback):
+    """SIGKILLs this worker at a global step, once (a marker file remembers it happened)."""
+
+    def __init__(self, worker, step, marker):
+        super().__init__()
+        self.worker, self.step, self.marker = worker, step, marker
+
+    def on_train_batch_end(self, batch, logs=None):
+        trainer = self.trainer
+        if (
+            trainer.strategy.extended._worker_index == self.worker
+            and int(trainer.optimizer.iterations) == self.step
+            and not os.path.exists(self.marker)
+        ):
+            with open(self.marker, "w") as file:
+                file.write("killed")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def resumed(rank, num_workers, port, outdir, kill_step=None, seed=None):
+    strategy = strategy_for(rank, num_workers, port, timeout=10.0)
+    random.seed(2000 + rank)
+    cbs = [callbacks.BackupAndRestore(os.path.join(outdir, "backup"), save_freq=1)]
+    if kill_step is not None:
+        cbs.append(KillAt(1, kill_step, os.path.join(outdir, "killed")))
+    return fit_run(strategy, init_seed=7, seed=seed, extra_callbacks=cbs, epochs=3)
+
+
+def uneven_shards(rank, num_workers, port):
+    """Worker 0's shard has 5 batches, worker 1's 3: both step 5 times, worker 1 with empty batches at the end."""
+    strategy = strategy_for(rank, num_workers, port)
+    batches = 5 if rank == 0 else 3
+
+    def dataset_fn(ctx):
+        return [torch.full((4, 2), float(ctx.input_pipeline_id * 10 + i)) for i in range(batches)]
+
+    steps = []
+    iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
+    for batch in iterator:
+        rows = strategy.reduce("SUM", strategy.run(lambda b: torch.tensor(float(b.shape[0])), args=(batch,)))
+        steps.append((int(batch.shape[0]), float(rows), iterator.global_batch_size))
+    return steps
+
+
+def diverging_source(rank, num_workers, port):
+    """A global-batch source with one more batch on worker 1: an error on both, never a hang."""
+    strategy = strategy_for(rank, num_workers, port, timeout=20.0)
+    batches = [torch.ones(4, 2) * i for i in range(4 + rank)]
+    count = 0
+    for batch in strategy.experimental_distribute_dataset(batches):
+        strategy.reduce("SUM", strategy.run(lambda b: b.sum(), args=(batch,)))
+        count += 1
+    return count

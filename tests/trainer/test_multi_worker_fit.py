@@ -1,0 +1,91 @@
+"""``Trainer`` under MultiWorkerMirroredStrategy: 2 worker processes on gloo equal Mirrored(2) bit for bit."""
+
+from __future__ import annotations
+
+import os
+
+import mw_fit_scenarios as scenarios
+import pytest
+import torch
+from multiworker_harness import results, run_workers
+
+import replicafit.strategies as ds
+
+SCENARIOS = scenarios.__file__
+
+
+def _same_run(expected: dict, got: dict, what: str) -> None:
+    assert got["history"] == expected["history"], what
+    for key, value in expected["weights"].items():
+        assert torch.equal(got["weights"][key], value), f"{what}: {key}"
+    assert torch.equal(got["predict"], expected["predict"]), what
+    assert got["evaluate"] == expected["evaluate"], what
+    assert got["iterations"] == expected["iterations"], what
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seed", [None, 5])
+def test_fit_on_two_workers_equals_mirrored_two(seed):
+    workers = results(run_workers(SCENARIOS, "fit", 2, timeout=90, kwargs={"seed": seed}))
+    assert workers[0]["data_seed"] == workers[1]["data_seed"]  # drawn by the chief when seed is None
+    mirrored = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    import replicafit.trainer.trainer as trainer_module
+
+    draw = trainer_module.random.randrange
+    trainer_module.random.randrange = lambda n: workers[0]["data_seed"]
+    try:
+        expected = scenarios.fit_run(mirrored, init_seed=100, seed=seed)  # worker 0's initial weights
+    finally:
+        trainer_module.random.randrange = draw
+    for worker, got in enumerate(workers):
+        _same_run(expected, got, f"worker {worker}")
+
+
+@pytest.mark.timeout(120)
+def test_stop_training_on_one_worker_stops_both():
+    workers = results(run_workers(SCENARIOS, "stop_on_one_worker", 2, timeout=90))
+    assert workers[0]["iterations"] == workers[1]["iterations"] == 5
+    assert workers[0]["history"] == workers[1]["history"]
+
+
+@pytest.mark.timeout(120)
+def test_only_the_chief_writes_and_every_worker_sees_the_files(tmp_path):
+    workers = results(run_workers(SCENARIOS, "chief_writes", 2, timeout=90, kwargs={"outdir": str(tmp_path)}))
+    files = sorted(os.listdir(tmp_path))
+    assert files == ["backup", "best.pt", "history.csv", "weights-1.pt", "weights-2.pt", "weights-3.pt"]
+    assert os.listdir(tmp_path / "backup") == ["backup.pt"]
+    assert workers[0]["files"] == workers[1]["files"] == files  # nobody raced ahead of a write
+    rows = (tmp_path / "history.csv").read_text().splitlines()
+    assert len(rows) == 4  # one header, one row per epoch: written once
+    saved = torch.load(tmp_path / "weights-3.pt", weights_only=True)
+    for key, value in workers[0]["weights"].items():
+        assert torch.equal(saved[key], value)
+
+
+@pytest.mark.timeout(150)
+def test_a_killed_worker_resumes_from_the_backup_bit_exactly(tmp_path):
+    straight = results(run_workers(SCENARIOS, "resumed", 2, timeout=90, kwargs={"outdir": str(tmp_path / "a")}))
+    os.makedirs(tmp_path / "b")
+    first = run_workers(SCENARIOS, "resumed", 2, timeout=90, kwargs={"outdir": str(tmp_path / "b"), "kill_step": 6})
+    assert first[1]["exitcode"] == -9
+    assert not first[0]["ok"] and "WorkerFailedError" in first[0]["error"]
+    again = results(run_workers(SCENARIOS, "resumed", 2, timeout=90, kwargs={"outdir": str(tmp_path / "b")}))
+    for worker in range(2):
+        _same_run(straight[worker], again[worker], f"worker {worker}")
+
+
+@pytest.mark.timeout(120)
+def test_uneven_shards_keep_the_workers_stepping_together():
+    steps = results(run_workers(SCENARIOS, "uneven_shards", 2, timeout=60))
+    assert [s[0] for s in steps[0]] == [4, 4, 4, 4, 4]
+    assert [s[0] for s in steps[1]] == [4, 4, 4, 0, 0]
+    for worker in range(2):
+        assert [s[1] for s in steps[worker]] == [8.0, 8.0, 8.0, 4.0, 4.0]
+        assert [s[2] for s in steps[worker]] == [8, 8, 8, 4, 4]
+
+
+@pytest.mark.timeout(120)
+def test_a_global_batch_source_that_diverges_is_an_error_on_every_worker():
+    outcomes = run_workers(SCENARIOS, "diverging_source", 2, timeout=60)
+    assert not outcomes[0]["ok"] and not outcomes[1]["ok"]
+    assert "input diverged" in outcomes[0]["error"] + outcomes[1]["error"]
