@@ -82,6 +82,10 @@ class Callback:
     # Set on callbacks that act on the (global) logs alone, so decide alike on every worker.
     _decides_from_logs = False
 
+    def _wants_logs(self, hook: str) -> bool:
+        """Whether this callback reads the logs of the per-batch ``hook`` (only then are metrics read every step)."""
+        return _overrides(self, hook) or hook in vars(self)
+
     @property
     def _is_chief(self) -> bool:
         """Whether this process writes files and prints (worker 0 of a multi-worker run; always in one process)."""
@@ -120,9 +124,7 @@ class CallbackList:
             cb.set_trainer(trainer)
             cb.set_model(model)
             cb.set_params(params or {})
-        self.wants_batch_logs = {
-            hook: any(_overrides(cb, hook) or hook in vars(cb) for cb in self.callbacks) for hook in _BATCH_HOOKS
-        }
+        self.wants_batch_logs = {hook: any(cb._wants_logs(hook) for cb in self.callbacks) for hook in _BATCH_HOOKS}
 
     def __iter__(self):
         return iter(self.callbacks)
@@ -182,6 +184,9 @@ class ProgbarLogger(Callback):
 
     def _stream(self):
         return self.stream or sys.stdout
+
+    def _wants_logs(self, hook: str) -> bool:
+        return self.verbose == 1 and super()._wants_logs(hook)  # only the bar shows per-batch values
 
     def on_epoch_begin(self, epoch, logs=None):
         self._start = time.perf_counter()

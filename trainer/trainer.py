@@ -385,6 +385,8 @@ class Trainer:
         steps = steps_per_epoch if steps_per_epoch is not None else _length(source)
         history = callbacks_module.History()
         verbose_level = callbacks_module.resolve_verbose(verbose)
+        # "auto" depends on each process's terminal; the per-step work must not (chief decides).
+        verbose_level = self.strategy.extended._broadcast_object(verbose_level)
         cbs = list(callbacks or []) + [history]  # History last, as in Keras: it sees what callbacks add to logs
         if verbose_level:
             cbs.append(callbacks_module.ProgbarLogger(verbose_level))
