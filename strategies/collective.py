@@ -185,6 +185,14 @@ class Collective:
             dist.broadcast_object_list(box, src=0, group=self.control_group)
             return box[0]
 
+    def all_gather_ints(self, values: list, what: str) -> list:
+        """Every worker's integer vector (same length on all), in worker order, on the host."""
+        with self._guard(what):
+            tensor = torch.tensor(values, dtype=torch.int64)
+            out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+            dist.all_gather(out, tensor, group=self.control_group)
+            return [t.tolist() for t in out]
+
     def sum_ints(self, values: list, what: str, group: str = "control") -> list:
         """Element-wise sums of small integer vectors across workers."""
         with self._guard(what):

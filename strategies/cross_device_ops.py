@@ -434,8 +434,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         devices = destination_devices(destinations)
         part = super().gather(per_replica_value, axis, devices[0])  # this worker's replicas, in order
         collective = self._collective
-        shape = torch.tensor(list(part.shape), dtype=torch.int64)
-        shapes = [tuple(s.tolist()) for s in collective.all_gather(shape, "gather (sizes)")]
+        shapes = [tuple(s) for s in collective.all_gather_ints(list(part.shape), "gather (sizes)")]
         axis_ = axis % part.dim()
         others = {s[:axis_] + s[axis_ + 1 :] for s in shapes}
         if len(others) > 1:

@@ -120,8 +120,8 @@ class MultiWorkerMirroredExtended(StrategyExtended):
     def _all_workers_sizes(self, sizes: tuple) -> tuple:
         if self._collective is None:
             return sizes
-        parts = self._collective.all_gather(torch.tensor(sizes, dtype=torch.int64), "all_gather (sizes)")
-        return tuple(int(s) for part in parts for s in part.tolist())
+        parts = self._collective.all_gather_ints(list(sizes), "all_gather (sizes)")
+        return tuple(int(s) for part in parts for s in part)
 
     def _global_count(self, count: int) -> int:
         if self._collective is None:
