@@ -33,6 +33,7 @@ import torch
 from . import context
 from .reduce_util import VariableAggregation, VariableSynchronization
 from .values import local_results
+from .variables import aggregated_reads
 
 __all__ = ["DistributedModule"]
 
@@ -144,7 +145,7 @@ class DistributedModule:
         strategy, so it loads under any other one (or into the bare module).
         """
         state = self._replicas[0].state_dict()
-        with context.enter_or_assert_strategy(self._strategy):
+        with context.enter_or_assert_strategy(self._strategy), aggregated_reads(self._variables.values()):
             for name in state:
                 variable = self._variables.get(name)
                 if variable is not None:
@@ -160,7 +161,7 @@ class DistributedModule:
             strategy.run(train_step, args=(batch,))   # replicas update their own statistics
             dmodel.sync_buffers()                      # now all hold the mean
         """
-        with context.enter_or_assert_strategy(self._strategy):
+        with context.enter_or_assert_strategy(self._strategy), aggregated_reads(self._variables.values()):
             for variable in self._variables.values():
                 if variable.synchronization is VariableSynchronization.ON_READ and len(local_results(variable)) > 1:
                     variable.assign(variable.read_value().detach())

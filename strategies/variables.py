@@ -26,7 +26,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import re
+import threading
 import weakref
 
 import numpy as np
@@ -518,6 +520,9 @@ class DistributedVariable(DistributedValues, Variable):
         return self._get()._device
 
     def _assign(self, op: str, value):
+        cached = getattr(_aggregates, "values", None)
+        if cached:
+            cached.pop(id(self), None)  # an aggregate read up front is stale after a write
         mode = context.current_mode()
         if mode.update_replica is not None and mode.strategy is self._distribute_strategy:
             self._values[mode.update_replica]._assign(op, value)
@@ -600,6 +605,11 @@ class SyncOnReadVariable(DistributedVariable):
         return self._get()._device
 
     def _aggregate(self) -> torch.Tensor:
+        cached = getattr(_aggregates, "values", None)
+        if cached:
+            value = cached.get(id(self))
+            if value is not None:
+                return value
         aggregation = self._aggregation
         extended = self._distribute_strategy.extended
         if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
@@ -631,6 +641,48 @@ class SyncOnReadVariable(DistributedVariable):
             else:
                 value = share(value)
         return super()._assign_cross_replica(op, value)
+
+
+_aggregates = threading.local()
+
+
+@contextlib.contextmanager
+def aggregated_reads(variables):
+    """Inside the block, cross-replica reads of these ``SyncOnRead`` variables (``SUM``/``MEAN``)
+    return aggregates computed on entry in one batched reduction per op and strategy, instead of
+    one reduction per read (across workers each is a collective). Results are bit-identical to
+    reading them one by one; a write to one of them drops its aggregate.
+
+    Example::
+
+        with aggregated_reads([v for m in metrics for v in m.variables]):
+            logs = {m.name: float(m.result()) for m in metrics}
+    """
+    groups: dict = {}
+    for variable in variables:
+        if isinstance(variable, SyncOnReadVariable) and variable.aggregation in (
+            VariableAggregation.SUM,
+            VariableAggregation.MEAN,
+        ):
+            op = ReduceOp.from_variable_aggregation(variable.aggregation)
+            groups.setdefault((id(variable._distribute_strategy), op), []).append(variable)
+    computed: dict = {}
+    for (_, op), members in groups.items():
+        extended = members[0]._distribute_strategy.extended
+        with context.enter_or_assert_strategy(members[0]._distribute_strategy):
+            pairs = []
+            for v in members:
+                device = v._values[0]._device
+                tensors = [c._tensor for c in v._values]
+                pairs.append((PerReplica(tensors, (device,) * len(tensors)), device))
+            reduced = extended._cross_device_ops.batch_reduce(op, pairs, extended._options)
+        computed.update({id(v): r for v, r in zip(members, reduced)})
+    outer = getattr(_aggregates, "values", None)
+    _aggregates.values = {**(outer or {}), **computed}
+    try:
+        yield
+    finally:
+        _aggregates.values = outer
 
 
 class CentralStorageVariable(Variable):

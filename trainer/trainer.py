@@ -39,6 +39,7 @@ import replicafit.data as data_layer
 import replicafit.strategies as ds
 from replicafit import optimizers
 from replicafit.strategies import context, nest
+from replicafit.strategies.variables import aggregated_reads
 
 from . import callbacks as callbacks_module
 from . import checkpoint, losses, metrics
@@ -252,8 +253,10 @@ class Trainer:
             metric.reset_state()
 
     def _logs(self) -> dict:
-        with context.enter_or_assert_strategy(self.strategy):
-            return {metric.name: float(metric.result()) for metric in self._all_metrics()}
+        metrics = self._all_metrics()
+        # One batched reduction for every accumulator (across workers: one collective, not one per read).
+        with context.enter_or_assert_strategy(self.strategy), aggregated_reads(_metric_variables(metrics)):
+            return {metric.name: float(metric.result()) for metric in metrics}
 
     # --- per-replica steps ---------------------------------------------------------------------
     def train_step(self, data) -> None:
@@ -658,7 +661,7 @@ class Trainer:
             "data_seed": self._data_seed,
             "model": self.model_state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "metrics": {m.name: m.state_dict() for m in self._all_metrics()},
+            "metrics": self._metric_states(),
             "metric_replicas": self._metric_replica_states(),
             "history": _history_with(self.history, epoch_logs),
             "rng": torch.get_rng_state(),
@@ -710,6 +713,11 @@ class Trainer:
                     f"trainer's has {expected}: it was written with other metrics. Delete it, or use another "
                     "backup_dir, to start afresh."
                 )
+
+    def _metric_states(self) -> dict:
+        metrics = self._all_metrics()
+        with aggregated_reads(_metric_variables(metrics)):
+            return {m.name: m.state_dict() for m in metrics}
 
     def _restore_metrics(self, states: dict, replicas=None) -> None:
         for metric in self._all_metrics():
@@ -768,6 +776,10 @@ def _history_with(history, epoch_logs) -> dict:
         for key, value in logs.items():
             records.setdefault(key, []).append(value)
     return {"history": records, "epoch": epochs}
+
+
+def _metric_variables(metrics) -> list:
+    return [variable for metric in metrics for variable in metric._states.values()]
 
 
 def _own_rng_state(state: dict, extended):
