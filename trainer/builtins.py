@@ -31,6 +31,22 @@ def central_storage(compute_devices: list[str] | None = None, parameter_device: 
     return ds.CentralStorageStrategy(_some_devices("compute_devices", compute_devices), parameter_device)
 
 
+def multi_worker_mirrored(timeout_seconds: float | None = None, bytes_per_pack: int = 0) -> ds.Strategy:
+    """MultiWorkerMirroredStrategy: one process per worker (`replicafit fit --workers N`, torchrun).
+
+    The cluster comes from the environment that the launcher or torchrun sets; ``timeout_seconds``
+    bounds every wait for the other workers (a worker that dies or stops arriving fails the run
+    after it; ``None``: torch's default, 30 minutes) and ``bytes_per_pack`` sizes the buffers that
+    cross processes (``CommunicationOptions``). Example recipe entry::
+
+        strategy: {type: multi_worker_mirrored, timeout_seconds: 300}
+    """
+    # Looked up when called, not when this module is imported: the registry does not depend on
+    # the strategy class being importable.
+    options = ds.CommunicationOptions(bytes_per_pack=bytes_per_pack, timeout_seconds=timeout_seconds)
+    return ds.MultiWorkerMirroredStrategy(communication_options=options)
+
+
 def _some_devices(name: str, devices):
     # The strategies read an empty list like None (every GPU, else the CPU); in a recipe `[]` is
     # more likely a list emptied by mistake than a request for the default, so it is refused.
@@ -49,6 +65,7 @@ def _register_all() -> None:
         ("one_device", one_device),
         ("mirrored", mirrored),
         ("central_storage", central_storage),
+        ("multi_worker_mirrored", multi_worker_mirrored),
     ):
         register("strategy", name, factory)
     for name, factory in (("mlp", models.mlp), ("cnn", models.cnn), ("linear", models.linear)):

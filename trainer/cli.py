@@ -3,6 +3,7 @@
 ::
 
     replicafit fit RECIPE [--set key.path=value ...] [--run-dir DIR]
+                   [--workers N [--max-restarts K] [--log-all-workers]]
     replicafit evaluate RECIPE --checkpoint PATH [--set ...]
     replicafit predict RECIPE --checkpoint PATH [--output FILE.npy] [--set ...]
     replicafit validate RECIPE [--set ...]
@@ -12,8 +13,18 @@
 RECIPE is a YAML file, or the name of a recipe that ships with replicafit
 (``replicafit fit digits_mlp``; ``replicafit list recipes`` shows them).
 
+``--workers N`` starts N worker processes on this machine (``trainer.launch``), each running
+``replicafit fit`` with the same recipe and run directory; the recipe's strategy must be a
+multi-worker one (``strategy: multi_worker_mirrored``)::
+
+    replicafit fit digits_mlp --set strategy=multi_worker_mirrored --workers 2 --max-restarts 1
+
+Under ``torchrun`` the same command runs unchanged without ``--workers``.
+
 A bad recipe prints one line ``file:line: key.path: problem`` and exits with status 2;
-Ctrl-C prints ``interrupted`` and exits with status 130 (128 + SIGINT, as shells report it).
+Ctrl-C prints ``interrupted`` and exits with status 130 (128 + SIGINT, as shells report it); a
+worker of a multi-worker run whose peer died or stopped arriving prints one line
+(``WorkerFailedError``) and exits with status 1.
 """
 
 from __future__ import annotations
@@ -56,6 +67,23 @@ def _parser() -> argparse.ArgumentParser:
         "--tensorboard",
         action="store_true",
         help="also log for TensorBoard into RUN_DIR/tensorboard (needs: pip install 'replicafit[tensorboard]')",
+    )
+    fit.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="start N worker processes on this machine (the recipe's strategy: multi_worker_mirrored)",
+    )
+    fit.add_argument(
+        "--max-restarts",
+        type=int,
+        metavar="K",
+        help="with --workers: when a worker fails, restart all workers up to K times (default 0)",
+    )
+    fit.add_argument(
+        "--log-all-workers",
+        action="store_true",
+        help="with --workers: show every worker's output, prefixed [worker i] (default: the chief's only)",
     )
     evaluate = recipe_command("evaluate", "evaluate a checkpoint on the recipe's validation data")
     evaluate.add_argument("--checkpoint", required=True, help="a checkpoint written by `replicafit fit`")
@@ -100,6 +128,15 @@ def _main(argv) -> int:
     except _UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    except RuntimeError as error:
+        from replicafit.strategies import WorkerFailedError
+
+        if not isinstance(error, WorkerFailedError):
+            raise
+        # Another worker died or hung: that worker's failure is the story (the launcher names it),
+        # this worker's traceback is noise.
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # `replicafit list | head`: the reader left; no traceback
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
@@ -149,7 +186,61 @@ def _run_dir(args, recipe) -> str:
     return os.path.join("runs", f"{stamp}-{recipe.name}")
 
 
+# Built-in strategies that run in one process: N workers of one of them would each train alone
+# and write the same files.
+_ONE_PROCESS_STRATEGIES = ("default", "one_device", "mirrored", "central_storage")
+
+
+def _check_workers(args) -> None:
+    """Usage errors of --workers/--max-restarts/--log-all-workers, before anything is loaded."""
+    from .launch import launched_worker
+
+    if args.workers is None:
+        if args.max_restarts is not None or args.log_all_workers:
+            flag = "--max-restarts" if args.max_restarts is not None else "--log-all-workers"
+            raise _UsageError(f"{flag} goes with --workers N (it sets how the started workers run)")
+        return
+    if launched_worker():
+        raise _UsageError("--workers starts its own workers; under torchrun leave it out")
+    if args.workers < 1:
+        raise _UsageError(f"--workers must be at least 1, got {args.workers}")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise _UsageError(f"--max-restarts must be at least 0, got {args.max_restarts}")
+
+
+def _launch(args) -> int:
+    """``--workers N``: one parse of the recipe here (a bad file or --set fails once, before any
+    worker starts), the run directory chosen once, then N workers that each run ``fit``."""
+    from . import recipes
+    from .launch import launch_local
+
+    recipe = recipes.load(args.recipe, args.overrides)
+    entry = recipe.data.get("strategy", "default")
+    name = entry.get("type") if isinstance(entry, dict) else entry
+    if name in _ONE_PROCESS_STRATEGIES:
+        raise _UsageError(
+            f"--workers needs a multi-worker strategy, and the recipe's strategy {name!r} runs in one process: "
+            "set `strategy: multi_worker_mirrored` (or --set strategy=multi_worker_mirrored)"
+        )
+    command = [sys.executable, "-m", "replicafit", "fit", args.recipe]
+    for override in args.overrides:
+        command += ["--set", override]
+    command += ["--run-dir", _run_dir(args, recipe)]
+    if args.tensorboard:
+        command.append("--tensorboard")
+    return launch_local(command, args.workers, args.max_restarts or 0, log_all_workers=args.log_all_workers)
+
+
+def _agreed(strategy, run_dir: str) -> str:
+    """Worker 0's run directory on every worker (under torchrun each worker stamps its own time)."""
+    return strategy.extended._broadcast_object(run_dir)  # identity on single-process strategies
+
+
 def _fit(args) -> int:
+    _check_workers(args)
+    if args.workers is not None:
+        return _launch(args)
+
     import yaml
 
     from . import recipes
@@ -159,11 +250,20 @@ def _fit(args) -> int:
 
     recipe, checked = _load(args)
     run_dir = _run_dir(args, recipe)
+    built_strategy = checked.get("strategy_instance")  # a built-in one exists already: agree before building
+    if built_strategy is not None:
+        run_dir = _agreed(built_strategy, run_dir)
     run = recipes.build(recipe, checked, run_dir=run_dir)
-    os.makedirs(os.path.join(run_dir, "checkpoints"), exist_ok=True)
-    with open(os.path.join(run_dir, "recipe.yaml"), "w") as file:
-        yaml.safe_dump(recipe.data, file, sort_keys=False)
-    summary(run.model, input_data=_example_input(run.train))
+    if built_strategy is None:
+        run_dir = _agreed(run.strategy, run_dir)
+    # Only the chief (worker 0; the one process of a single-process strategy) writes files and
+    # prints; every worker still builds the same callbacks and saves (gathering state is collective).
+    chief = run.strategy.extended.should_checkpoint
+    if chief:
+        os.makedirs(os.path.join(run_dir, "checkpoints"), exist_ok=True)
+        with open(os.path.join(run_dir, "recipe.yaml"), "w") as file:
+            yaml.safe_dump(recipe.data, file, sort_keys=False)
+        summary(run.model, input_data=_example_input(run.train))
     extra = []
     if args.tensorboard and not any(isinstance(c, TensorBoard) for c in run.callbacks):
         extra.append(TensorBoard(os.path.join(run_dir, recipes.TENSORBOARD_DIR)))
@@ -180,6 +280,8 @@ def _fit(args) -> int:
     ]
     history = run.trainer.fit(run.model, run.train, callbacks=callbacks, **run.fit_kwargs)
     final = run.trainer.save_checkpoint(os.path.join(run_dir, "checkpoints", "last.pt"))
+    if not chief:
+        return 0
     results = {key: values[-1] for key, values in history.history.items() if values}
     with open(os.path.join(run_dir, "metrics.json"), "w") as file:
         json.dump({"final": results, "epochs": len(history.epoch), "checkpoint": final}, file, indent=2)

@@ -29,9 +29,7 @@ def fit_run(strategy, init_seed, *, seed=None, data_seed=None, extra_callbacks=(
     """A small fit (partial last batch: 120 training rows in batches of 32, then 30 for validation)."""
     torch.manual_seed(init_seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    trainer = Trainer(
-        strategy=strategy, optimizer=optimizers.SGD(0.1, momentum=0.9), loss="cross_entropy", seed=seed
-    )
+    trainer = Trainer(strategy=strategy, optimizer=optimizers.SGD(0.1, momentum=0.9), loss="cross_entropy", seed=seed)
     if data_seed is not None:  # the reference run takes the seed the workers agreed on
         random.seed(data_seed)
     history = trainer.fit(

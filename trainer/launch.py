@@ -1,0 +1,400 @@
+"""The local launcher behind ``replicafit fit RECIPE --workers N``: N worker processes on this machine.
+
+``launch_local(command, N)`` runs ``command`` N times, each child told who it is through the
+environment that ``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``), so a
+``MultiWorkerMirroredStrategy`` in the children finds its cluster with
+``TorchrunClusterResolver``, exactly as under ``torchrun --standalone --nproc-per-node N``.
+
+- **Re-exec, not fork or spawn**: each child runs the whole command again (recipes are re-read,
+  nothing is pickled, process-global settings are rebuilt by the child).
+- **Output**: worker 0 (the chief) writes to this process's stdout and stderr; the others' stdout
+  is dropped (``log_all_workers``: shown, each line prefixed ``[worker i] ``) and the last 64
+  lines of their stderr are kept, to show when that worker fails.
+- **Faults**: when a worker exits non-zero or is killed by a signal, the others get SIGTERM,
+  then SIGKILL after ``grace_seconds`` (a worker stuck in a collective ignores a polite
+  request), and the launcher names the worker that failed first. With ``max_restarts`` it
+  starts all workers again on a fresh port (torchrun's semantics: the progress since the last
+  ``BackupAndRestore`` backup is lost); else it returns a non-zero status.
+- **Cleanup**: every child runs in a process group of its own, and every group the launcher
+  started is signalled and every child reaped before it returns, also on Ctrl-C (SIGINT is
+  forwarded to the workers, then ``KeyboardInterrupt`` re-raised) and on SIGTERM/SIGHUP to the
+  launcher (forwarded likewise, then ``SystemExit(128 + signal)``). Every wait is bounded; the
+  launcher uses no threads (one ``selectors`` loop reads the pipes). POSIX only.
+
+**Environment variables.** Besides the recipe loader and the cluster resolvers
+(``replicafit.strategies.cluster_resolver``), this module is the one other place that reads the
+launch environment: ``launched_worker()`` tells the CLI whether it already runs as one worker of
+a launched cluster, and ``launch_local`` passes the parent's environment on to the children.
+
+Differences from ``torchrun``: one machine only, a fresh port per attempt (no ``c10d``
+rendezvous), ``OMP_NUM_THREADS`` is ``cores // N`` rather than 1, and only the chief's stdout
+is shown by default.
+
+Example::
+
+    import sys
+    from replicafit.trainer.launch import launch_local
+
+    code = "import os; print(os.environ['RANK'], os.environ['WORLD_SIZE'])"
+    status = launch_local([sys.executable, "-c", code], num_workers=2)   # prints "0 2"; status 0
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+
+__all__ = ["launch_local", "launched_worker", "free_port", "TAIL_LINES"]
+
+TAIL_LINES = 64  # lines of a non-chief worker's stderr kept to show when it fails
+_LOOPBACK = "127.0.0.1"
+_LONGEST_LINE = 1 << 16  # bytes kept of a line that has no end yet
+_REAP_SECONDS = 5.0  # after SIGKILL: how long to wait for the kernel to end a child (bounded, never forever)
+_FORWARDED = (signal.SIGTERM, signal.SIGHUP)  # signals to the launcher that are passed on before it exits
+
+
+def launched_worker(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process already runs as one worker of a launched cluster.
+
+    True when both ``RANK`` and ``WORLD_SIZE`` are set, as ``torchrun`` (and ``launch_local``)
+    set them. ``environ`` defaults to ``os.environ``.
+
+    Example::
+
+        launched_worker({"RANK": "0", "WORLD_SIZE": "2"})   # True
+        launched_worker({})                                 # False
+    """
+    env = os.environ if environ is None else environ
+    return "RANK" in env and "WORLD_SIZE" in env
+
+
+def free_port(host: str = _LOOPBACK) -> int:
+    """A TCP port that is free on ``host`` now (bind port 0, read the port the kernel chose, close).
+
+    Another process could take it before the workers do; the launcher asks again for every
+    attempt, and a clash fails that attempt (which ``max_restarts`` retries on a new port).
+
+    Example::
+
+        port = free_port()   # e.g. 45123
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def launch_local(
+    command: Sequence[str],
+    num_workers: int,
+    max_restarts: int = 0,
+    *,
+    log_all_workers: bool = False,
+    grace_seconds: float = 3.0,
+    poll_seconds: float = 0.1,
+    env: Mapping[str, str] | None = None,
+    cpu_count: int | None = None,
+) -> int:
+    """Runs ``command`` in ``num_workers`` processes on this machine; returns 0 when all exit 0.
+
+    Args:
+      command: the program and its arguments (``[sys.executable, "-m", "replicafit", "fit", ...]``),
+        the same for every worker.
+      num_workers: how many workers (>= 1).
+      max_restarts: how many times all workers are started again after one fails (>= 0).
+      log_all_workers: also show the other workers' stdout and stderr, each line prefixed
+        ``[worker i] ``.
+      grace_seconds: between SIGTERM (or the forwarded SIGINT) and SIGKILL.
+      poll_seconds: how often the workers are checked.
+      env: the environment the workers' variables are added to (default: this process's).
+      cpu_count: the cores to share out (default: those this process may run on);
+        ``OMP_NUM_THREADS`` is ``max(1, cpu_count // num_workers)`` unless ``env`` sets it.
+
+    Returns the exit status: 0, or after the last attempt the failed worker's exit code when it
+    is positive, else 1 (a worker killed by a signal). Raises ``KeyboardInterrupt`` after
+    stopping the workers when interrupted, ``ValueError`` for bad arguments, ``OSError`` when a
+    worker cannot be started.
+
+    Example::
+
+        status = launch_local([sys.executable, "train.py"], num_workers=2, max_restarts=1)
+    """
+    command = _check_command(command)
+    _check_int("num_workers", num_workers, 1)
+    _check_int("max_restarts", max_restarts, 0)
+    if not grace_seconds >= 0 or not poll_seconds > 0:
+        raise ValueError(f"grace_seconds must be >= 0 and poll_seconds > 0, got {grace_seconds!r}, {poll_seconds!r}.")
+    base = dict(os.environ if env is None else env)
+    cores = cpu_count if cpu_count is not None else _usable_cores()
+    with _forwarding_signals():
+        for attempt in range(max_restarts + 1):
+            if attempt:
+                print(
+                    f"replicafit: restarting all {num_workers} workers (restart {attempt} of {max_restarts})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            status = _Attempt(command, num_workers, attempt, base, cores, log_all_workers).run(
+                grace_seconds, poll_seconds
+            )
+            if status == 0:
+                return 0
+    return status
+
+
+def _check_command(command) -> list:
+    if isinstance(command, (str, bytes)) or not isinstance(command, Sequence) or not command:
+        raise ValueError(f"command must be a non-empty list of strings (program and arguments), got {command!r}.")
+    return [os.fspath(part) for part in command]
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class _ParentSignaled(BaseException):
+    """SIGTERM or SIGHUP reached the launcher: stop the workers, then exit."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _forwarding_signals:
+    """While launching, SIGTERM/SIGHUP to the launcher become ``_ParentSignaled`` (main thread only),
+    so the workers, in process groups of their own, are stopped rather than orphaned."""
+
+    def __enter__(self):
+        self._previous = {}
+        if sys.platform != "win32" and _in_main_thread():
+            for signum in _FORWARDED:
+                self._previous[signum] = signal.signal(signum, self._raise)
+        return self
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise _ParentSignaled(signum)
+
+    def __exit__(self, kind, error, traceback):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        if isinstance(error, _ParentSignaled):
+            raise SystemExit(128 + error.signum) from None
+        return False
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _describe(code: int) -> str:
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"exit code {code}, killed by {name}"
+
+
+class _Attempt:
+    """One start of all workers: start, watch, stop; every child reaped before ``run`` returns."""
+
+    def __init__(self, command, num_workers, attempt, base_env, cores, log_all_workers):
+        self.command, self.num_workers, self.attempt = command, num_workers, attempt
+        self.base_env, self.cores, self.log_all_workers = base_env, cores, log_all_workers
+        self.procs: list = []
+        self.output = _Output(log_all_workers)
+
+    def _env(self, rank: int, port: int) -> dict:
+        env = dict(self.base_env)
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(self.num_workers),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(self.num_workers),
+            MASTER_ADDR=_LOOPBACK,
+            MASTER_PORT=str(port),
+            REPLICAFIT_RESTART_COUNT=str(self.attempt),
+        )
+        if "OMP_NUM_THREADS" not in self.base_env:
+            env["OMP_NUM_THREADS"] = str(max(1, self.cores // self.num_workers))
+        return env
+
+    def run(self, grace_seconds: float, poll_seconds: float) -> int:
+        try:
+            port = free_port()
+            sys.stdout.flush()  # what this process printed comes before the chief's output, which shares the stream
+            sys.stderr.flush()
+            for rank in range(self.num_workers):
+                chief = rank == 0
+                proc = subprocess.Popen(
+                    self.command,
+                    env=self._env(rank, port),
+                    start_new_session=True,  # a group of its own: killed with its children, spared the terminal's ^C
+                    stdin=subprocess.DEVNULL,
+                    stdout=None if chief else subprocess.PIPE if self.log_all_workers else subprocess.DEVNULL,
+                    stderr=None if chief else subprocess.PIPE,
+                )
+                self.procs.append(proc)
+                self.output.watch(rank, proc)
+            failed = self._watch(poll_seconds)
+            if failed is None:
+                return 0
+            rank, code = failed
+            print(
+                f"replicafit: worker {rank} failed first ({_describe(code)}); stopping the other workers",
+                file=sys.stderr,
+                flush=True,
+            )
+            self._stop(signal.SIGTERM, grace_seconds)
+            self._show_tail(rank)
+            return code if code > 0 else 1
+        except KeyboardInterrupt:
+            self._stop(signal.SIGINT, grace_seconds)
+            raise
+        except _ParentSignaled as error:
+            self._stop(error.signum, grace_seconds)
+            raise
+        finally:
+            self._stop(signal.SIGKILL, 0.0)  # a no-op after a clean stop; else (any error) nobody is left behind
+
+    def _watch(self, poll_seconds: float):
+        """Until all exit 0 (None) or one fails: ``(rank, exit code)`` of the first failure seen."""
+        while True:
+            codes = [proc.poll() for proc in self.procs]
+            failures = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failures:
+                # Several seen in one poll: a death by signal is more likely the cause (the others'
+                # collectives fail because of it), then the lowest rank.
+                return min(failures, key=lambda f: (f[1] >= 0, f[0]))
+            if all(code == 0 for code in codes):
+                return None
+            self.output.pump(poll_seconds)
+
+    def _stop(self, signum: int, grace_seconds: float) -> None:
+        """``signum`` to every worker's process group, ``grace_seconds`` to exit, then SIGKILL; reaps all."""
+        try:
+            self._signal_groups(signum)
+            deadline = time.monotonic() + grace_seconds
+            while any(proc.poll() is None for proc in self.procs) and time.monotonic() < deadline:
+                self.output.pump(min(0.05, max(0.0, deadline - time.monotonic())))
+        finally:
+            # The second ^C during the grace lands here too: SIGKILL the groups (children and
+            # anything they started) and reap every child, each wait bounded.
+            self._signal_groups(signal.SIGKILL)
+            for proc in self.procs:
+                try:
+                    proc.wait(timeout=_REAP_SECONDS)
+                except subprocess.TimeoutExpired:  # uninterruptible (D state): reported, never waited on forever
+                    print(f"replicafit: process {proc.pid} did not end after SIGKILL", file=sys.stderr, flush=True)
+            self.output.close()
+
+    def _signal_groups(self, signum: int) -> None:
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signum)  # the group's id is the child's pid (start_new_session)
+            except (ProcessLookupError, PermissionError):  # the whole group has exited already
+                pass
+
+    def _show_tail(self, rank: int) -> None:
+        lines = self.output.tail(rank)
+        if rank == 0 or self.log_all_workers or not lines:
+            return  # the chief's stderr, or every worker's with log_all_workers, was shown as it came
+        shown = "".join(f"  {line}\n" for line in lines)
+        print(f"replicafit: the last lines of worker {rank}'s stderr:\n{shown}", end="", file=sys.stderr, flush=True)
+
+
+class _Output:
+    """The non-chief workers' pipes, read with ``selectors`` from the launcher's thread (no reader threads):
+    stdout lines are shown prefixed (``log_all_workers``); stderr lines go to a bounded tail
+    (and are shown prefixed with ``log_all_workers``)."""
+
+    def __init__(self, log_all_workers: bool):
+        self.log_all_workers = log_all_workers
+        self._streams: dict = {}  # fd -> [rank, is_stderr, file, pending bytes]
+        self._tails: dict = {}
+        self._selector = selectors.DefaultSelector()
+
+    def watch(self, rank: int, proc) -> None:
+        self._tails[rank] = collections.deque(maxlen=TAIL_LINES)
+        for stream, is_stderr in ((proc.stdout, False), (proc.stderr, True)):
+            if stream is not None:
+                os.set_blocking(stream.fileno(), False)
+                self._streams[stream.fileno()] = [rank, is_stderr, stream, b""]
+                self._selector.register(stream.fileno(), selectors.EVENT_READ)
+
+    def tail(self, rank: int) -> list:
+        return list(self._tails.get(rank, ()))
+
+    def pump(self, timeout: float) -> None:
+        """Reads what the pipes hold, waiting at most ``timeout`` seconds for something to arrive."""
+        if not self._streams:  # no pipes (or closed): only the wait
+            time.sleep(timeout)
+            return
+        for key, _ in self._selector.select(timeout):
+            self._read(key.fd)
+
+    def _read(self, fd: int) -> None:
+        entry = self._streams[fd]
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        if not data:  # end of file: the worker (and all it started) closed the pipe
+            self._finish(fd)
+            return
+        *lines, entry[3] = (entry[3] + data).split(b"\n")
+        if len(entry[3]) > _LONGEST_LINE:  # no newline for a long while: shown as a line of its own
+            lines.append(entry[3])
+            entry[3] = b""
+        for line in lines:
+            self._line(entry[0], entry[1], line)
+
+    def _line(self, rank: int, is_stderr: bool, raw: bytes) -> None:
+        line = raw.decode(errors="replace").rstrip("\r")
+        if is_stderr:
+            self._tails[rank].append(line)
+        if self.log_all_workers:
+            stream = sys.stderr if is_stderr else sys.stdout
+            print(f"[worker {rank}] {line}", file=stream, flush=True)
+
+    def _finish(self, fd: int) -> None:
+        rank, is_stderr, stream, pending = self._streams.pop(fd)
+        self._selector.unregister(fd)
+        if pending:
+            self._line(rank, is_stderr, pending)
+        stream.close()
+
+    def close(self) -> None:
+        """Reads what is left (the workers have exited) and closes every pipe; bounded: a pipe that a
+        process outside the workers' groups still holds open is closed unread."""
+        deadline = time.monotonic() + 1.0
+        while self._streams and time.monotonic() < deadline:
+            ready = self._selector.select(max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for key, _ in ready:
+                self._read(key.fd)
+        for fd in list(self._streams):
+            self._finish(fd)
+        if self._selector is not None:
+            self._selector.close()
+            self._selector = None
