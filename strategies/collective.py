@@ -111,6 +111,10 @@ class Collective:
             self.control_group = dist.new_group(backend="gloo", **kwargs)
             self.input_group = dist.new_group(backend="gloo", **kwargs)
         self.operations = 0  # data collectives issued (benchmarks count them)
+        # Started, not yet waited for. A process must not exit with one of these still pending:
+        # torch aborts it ("terminate called without an active exception"), so they are drained
+        # after a failure and at exit.
+        self._pending: list = []
 
     @classmethod
     def get(cls, rank, world_size, address, port, device, timeout_seconds) -> Collective:
@@ -141,6 +145,8 @@ class Collective:
             raise
         except RuntimeError as error:  # torch.distributed's errors (DistError and its kinds) are RuntimeErrors
             self._failed = operation
+            self._drain()
+            self._abandon()
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise WorkerFailedError(
                 f"Worker {self.rank} of {self.world_size}: another worker died or stopped arriving during "
@@ -149,14 +155,36 @@ class Collective:
                 "backup (BackupAndRestore)."
             ) from error
 
+    def _drain(self) -> None:
+        """Waits for every started collective, errors ignored (after a failure they end at once; a
+        live but stuck peer's within the timeout)."""
+        pending, self._pending = self._pending, []
+        for work in pending:
+            with contextlib.suppress(Exception):
+                work.wait()
+
+    def _abandon(self) -> None:
+        """Tears the process groups down now, in a known state: left to interpreter exit, gloo's
+        threads of a group that lost a peer can end the process with SIGABRT."""
+        if self._owns_default and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+            self._owns_default = False
+
+    def _wait(self, work) -> None:
+        work.wait()
+        with contextlib.suppress(ValueError):
+            self._pending.remove(work)
+
     # --- data collectives ------------------------------------------------------------------
     def all_reduce_flat(self, buffers: list, what: str) -> None:
         """Sums each flat buffer across workers in place: all started, then waited in order."""
         with self._guard(what):
             works = [dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True) for buffer in buffers]
+            self._pending.extend(works)
             self.operations += len(works)
             for work in works:
-                work.wait()
+                self._wait(work)
 
     def all_gather(self, tensor: torch.Tensor, what: str) -> list:
         """Every worker's ``tensor`` (same shape on all), in worker order."""
@@ -205,10 +233,11 @@ class Collective:
         with self._guard(what):
             tensor = torch.tensor(values, dtype=torch.int64)
             work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.input_group, async_op=True)
+            self._pending.append(work)
 
         def finish() -> list:
             with self._guard(what):
-                work.wait()
+                self._wait(work)
                 return tensor.tolist()
 
         return finish
@@ -221,6 +250,7 @@ class Collective:
 
     def destroy(self) -> None:
         """Leaves the cluster (at interpreter exit; a failed group is left as it is)."""
+        self._drain()
         if self._owns_default and dist.is_initialized() and self._failed is None:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()

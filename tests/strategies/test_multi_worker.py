@@ -7,10 +7,13 @@ logical CPUs equal Mirrored(4) within float tolerance.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import mw_scenarios
 import pytest
 import torch
-from multiworker_harness import results, run_workers
+from multiworker_harness import free_port, results, run_workers
 
 import replicafit.strategies as ds
 
@@ -132,3 +135,43 @@ def test_bad_arguments():
 
 def test_worker_failed_error_is_a_runtime_error():
     assert issubclass(ds.WorkerFailedError, RuntimeError)
+
+
+_EXIT_AFTER_FAILURE = """
+import os, sys, torch
+import replicafit.strategies as ds
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+torch.set_num_threads(1)
+resolver = ds.SimpleClusterResolver(2, rank, "127.0.0.1", port)
+strategy = ds.MultiWorkerMirroredStrategy(ds.CommunicationOptions(timeout_seconds=10), resolver)
+collective = strategy.extended._collective
+for step in range(10):
+    if rank == 1 and step == 3:
+        os.kill(os.getpid(), 9)
+    finish = collective.start_sum_ints([1], "the input agreement")  # left pending by the failure below
+    try:
+        strategy.extended._agree(False)
+    except ds.WorkerFailedError as error:  # the error keeps the failed collective's frames alive until exit
+        print(error, file=sys.stderr)
+        sys.exit(1)
+    finish()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_survivor_exits_with_its_status_not_an_abort_when_collectives_were_pending():
+    # torch aborts a process that exits with a started collective not waited for ("terminate called
+    # without an active exception", exit -6): the collective drains them after a failure.
+    port = free_port()
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _EXIT_AFTER_FAILURE, str(rank), str(port)], stderr=subprocess.PIPE)
+        for rank in range(2)
+    ]
+    try:
+        codes = [p.wait(timeout=45) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == [1, -9], (codes, procs[0].stderr.read().decode()[-500:])
