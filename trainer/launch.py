@@ -22,10 +22,10 @@ environment that ``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
   launcher (forwarded likewise, then ``SystemExit(128 + signal)``). Every wait is bounded; the
   launcher uses no threads (one ``selectors`` loop reads the pipes). POSIX only.
 
-**Environment variables.** Besides the recipe loader and the cluster resolvers
-(``replicafit.strategies.cluster_resolver``), this module is the one other place that reads the
-launch environment: ``launched_worker()`` tells the CLI whether it already runs as one worker of
-a launched cluster, and ``launch_local`` passes the parent's environment on to the children.
+**Environment variables.** They are read by the recipe loader and the cluster resolvers
+(``replicafit.strategies.cluster_resolver``) only: ``launched_worker()`` asks
+``TorchrunClusterResolver.detected()``, and ``launch_local`` passes the parent's environment on to
+the children without reading it.
 
 Differences from ``torchrun``: one machine only, a fresh port per attempt (no ``c10d``
 rendezvous), ``OMP_NUM_THREADS`` is ``cores // N`` rather than 1, and only the chief's stdout
@@ -64,16 +64,18 @@ _FORWARDED = (signal.SIGTERM, signal.SIGHUP)  # signals to the launcher that are
 def launched_worker(environ: Mapping[str, str] | None = None) -> bool:
     """Whether this process already runs as one worker of a launched cluster.
 
-    True when both ``RANK`` and ``WORLD_SIZE`` are set, as ``torchrun`` (and ``launch_local``)
-    set them. ``environ`` defaults to ``os.environ``.
+    True in the environment ``torchrun`` (and ``launch_local``) give their workers: ``RANK`` and
+    ``WORLD_SIZE``, or torchelastic's run id (``TorchrunClusterResolver.detected``). ``environ``
+    defaults to ``os.environ``.
 
     Example::
 
         launched_worker({"RANK": "0", "WORLD_SIZE": "2"})   # True
         launched_worker({})                                 # False
     """
-    env = os.environ if environ is None else environ
-    return "RANK" in env and "WORLD_SIZE" in env
+    from replicafit.strategies.cluster_resolver import TorchrunClusterResolver
+
+    return TorchrunClusterResolver.detected(environ)
 
 
 def free_port(host: str = _LOOPBACK) -> int:

@@ -97,3 +97,19 @@ def test_without_restarts_a_killed_worker_fails_the_launch(tmp_path):
     done = replicafit("fit", "digits_mlp", *SHORT, *MULTI, *killing, "--workers", "2", "--run-dir", str(tmp_path / "r"))
     assert done.returncode != 0
     assert "worker 1 failed first" in done.stderr
+
+
+@pytest.mark.timeout(180)
+def test_the_same_recipe_runs_unchanged_under_torchrun(two_workers, tmp_path):
+    run_dir = tmp_path / "torchrun"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + ["-m", "replicafit", "fit", "digits_mlp", *SHORT, *MULTI, "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert final(run_dir) == final(two_workers[0])  # the same cluster, however it was started
