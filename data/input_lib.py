@@ -369,10 +369,14 @@ class DistributedDataset:
         self._placer = _Placer(self._workers, options)
 
     def __iter__(self) -> DistributedIterator:
-        return self.iterate(iter(self._dataset))
+        return self.iterate(iter(self._dataset), _length_of(self._dataset))
 
-    def iterate(self, batches) -> DistributedIterator:
-        """Distributes the global batches of the iterator ``batches`` (e.g. a resumed epoch)."""
+    def iterate(self, batches, length: int | None = None) -> DistributedIterator:
+        """Distributes the global batches of the iterator ``batches`` (e.g. a resumed epoch).
+
+        ``length``: how many batches ``batches`` holds, where known. Across workers a known
+        length is agreed once, up front, instead of one small collective per step.
+        """
         workers, placer = self._workers, self._placer
         if workers.collective is None:
 
@@ -380,6 +384,8 @@ class DistributedDataset:
                 return split_global_batch(next(batches), workers, placer)
 
             return DistributedIterator(produce, self._placer.buffer_size)
+        if length is not None:
+            return self._iterate_counted(batches, length)
         agreement = _Agreement(workers.collective)
 
         def produce_agreed():
@@ -392,6 +398,49 @@ class DistributedDataset:
             return _Step(split_global_batch(element, workers, placer), rows)
 
         return DistributedIterator(produce_agreed, self._placer.buffer_size)
+
+    def _iterate_counted(self, batches, length: int) -> DistributedIterator:
+        """Across workers, a source of known length: the lengths are compared once; each worker then
+        checks that its source yields exactly that many batches (an error ends it, and its peers see
+        a ``WorkerFailedError`` at their next collective)."""
+        workers, placer = self._workers, self._placer
+        lengths = [part[0] for part in workers.collective.all_gather_ints([length], "the input agreement (lengths)")]
+        if len(set(lengths)) > 1:
+            shown = ", ".join(f"worker {w}: {n}" for w, n in enumerate(lengths))
+            raise RuntimeError(
+                f"The workers' input diverged: their sources hold different numbers of batches ({shown}). A "
+                "global-batch source must yield the same batches on every worker (same data, same seed); for "
+                "per-worker shards use distribute_datasets_from_function, which handles uneven shards."
+            )
+        count = [0]
+
+        def produce_counted():
+            element = next(batches, _END)
+            if element is not _END and count[0] == length:
+                raise RuntimeError(
+                    f"The input source yielded more than its length of {length} batches: the workers agreed on "
+                    "the length, so they would no longer step together. Make len() match what the source yields."
+                )
+            if element is _END:
+                if count[0] < length:
+                    raise RuntimeError(
+                        f"The input source ended after {count[0]} batches although its length is {length}: the "
+                        "workers agreed on the length, so they would no longer step together. Make len() match "
+                        "what the source yields."
+                    )
+                raise StopIteration
+            count[0] += 1
+            rows = _batch_size([_as_tensor(leaf) for leaf in nest.flatten(element)])
+            return _Step(split_global_batch(element, workers, placer), rows)
+
+        return DistributedIterator(produce_counted, self._placer.buffer_size)
+
+
+def _length_of(dataset) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:  # no __len__ (a generator, an iterable dataset)
+        return None
 
     def __len__(self) -> int:
         return len(self._dataset)

@@ -90,7 +90,8 @@ class _Cursor:
             batches = iter(self.source)
             for _ in range(position):
                 next(batches)
-        self._iterator = self.distributed.iterate(batches)
+        total = _length(self.source)  # known: agreed once across workers rather than step by step
+        self._iterator = self.distributed.iterate(batches, None if total is None else max(0, total - position))
 
     def next(self):
         try:

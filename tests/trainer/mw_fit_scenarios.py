@@ -133,10 +133,15 @@ def uneven_shards(rank, num_workers, port):
     return steps
 
 
-def diverging_source(rank, num_workers, port):
-    """A global-batch source with one more batch on worker 1: an error on both, never a hang."""
+def diverging_source(rank, num_workers, port, kind="list"):
+    """A global-batch source with one more batch on worker 1: an error on both, never a hang.
+
+    A list has a length (compared once, up front); a generator has none (checked step by step).
+    """
     strategy = strategy_for(rank, num_workers, port, timeout=20.0)
     batches = [torch.ones(4, 2) * i for i in range(4 + rank)]
+    if kind == "generator":
+        batches = (b for b in batches)
     count = 0
     for batch in strategy.experimental_distribute_dataset(batches):
         strategy.reduce("SUM", strategy.run(lambda b: b.sum(), args=(batch,)))

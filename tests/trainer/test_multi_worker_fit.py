@@ -85,7 +85,8 @@ def test_uneven_shards_keep_the_workers_stepping_together():
 
 
 @pytest.mark.timeout(120)
-def test_a_global_batch_source_that_diverges_is_an_error_on_every_worker():
-    outcomes = run_workers(SCENARIOS, "diverging_source", 2, timeout=60)
+@pytest.mark.parametrize("kind", ["list", "generator"])
+def test_a_global_batch_source_that_diverges_is_an_error_on_every_worker(kind):
+    outcomes = run_workers(SCENARIOS, "diverging_source", 2, timeout=60, kwargs={"kind": kind})
     assert not outcomes[0]["ok"] and not outcomes[1]["ok"]
     assert "input diverged" in outcomes[0]["error"] + outcomes[1]["error"]
