@@ -15,7 +15,9 @@ Every call is bounded by the process-group timeout (``CommunicationOptions.timeo
 on gloo; one that stops arriving, after the timeout. Either way every other worker raises
 ``WorkerFailedError`` naming the operation, and the collective refuses further work: a
 group that lost a member cannot be used again (restart every worker; ``BackupAndRestore``
-resumes).
+resumes). NCCL differs: its watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, torch's default 3)
+ends a process whose collective timed out instead of raising, so a stuck peer shows up as a
+worker that died (the launcher names it) and its peers then raise ``WorkerFailedError``.
 
 Example::
 
