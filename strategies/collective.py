@@ -90,6 +90,10 @@ class Collective:
         self._key = (rank, world_size, address, port)
         self._failed: str | None = None
         self._owns_default = False
+        # Started, not yet waited for. A process must not exit with one of these still pending:
+        # torch aborts it ("terminate called without an active exception"), so they are drained
+        # after a failure and at exit.
+        self._pending: list = []
         backend = backend_for(self.device)
         with self._guard("joining the cluster (init_process_group)"):
             if dist.is_initialized():
@@ -113,10 +117,6 @@ class Collective:
             self.control_group = dist.new_group(backend="gloo", **kwargs)
             self.input_group = dist.new_group(backend="gloo", **kwargs)
         self.operations = 0  # data collectives issued (benchmarks count them)
-        # Started, not yet waited for. A process must not exit with one of these still pending:
-        # torch aborts it ("terminate called without an active exception"), so they are drained
-        # after a failure and at exit.
-        self._pending: list = []
 
     @classmethod
     def get(cls, rank, world_size, address, port, device, timeout_seconds) -> Collective:

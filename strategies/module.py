@@ -32,8 +32,7 @@ import torch
 
 from . import context
 from .reduce_util import VariableAggregation, VariableSynchronization
-from .values import local_results
-from .variables import aggregated_reads
+from .variables import SyncOnReadVariable, aggregated_reads
 
 __all__ = ["DistributedModule"]
 
@@ -163,7 +162,10 @@ class DistributedModule:
         """
         with context.enter_or_assert_strategy(self._strategy), aggregated_reads(self._variables.values()):
             for variable in self._variables.values():
-                if variable.synchronization is VariableSynchronization.ON_READ and len(local_results(variable)) > 1:
+                # Across workers one local replica is no reason to skip: the mean is of every worker's.
+                if variable.synchronization is VariableSynchronization.ON_READ and isinstance(
+                    variable, SyncOnReadVariable
+                ):
                     variable.assign(variable.read_value().detach())
 
     def load_state_dict(self, state_dict, strict: bool = True):

@@ -103,8 +103,8 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         return self._num_workers > 1
 
     def _batch_reduce_to(self, op, pairs, options) -> list:
-        if self._collective is not None and len(self._worker_devices) == 1:
-            # As in TensorFlow: with one local replica a plain value is that replica's value.
+        if self._collective is not None:
+            # As in TensorFlow: a plain value is this worker's (each local replica's) value.
             pairs = [(self._as_local_replicas(value), d) for value, d in pairs]
         return super()._batch_reduce_to(op, pairs, options)
 

@@ -134,14 +134,11 @@ class CallbackList:
             getattr(cb, hook)(*args)
 
 
-def may_stop_mid_epoch(callbacks) -> bool:
-    """Whether a callback that is not one of the built-ins acting on the (global) logs alone has a
-    per-batch hook, so might set ``stop_training`` on one worker only."""
-    return any(
-        not cb._decides_from_logs
-        and any(_overrides(cb, hook) or hook in vars(cb) for hook in ("on_train_batch_begin", "on_train_batch_end"))
-        for cb in callbacks
-    )
+def may_stop_training_alone(callbacks) -> bool:
+    """Whether a callback might set ``stop_training`` on one worker only: any callback that is not
+    one of the built-ins acting on the (global) logs alone. A subclass of a built-in counts as the
+    user's (it may decide otherwise), unless it sets ``_decides_from_logs = True`` itself."""
+    return any(not type(cb).__dict__.get("_decides_from_logs", False) for cb in callbacks)
 
 
 def _overrides(callback: Callback, hook: str) -> bool:

@@ -330,7 +330,8 @@ def _evaluate(args) -> int:
     logs = run.trainer.evaluate(
         run.model, data, batch_size=batch, steps=run.evaluate_kwargs.get("steps"), verbose=0, return_dict=True
     )
-    print(json.dumps(logs, indent=2))
+    if run.strategy.extended.should_checkpoint:  # across workers every worker evaluates; the chief reports
+        print(json.dumps(logs, indent=2))
     return 0
 
 
@@ -341,8 +342,9 @@ def _predict(args) -> int:
     inputs = data[0] if isinstance(data, tuple) else data
     batch = run.evaluate_kwargs.get("batch_size") or run.fit_kwargs.get("batch_size")
     outputs = run.trainer.predict(run.model, inputs, batch_size=batch, verbose=0)
-    np.save(args.output, outputs.numpy())
-    print(f"wrote {tuple(outputs.shape)} predictions to {args.output}")
+    if run.strategy.extended.should_checkpoint:  # across workers every worker predicts; the chief writes
+        np.save(args.output, outputs.numpy())
+        print(f"wrote {tuple(outputs.shape)} predictions to {args.output}")
     return 0
 
 

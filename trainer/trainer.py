@@ -376,6 +376,10 @@ class Trainer:
         self._data_seed = self.seed if self.seed is not None else random.randrange(2**31)
         # Every worker must shuffle alike: a seed drawn per process would train on other rows.
         self._data_seed = self.strategy.extended._broadcast_object(self._data_seed)
+        if self.seed is None and self.strategy.extended._num_workers > 1:
+            # torch's generator too (a DataLoader's shuffle draws from it): the chief's on every
+            # worker, as a seed would make it.
+            torch.set_rng_state(self.strategy.extended._broadcast_object(torch.get_rng_state()))
         train_data, split_validation = self._split(dataset, validation_split)
         validation_data = validation_data if validation_data is not None else split_validation
         source = self._source(train_data, batch_size, shuffle, self._data_seed)
@@ -407,9 +411,11 @@ class Trainer:
             start_epoch, start_step = resume["epoch"], resume["step"]
         batch_logs = callback_list.wants_batch_logs["on_train_batch_end"]
         extended = self.strategy.extended
+        # Reading the logs is a collective across workers: every worker reads them, or none.
+        batch_logs = extended._agree(batch_logs) if extended._num_workers > 1 else batch_logs
         # Logs are global, so built-in callbacks decide alike on every worker; a user's callback
-        # might not, so its stop_training is agreed after every step where it could set it.
-        agree_each_step = extended._num_workers > 1 and callbacks_module.may_stop_mid_epoch(callback_list)
+        # might not (in any hook), so its stop_training is agreed after every step.
+        agree_each_step = extended._num_workers > 1 and callbacks_module.may_stop_training_alone(callback_list)
         logs: dict = {}
         try:
             for epoch in range(start_epoch, epochs):

@@ -147,3 +147,68 @@ def diverging_source(rank, num_workers, port, kind="list"):
         strategy.reduce("SUM", strategy.run(lambda b: b.sum(), args=(batch,)))
         count += 1
     return count
+
+
+class StopAtEpochBegin(callbacks.Callback):
+    """Sets stop_training in on_epoch_begin, on one worker only."""
+
+    def __init__(self, worker, epoch):
+        super().__init__()
+        self.worker, self.epoch = worker, epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.trainer.strategy.extended._worker_index == self.worker and epoch == self.epoch:
+            self.trainer.stop_training = True
+
+
+def stop_at_epoch_begin(rank, num_workers, port):
+    strategy = strategy_for(rank, num_workers, port, timeout=20.0)
+    return fit_run(strategy, init_seed=0, seed=1, extra_callbacks=[StopAtEpochBegin(1, 1)], epochs=3)
+
+
+def fit_batch_norm(strategy, init_seed=0):
+    torch.manual_seed(init_seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
+    )
+    trainer = Trainer(strategy=strategy, optimizer=optimizers.SGD(0.1), loss="cross_entropy", seed=2)
+    trainer.fit(model, data(), batch_size=32, epochs=2, verbose=0)
+    return {
+        "buffers": {k: v.clone() for k, v in model.state_dict().items()},
+        "predict": trainer.predict(model, data()[0][:20], batch_size=8),
+    }
+
+
+def batch_norm(rank, num_workers, port):
+    return fit_batch_norm(strategy_for(rank, num_workers, port), init_seed=0)
+
+
+class RecordingTrainer(Trainer):
+    """Records the first feature of every row each replica trains on."""
+
+    seen: list = []
+
+    def train_step(self, data):
+        self.seen.extend(data[0][:, 0].tolist())
+        return super().train_step(data)
+
+
+def dataloader_rows(rank, num_workers, port):
+    """A shuffled DataLoader with seed=None: the workers must see one permutation (each its share)."""
+    strategy = strategy_for(rank, num_workers, port)
+    torch.manual_seed(500 + rank)  # every process's generator starts elsewhere
+    x, y = data()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=10, shuffle=True)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 3))
+    trainer = RecordingTrainer(strategy=strategy, optimizer=optimizers.SGD(0.1), loss="cross_entropy")
+    trainer.fit(model, loader, epochs=1, verbose=0)
+    return RecordingTrainer.seen
+
+
+def join_alone(rank, num_workers, port):
+    """The only worker of a cluster of two: joining fails after the timeout, as a WorkerFailedError."""
+    try:
+        strategy_for(0, 2, port, timeout=2.0)
+    except ds.WorkerFailedError as error:
+        return str(error)
+    return "joined"

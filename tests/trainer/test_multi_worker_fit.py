@@ -90,3 +90,36 @@ def test_a_global_batch_source_that_diverges_is_an_error_on_every_worker(kind):
     outcomes = run_workers(SCENARIOS, "diverging_source", 2, timeout=60, kwargs={"kind": kind})
     assert not outcomes[0]["ok"] and not outcomes[1]["ok"]
     assert "input diverged" in outcomes[0]["error"] + outcomes[1]["error"]
+
+
+@pytest.mark.timeout(120)
+def test_stop_training_set_outside_the_batch_hooks_on_one_worker_stops_both_alike():
+    workers = results(run_workers(SCENARIOS, "stop_at_epoch_begin", 2, timeout=90))
+    assert workers[0]["iterations"] == workers[1]["iterations"]
+    assert workers[0]["history"] == workers[1]["history"]
+
+
+@pytest.mark.timeout(120)
+def test_batch_norm_statistics_are_the_mean_of_every_worker():
+    workers = results(run_workers(SCENARIOS, "batch_norm", 2, timeout=90))
+    expected = scenarios.fit_batch_norm(ds.MirroredStrategy(["cpu:0", "cpu:1"]))
+    # Within rounding of Mirrored(2) (this process runs torch with more intra-op threads than the
+    # workers); before the fix each worker kept its own statistics (0.02 apart here).
+    for worker, got in enumerate(workers):
+        for key, value in expected["buffers"].items():
+            torch.testing.assert_close(got["buffers"][key], value, msg=f"worker {worker}: {key}")
+            assert torch.equal(got["buffers"][key], workers[0]["buffers"][key]), f"worker {worker}: {key}"
+        torch.testing.assert_close(got["predict"], expected["predict"], msg=f"worker {worker}")
+
+
+@pytest.mark.timeout(120)
+def test_a_shuffled_dataloader_without_a_seed_gives_the_workers_one_permutation():
+    seen = results(run_workers(SCENARIOS, "dataloader_rows", 2, timeout=90))
+    everything = sorted(seen[0] + seen[1])
+    assert everything == sorted(scenarios.data()[0][:, 0].tolist())  # each row once, on one worker
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_cannot_join_its_cluster_gets_a_worker_failed_error():
+    (message,) = results(run_workers(SCENARIOS, "join_alone", 1, timeout=45))
+    assert "joining the cluster" in message
