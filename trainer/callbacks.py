@@ -554,6 +554,12 @@ class BackupAndRestore(_Periodic):
     Data sources that are not this package's batched arrays/datasets (e.g. a
     ``DataLoader``) are resumed by skipping the consumed batches of a fresh pass; their
     shuffle order is their own.
+
+    Across workers (``MultiWorkerMirroredStrategy``) the chief writes the backup, with every
+    worker's RNG state and every replica's metric accumulators, and decides whether to resume;
+    every worker then reads the file, so ``backup_dir`` must be storage every worker sees (one
+    machine's disk for ``--workers N``; a shared file system across machines). Resuming with
+    another number of workers restores model, optimizer and position, not bit for bit.
     """
 
     def __init__(self, backup_dir, save_freq: str | int = "epoch", delete_checkpoint: bool = True):
