@@ -8,13 +8,21 @@ does. Targets: fit at most 1.10x the loop at batch 8 and 1.05x at batch 64 (defa
 strategy). Also reported: MirroredStrategy(2) and CentralStorageStrategy(2) vs
 OneDeviceStrategy.
 
+Every measurement runs in a fresh interpreter, the variants interleaved repeat by repeat: a
+process that has run replica threads keeps them (and their OpenMP state) until they are
+collected, and torch's OpenMP runtime then stops spin-waiting on the main thread, which slowed a
+later OneDevice fit in the same process by about 2x on a 2-core machine.
+
 Run: python benchmarks/bench_fit.py [--examples 4096] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -64,19 +72,48 @@ def fit(x, y, batch: int, strategy=None) -> float:
     return time.perf_counter() - start
 
 
+VARIANTS = {
+    "loop": lambda x, y, batch: hand_loop(x, y, batch),
+    "fit": lambda x, y, batch: fit(x, y, batch),
+    "one_device": lambda x, y, batch: fit(x, y, batch, ds.OneDeviceStrategy("cpu:0")),
+    "mirrored": lambda x, y, batch: fit(x, y, batch, ds.MirroredStrategy(["cpu:0", "cpu:1"])),
+    "central_storage": lambda x, y, batch: fit(x, y, batch, ds.CentralStorageStrategy(["cpu:0", "cpu:1"], "cpu:0")),
+}
+
+
+def child(variant: str, batch: int, examples: int) -> None:
+    """One measurement in this (fresh) process: a warm-up run, then the timed one; prints seconds."""
+    x, y = datasets.make_classification(examples, 64, n_classes=10, seed=0)
+    VARIANTS[variant](x, y, batch)
+    print(VARIANTS[variant](x, y, batch))
+
+
+def measure(variant: str, batch: int, examples: int) -> float:
+    argv = [sys.executable, os.path.abspath(__file__), "--child", variant, "--batch", str(batch)]
+    done = subprocess.run(argv + ["--examples", str(examples)], capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{variant} at batch {batch} failed:\n{done.stderr[-2000:]}")
+    return float(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--child", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=8, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    x, y = datasets.make_classification(args.examples, 64, n_classes=10, seed=0)
+    if args.child:
+        child(args.child, args.batch, args.examples)
+        return
     for batch in (8, 64):
         steps = -(-args.examples // batch)
-        loop, ours = [], []
-        for _ in range(args.repeats):  # interleaved, so drifts of the machine hit both alike
-            loop.append(hand_loop(x, y, batch))
-            ours.append(fit(x, y, batch))
-        loop_t, fit_t = statistics.median(loop), statistics.median(ours)
+        times: dict = {name: [] for name in VARIANTS}
+        for repeat in range(args.repeats):  # interleaved (order reversed every repeat): drifts hit all alike
+            order = list(VARIANTS) if repeat % 2 == 0 else list(reversed(VARIANTS))
+            for name in order:
+                times[name].append(measure(name, batch, args.examples))
+        loop_t, fit_t = statistics.median(times["loop"]), statistics.median(times["fit"])
         target = 1.10 if batch == 8 else 1.05
         print(f"batch {batch} ({steps} steps):")
         print(f"  hand-written loop : {loop_t * 1e3:8.1f} ms ({loop_t / steps * 1e6:.0f} us/step)")
@@ -84,13 +121,9 @@ def main() -> None:
             f"  Trainer.fit       : {fit_t * 1e3:8.1f} ms ({fit_t / steps * 1e6:.0f} us/step)  "
             f"ratio {fit_t / loop_t:.3f} (target <= {target})"
         )
-        one = statistics.median(fit(x, y, batch, ds.OneDeviceStrategy("cpu:0")) for _ in range(args.repeats))
-        mirrored = statistics.median(
-            fit(x, y, batch, ds.MirroredStrategy(["cpu:0", "cpu:1"])) for _ in range(args.repeats)
-        )
-        central = statistics.median(
-            fit(x, y, batch, ds.CentralStorageStrategy(["cpu:0", "cpu:1"], "cpu:0")) for _ in range(args.repeats)
-        )
+        one = statistics.median(times["one_device"])
+        mirrored = statistics.median(times["mirrored"])
+        central = statistics.median(times["central_storage"])
         print(
             f"  OneDevice {one * 1e3:.1f} ms; Mirrored(2) {mirrored * 1e3:.1f} ms ({mirrored / one:.2f}x); "
             f"CentralStorage(2) {central * 1e3:.1f} ms ({central / one:.2f}x)"
