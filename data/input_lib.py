@@ -200,7 +200,17 @@ class _Agreement:
 def split_global_batch(element, workers: InputWorkers, placer: _Placer):
     """This worker's replicas' slices of one global batch, placed and grouped."""
     flat = [_as_tensor(leaf) for leaf in nest.flatten(element)]
+    return _split(element, flat, _batch_size(flat), workers, placer)
+
+
+def _split_step(element, workers: InputWorkers, placer: _Placer) -> _Step:
+    """``split_global_batch`` with the global batch's row count (across workers), one flatten."""
+    flat = [_as_tensor(leaf) for leaf in nest.flatten(element)]
     size = _batch_size(flat)
+    return _Step(_split(element, flat, size, workers, placer), size)
+
+
+def _split(element, flat, size: int, workers: InputWorkers, placer: _Placer):
     if workers.num_replicas_in_sync == 1:  # one replica: the whole batch, placed
         return nest.pack_sequence_as(element, [placer.place(leaf, 0) for leaf in flat])
     sizes = split_sizes(size, workers.num_replicas_in_sync)
@@ -394,8 +404,7 @@ class DistributedDataset:
                 agreement.end()
                 raise StopIteration
             agreement.have()
-            rows = _batch_size([_as_tensor(leaf) for leaf in nest.flatten(element)])
-            return _Step(split_global_batch(element, workers, placer), rows)
+            return _split_step(element, workers, placer)
 
         return DistributedIterator(produce_agreed, self._placer.buffer_size)
 
@@ -430,8 +439,7 @@ class DistributedDataset:
                     )
                 raise StopIteration
             count[0] += 1
-            rows = _batch_size([_as_tensor(leaf) for leaf in nest.flatten(element)])
-            return _Step(split_global_batch(element, workers, placer), rows)
+            return _split_step(element, workers, placer)
 
         return DistributedIterator(produce_counted, self._placer.buffer_size)
 

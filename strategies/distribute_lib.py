@@ -206,6 +206,10 @@ class StrategyExtended:
         """``count`` summed over the workers (a collective across workers)."""
         return count
 
+    def _all_gather_object(self, obj) -> list:
+        """Every worker's ``obj`` in worker order (picklable; a collective across workers)."""
+        return [obj]
+
     def _broadcast_object(self, obj):
         """Worker 0's ``obj`` on every worker (picklable; a collective across workers)."""
         return obj

@@ -163,9 +163,7 @@ class DistributedModule:
         with context.enter_or_assert_strategy(self._strategy), aggregated_reads(self._variables.values()):
             for variable in self._variables.values():
                 # Across workers one local replica is no reason to skip: the mean is of every worker's.
-                if variable.synchronization is VariableSynchronization.ON_READ and isinstance(
-                    variable, SyncOnReadVariable
-                ):
+                if isinstance(variable, SyncOnReadVariable) and self._strategy.num_replicas_in_sync > 1:
                     variable.assign(variable.read_value().detach())
 
     def load_state_dict(self, state_dict, strict: bool = True):

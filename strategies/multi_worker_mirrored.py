@@ -128,6 +128,11 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             return count
         return self._collective.sum_ints([count], "reduce (the global row count)")[0]
 
+    def _all_gather_object(self, obj) -> list:
+        if self._collective is None:
+            return [obj]
+        return self._collective.all_gather_object(obj, "gathering an object from every worker")
+
     def _broadcast_object(self, obj):
         if self._collective is None:
             return obj

@@ -232,12 +232,16 @@ def _batch_all_reduce(strategy, op, flat_values, options):
     return [_owned(r) for r in strategy.extended.batch_reduce_to(op, [(v, v) for v in values], options)]
 
 
-def _batch_all_gather(strategy, axis, flat_values):
+def _batch_all_gather(strategy, axis, flat_values, with_sizes=False):
+    """The gathered values; with ``with_sizes`` (for the gradient) also every replica's size along
+    ``axis``, of every worker (across workers that is one more collective, so only when asked)."""
     out = []
     for value in flat_values:
         value = _per_replica(strategy, value)
-        sizes = tuple(t.shape[axis] if t.dim() > axis else 0 for t in value.values)
-        sizes = strategy.extended._all_workers_sizes(sizes)  # every replica's, across workers
+        sizes = None
+        if with_sizes:
+            sizes = tuple(t.shape[axis] if t.dim() > axis else 0 for t in value.values)
+            sizes = strategy.extended._all_workers_sizes(sizes)
         out.append((_owned(strategy.extended._gather_to(value, axis, value)), PerReplicaConstant(sizes)))
     return out
 
@@ -265,7 +269,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, replica_ctx, axis, options, *tensors):
         ctx.replica_ctx, ctx.axis, ctx.options = replica_ctx, axis, options
-        results = replica_ctx._merge_call(_batch_all_gather, (axis, list(tensors)), {})
+        results = replica_ctx._merge_call(_batch_all_gather, (axis, list(tensors), True), {})
         ctx.sizes = [sizes.value for _, sizes in results]
         return tuple(g for g, _ in results)
 

@@ -236,8 +236,6 @@ def resolve_verbose(verbose) -> int:
 class _Periodic(Callback):
     """A callback that acts at each epoch's end, or every ``save_freq`` training steps."""
 
-    _decides_from_logs = True
-
     def __init__(self, save_freq):
         super().__init__()
         if save_freq != "epoch" and (not isinstance(save_freq, int) or save_freq < 1):
@@ -283,6 +281,8 @@ class ModelCheckpoint(_Periodic):
     ``save_weights_only`` writes the model's state dict alone; otherwise a full trainer
     checkpoint (model, optimizer, epoch, RNG). Files are written atomically.
     """
+
+    _decides_from_logs = True
 
     def __init__(
         self,
@@ -561,6 +561,8 @@ class BackupAndRestore(_Periodic):
     machine's disk for ``--workers N``; a shared file system across machines). Resuming with
     another number of workers restores model, optimizer and position, not bit for bit.
     """
+
+    _decides_from_logs = True
 
     def __init__(self, backup_dir, save_freq: str | int = "epoch", delete_checkpoint: bool = True):
         super().__init__(save_freq)

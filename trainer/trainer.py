@@ -680,8 +680,7 @@ class Trainer:
         extended = self.strategy.extended
         if extended._num_workers == 1:
             return {}
-        collective = extended._collective
-        return {"worker_rng": collective.all_gather_object(torch.get_rng_state(), "gathering the workers' RNG states")}
+        return {"worker_rng": extended._all_gather_object(torch.get_rng_state())}
 
     def _restore_training_state(self, state: dict, path) -> None:
         """Restores a backup read by ``checkpoint.load(path, kind="backup")`` (its structure is checked there).
@@ -746,11 +745,8 @@ class Trainer:
             for metric in self._all_metrics()
             for name, variable in metric._states.items()
         }
-        extended = self.strategy.extended
-        if extended._num_workers > 1:
-            parts = extended._collective.all_gather_object(states, "gathering the replicas' metric states")
-            states = {key: [t for part in parts for t in part[key]] for key in states}
-        return states
+        parts = self.strategy.extended._all_gather_object(states)  # every worker's replicas, in order
+        return {key: [t for part in parts for t in part[key]] for key in states}
 
     def _restore_metric_replicas(self, replicas: dict) -> None:
         extended = self.strategy.extended

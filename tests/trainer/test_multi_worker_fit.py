@@ -123,3 +123,28 @@ def test_a_shuffled_dataloader_without_a_seed_gives_the_workers_one_permutation(
 def test_a_worker_that_cannot_join_its_cluster_gets_a_worker_failed_error():
     (message,) = results(run_workers(SCENARIOS, "join_alone", 1, timeout=45))
     assert "joining the cluster" in message
+
+
+def test_the_built_in_callbacks_need_no_per_step_stop_agreement_and_a_users_does(tmp_path):
+    from replicafit.trainer import callbacks
+    from replicafit.trainer.tensorboard import TensorBoard
+
+    built_in = [
+        callbacks.History(),
+        callbacks.ProgbarLogger(2),
+        callbacks.ModelCheckpoint(str(tmp_path / "m.pt")),
+        callbacks.EarlyStopping(),
+        callbacks.LearningRateScheduler(lambda epoch, rate: rate),
+        callbacks.ReduceLROnPlateau(),
+        callbacks.CSVLogger(str(tmp_path / "h.csv")),
+        callbacks.TerminateOnNaN(),
+        callbacks.BackupAndRestore(str(tmp_path / "b")),
+        TensorBoard(str(tmp_path / "tb")),
+    ]
+    assert not callbacks.may_stop_training_alone(built_in)
+    assert callbacks.may_stop_training_alone([*built_in, scenarios.StopAtEpochBegin(1, 1)])
+
+    class Mine(callbacks.EarlyStopping):  # a subclass may decide otherwise
+        pass
+
+    assert callbacks.may_stop_training_alone([Mine()])
