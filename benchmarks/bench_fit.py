@@ -1,19 +1,24 @@
-"""``Trainer.fit`` vs a hand-written torch loop doing the same work.
+"""``Trainer.fit`` against its references, on the shared benchmark workload.
 
-The same MLP 64 -> 256 -> 256 -> 10 (ReLU), SGD (lr 0.01, momentum 0.9), the same data
-(4096 examples, 64 features, 10 classes) and the same number of steps, at batch 8 and
-batch 64. The hand-written loop batches the arrays itself, computes the cross entropy,
-calls ``backward()`` and ``optimizer.step()``, and keeps the epoch's mean loss as fit
-does. Targets: fit at most 1.10x the loop at batch 8 and 1.05x at batch 64 (default
-strategy). Also reported: MirroredStrategy(2) and CentralStorageStrategy(2) vs
-OneDeviceStrategy.
+The workload (issue 12): an MLP 64 -> 256 -> 256 -> 10 (ReLU), SGD (lr 0.01, momentum 0.9),
+8,192 examples of 64 features and 10 classes, 5 epochs; the figure is the steps per second over
+epochs 2-5 (epoch 1 warms up), at batch 64 and batch 8. Rows, each printed as ours, the
+reference and their ratio (median and range over the paired repeats):
 
-Every measurement runs in a fresh interpreter, the variants interleaved repeat by repeat: a
-process that has run replica threads keeps them (and their OpenMP state) until they are
-collected, and torch's OpenMP runtime then stops spin-waiting on the main thread, which slowed a
-later OneDevice fit in the same process by about 2x on a 2-core machine.
+| row | ours | reference | target |
+| --- | --- | --- | --- |
+| fit / loop | ``Trainer.fit``, default strategy: step time | a hand-written torch loop doing the same work | <= 1.05 (b64), <= 1.10 (b8) |
+| mirrored | ``MirroredStrategy(["cpu:0", "cpu:1"])``: throughput | ``OneDeviceStrategy("cpu:0")`` | >= 0.8 (b64), >= 0.6 (b8) |
+| central_storage | ``CentralStorageStrategy(["cpu:0", "cpu:1"], "cpu:0")``: throughput | OneDevice | >= 0.8 (b64), >= 0.6 (b8) |
 
-Run: python benchmarks/bench_fit.py [--examples 4096] [--repeats 3]
+``--execution threads`` runs the two-replica strategies with a thread per replica (the runner
+before replicas that share a device took turns on one thread), for the before/after figure.
+
+Every measurement runs in a fresh interpreter, and the repeats are paired (A B A B, the order
+reversed every repeat), so drifts of this shared machine hit both sides alike: a process that has
+run replica threads keeps them (and their OpenMP state), which slows later work in it.
+
+Run: python benchmarks/bench_fit.py [--repeats 5] [--examples 8192] [--epochs 5] [--batches 64 8]
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch.nn.functional as F
 
 import replicafit.strategies as ds
 from replicafit.data import datasets
-from replicafit.trainer import Trainer
+from replicafit.trainer import Callback, Trainer
 
 
 def make_model() -> torch.nn.Module:
@@ -40,26 +45,43 @@ def make_model() -> torch.nn.Module:
     )
 
 
-def hand_loop(x, y, batch: int) -> float:
+def hand_loop(x, y, batch: int, epochs: int) -> list[float]:
+    """The reference: batches the arrays itself, cross entropy, backward, step; keeps the epoch's
+    mean loss as fit does. Returns each epoch's seconds."""
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     xs, ys = torch.from_numpy(x), torch.from_numpy(y)
-    start = time.perf_counter()
-    total, count = torch.zeros(()), 0
-    for begin in range(0, len(xs), batch):
-        xb, yb = xs[begin : begin + batch], ys[begin : begin + batch]
-        optimizer.zero_grad(set_to_none=True)
-        losses = F.cross_entropy(model(xb), yb, reduction="none")
-        (losses.sum() / len(xb)).backward()
-        optimizer.step()
-        total += losses.detach().sum()
-        count += len(xb)
-    float(total / count)
-    return time.perf_counter() - start
+    times = []
+    for _ in range(epochs):
+        start = time.perf_counter()
+        total, count = torch.zeros(()), 0
+        for begin in range(0, len(xs), batch):
+            xb, yb = xs[begin : begin + batch], ys[begin : begin + batch]
+            optimizer.zero_grad(set_to_none=True)
+            losses = F.cross_entropy(model(xb), yb, reduction="none")
+            (losses.sum() / len(xb)).backward()
+            optimizer.step()
+            total += losses.detach().sum()
+            count += len(xb)
+        float(total / count)
+        times.append(time.perf_counter() - start)
+    return times
 
 
-def fit(x, y, batch: int, strategy=None) -> float:
-    model = make_model()
+class _EpochClock(Callback):
+    def __init__(self):
+        super().__init__()
+        self.times: list[float] = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.times.append(time.perf_counter() - self._start)
+
+
+def fit(x, y, batch: int, epochs: int, strategy=None) -> list[float]:
+    clock = _EpochClock()
     trainer = Trainer(
         strategy=strategy,
         optimizer={"class_name": "sgd", "config": {"learning_rate": 0.01, "momentum": 0.9}},
@@ -67,30 +89,38 @@ def fit(x, y, batch: int, strategy=None) -> float:
         metrics=(),
         seed=0,
     )
-    start = time.perf_counter()
-    trainer.fit(model, (x, y), batch_size=batch, epochs=1, shuffle=False, verbose=0)
-    return time.perf_counter() - start
+    trainer.fit(make_model(), (x, y), batch_size=batch, epochs=epochs, shuffle=False, verbose=0, callbacks=[clock])
+    return clock.times
 
 
 VARIANTS = {
-    "loop": lambda x, y, batch: hand_loop(x, y, batch),
-    "fit": lambda x, y, batch: fit(x, y, batch),
-    "one_device": lambda x, y, batch: fit(x, y, batch, ds.OneDeviceStrategy("cpu:0")),
-    "mirrored": lambda x, y, batch: fit(x, y, batch, ds.MirroredStrategy(["cpu:0", "cpu:1"])),
-    "central_storage": lambda x, y, batch: fit(x, y, batch, ds.CentralStorageStrategy(["cpu:0", "cpu:1"], "cpu:0")),
+    "loop": lambda x, y, b, e: hand_loop(x, y, b, e),
+    "fit": lambda x, y, b, e: fit(x, y, b, e),
+    "one_device": lambda x, y, b, e: fit(x, y, b, e, ds.OneDeviceStrategy("cpu:0")),
+    "mirrored": lambda x, y, b, e: fit(x, y, b, e, ds.MirroredStrategy(["cpu:0", "cpu:1"])),
+    "central_storage": lambda x, y, b, e: fit(x, y, b, e, ds.CentralStorageStrategy(["cpu:0", "cpu:1"], "cpu:0")),
 }
+# (ours, reference, kind, target at batch 64, target at batch 8)
+ROWS = [
+    ("fit", "loop", "step time", 1.05, 1.10),
+    ("mirrored", "one_device", "throughput", 0.8, 0.6),
+    ("central_storage", "one_device", "throughput", 0.8, 0.6),
+]
 
 
-def child(variant: str, batch: int, examples: int) -> None:
-    """One measurement in this (fresh) process: a warm-up run, then the timed one; prints seconds."""
+def child(variant: str, batch: int, examples: int, epochs: int, execution: str) -> None:
+    """One measurement in this (fresh) process: prints the steps per second over epochs 2..N."""
+    ds.set_replica_execution(execution)
     x, y = datasets.make_classification(examples, 64, n_classes=10, seed=0)
-    VARIANTS[variant](x, y, batch)
-    print(VARIANTS[variant](x, y, batch))
+    times = VARIANTS[variant](x, y, batch, epochs)
+    steps = -(-examples // batch)
+    print(steps * (len(times) - 1) / sum(times[1:]))
 
 
-def measure(variant: str, batch: int, examples: int) -> float:
-    argv = [sys.executable, os.path.abspath(__file__), "--child", variant, "--batch", str(batch)]
-    done = subprocess.run(argv + ["--examples", str(examples)], capture_output=True, text=True, timeout=600)
+def measure(variant: str, args, batch: int) -> float:
+    argv = [sys.executable, os.path.abspath(__file__), "--child", variant, "--batches", str(batch)]
+    argv += ["--examples", str(args.examples), "--epochs", str(args.epochs), "--execution", args.execution]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"{variant} at batch {batch} failed:\n{done.stderr[-2000:]}")
     return float(done.stdout.strip().splitlines()[-1])
@@ -98,36 +128,39 @@ def measure(variant: str, batch: int, examples: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--examples", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--examples", type=int, default=8192)
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 8])
+    parser.add_argument("--rows", nargs="+", default=[r[0] for r in ROWS], choices=[r[0] for r in ROWS])
+    parser.add_argument("--execution", choices=["auto", "threads"], default="auto")
     parser.add_argument("--child", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
-    parser.add_argument("--batch", type=int, default=8, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.batch, args.examples)
+        child(args.child, args.batches[0], args.examples, args.epochs, args.execution)
         return
-    for batch in (8, 64):
-        steps = -(-args.examples // batch)
-        times: dict = {name: [] for name in VARIANTS}
-        for repeat in range(args.repeats):  # interleaved (order reversed every repeat): drifts hit all alike
-            order = list(VARIANTS) if repeat % 2 == 0 else list(reversed(VARIANTS))
-            for name in order:
-                times[name].append(measure(name, batch, args.examples))
-        loop_t, fit_t = statistics.median(times["loop"]), statistics.median(times["fit"])
-        target = 1.10 if batch == 8 else 1.05
-        print(f"batch {batch} ({steps} steps):")
-        print(f"  hand-written loop : {loop_t * 1e3:8.1f} ms ({loop_t / steps * 1e6:.0f} us/step)")
-        print(
-            f"  Trainer.fit       : {fit_t * 1e3:8.1f} ms ({fit_t / steps * 1e6:.0f} us/step)  "
-            f"ratio {fit_t / loop_t:.3f} (target <= {target})"
-        )
-        one = statistics.median(times["one_device"])
-        mirrored = statistics.median(times["mirrored"])
-        central = statistics.median(times["central_storage"])
-        print(
-            f"  OneDevice {one * 1e3:.1f} ms; Mirrored(2) {mirrored * 1e3:.1f} ms ({mirrored / one:.2f}x); "
-            f"CentralStorage(2) {central * 1e3:.1f} ms ({central / one:.2f}x)"
-        )
+    print(f"{args.examples} examples, steps/s over epochs 2-{args.epochs}, {args.repeats} paired repeats, "
+          f"replica execution {args.execution!r}")
+    for batch in args.batches:
+        for ours, reference, kind, target64, target8 in ROWS:
+            if ours not in args.rows:
+                continue
+            ratios, a_rates, b_rates = [], [], []
+            for repeat in range(args.repeats):
+                pair = (ours, reference) if repeat % 2 == 0 else (reference, ours)
+                rates = {name: measure(name, args, batch) for name in pair}
+                a_rates.append(rates[ours])
+                b_rates.append(rates[reference])
+                # throughput: ours/reference steps per second; step time: reference/ours
+                ratios.append(rates[ours] / rates[reference] if kind == "throughput" else rates[reference] / rates[ours])
+            target = target64 if batch == 64 else target8
+            sign = ">=" if kind == "throughput" else "<="
+            print(
+                f"batch {batch:>3} {ours:>15} vs {reference:<10}: {statistics.median(a_rates):8.0f} vs "
+                f"{statistics.median(b_rates):8.0f} steps/s; {kind} ratio {statistics.median(ratios):.3f} "
+                f"(range {min(ratios):.3f}-{max(ratios):.3f}; target {sign} {target})",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

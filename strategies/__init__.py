@@ -39,7 +39,13 @@ from .reduce_util import (
     VariableAggregation,
     VariableSynchronization,
 )
-from .runner import ReplicaContext, get_stall_warning_seconds, set_stall_warning_seconds
+from .runner import (
+    ReplicaContext,
+    get_replica_execution,
+    get_stall_warning_seconds,
+    set_replica_execution,
+    set_stall_warning_seconds,
+)
 from .values import DistributedValues, Mirrored, PerReplica
 from .variables import (
     CentralStorageVariable,
@@ -87,11 +93,13 @@ __all__ = [
     "get_cross_replica_context",
     "get_logical_cpu_count",
     "get_replica_context",
+    "get_replica_execution",
     "get_stall_warning_seconds",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
     "list_logical_devices",
     "set_logical_cpu_count",
+    "set_replica_execution",
     "set_stall_warning_seconds",
 ]

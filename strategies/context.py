@@ -75,6 +75,18 @@ def current_mode() -> Mode:
     return stack[-1] if stack else _defaults["mode"]
 
 
+def current_stack() -> list:
+    """This thread's stack (the list itself)."""
+    return _local.stack
+
+
+def swap_stack(stack: list) -> list:
+    """Puts ``stack`` in force on this thread and returns the one it replaces (the replica
+    runner gives each replica that shares a thread its own stack)."""
+    previous, _local.stack = _local.stack, stack
+    return previous
+
+
 def stack_depth() -> int:
     return len(_local.stack)
 

@@ -1,8 +1,13 @@
 """The replica runner: persistent replica threads, replica contexts and ``merge_call``.
 
-``call_for_each_replica`` runs ``fn`` once per replica. Replica 0 runs on the
-caller's thread; replicas 1..n-1 run on persistent worker threads (one *crew* per
-concurrent call, reused from call to call). With one replica nothing changes thread.
+``call_for_each_replica`` runs ``fn`` once per replica. With one replica nothing changes
+thread. Replicas that share one physical device (logical CPUs, several replicas on one GPU)
+*take turns* on the caller's thread: each is a persistent greenlet that runs until it reaches a
+rendezvous, so a step costs no thread hand-off and torch's intra-op pool is used as by one
+replica (``set_replica_execution``). Replicas on distinct devices run side by side: replica 0
+on the caller's thread, replicas 1..n-1 on persistent worker threads (one *crew* per concurrent
+call, reused from call to call). Either way every replica carries its own torch thread-local
+state and replica context, and results are bit-identical.
 
 ``merge_call`` is a rendezvous: every replica hands in its arguments and waits; the
 last one to arrive runs ``merge_fn`` once, in cross-replica context, with the
@@ -24,7 +29,9 @@ combines values in replica order, so results do not depend on thread timing.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
+import contextvars
 import logging
 import math
 import queue
@@ -34,12 +41,24 @@ import weakref
 
 import torch
 
+try:
+    import greenlet as _greenlet
+except ImportError:  # pragma: no cover - greenlet is a dependency; without it replicas run on threads
+    _greenlet = None
+
 from . import context, nest
 from .nest import StructureMismatchError
 from .reduce_util import ReduceOp, as_reduce_op
 from .values import Mirrored, PerReplica, check_component_counts, regroup, select_replica
 
-__all__ = ["ReplicaContext", "MERGE_CALL_MISMATCH", "set_stall_warning_seconds", "get_stall_warning_seconds"]
+__all__ = [
+    "ReplicaContext",
+    "MERGE_CALL_MISMATCH",
+    "set_stall_warning_seconds",
+    "get_stall_warning_seconds",
+    "set_replica_execution",
+    "get_replica_execution",
+]
 
 MERGE_CALL_MISMATCH = "Some replicas made a different number of replica_context().merge_call() calls."
 
@@ -65,6 +84,42 @@ def set_stall_warning_seconds(seconds: float) -> None:
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (seconds >= 0) or math.isinf(seconds):
         raise ValueError(f"The stall warning threshold must be a number of seconds >= 0 (0: off), got {seconds!r}.")
     _stall_warning_seconds = float(seconds)
+
+
+_REPLICA_EXECUTIONS = ("auto", "threads")
+_replica_execution = "auto"
+
+
+def set_replica_execution(mode: str) -> None:
+    """How the replicas of a multi-replica ``run`` are executed, for calls started afterwards.
+
+    ``"auto"`` (the default): replicas that share one physical device (logical CPUs such as
+    ``"cpu:0"``/``"cpu:1"``, or several replicas on one GPU) take turns on the caller's thread,
+    switching only where they meet (``merge_call``, ``all_reduce``, ``all_gather``, the end of the
+    function); they could not run faster side by side, and a thread hand-off costs more than
+    a step's arithmetic at small batches. Replicas on distinct devices run on threads of their
+    own, side by side. A call with ``CommunicationOptions(timeout_seconds=...)`` always uses
+    threads, so that it can return while a replica is stuck in user code.
+
+    ``"threads"``: every replica on a thread of its own, always (what replica code that waits
+    for other replicas by other means than the strategy's collectives, a ``threading.Barrier``
+    for instance, needs). Results are bit-identical either way.
+
+    Example::
+
+        ds.set_replica_execution("threads")
+        out = strategy.run(fn_that_uses_its_own_barrier)
+        ds.set_replica_execution("auto")
+    """
+    global _replica_execution
+    if mode not in _REPLICA_EXECUTIONS:
+        raise ValueError(f"The replica execution must be one of {list(_REPLICA_EXECUTIONS)}, got {mode!r}.")
+    _replica_execution = mode
+
+
+def get_replica_execution() -> str:
+    """The replica execution mode (``"auto"`` or ``"threads"``); see ``set_replica_execution``."""
+    return _replica_execution
 
 
 def get_stall_warning_seconds() -> float:
@@ -171,6 +226,7 @@ class ReplicaContext:
         if self._state is None and self._strategy.num_replicas_in_sync == 1:
             return nest.pack_sequence_as(value, flat)
         if torch.is_grad_enabled() and any(t.requires_grad for t in flat):
+            _backward_needs_threads(self._state)
             reduced = _AllReduce.apply(self, op, options, *flat)
         else:
             reduced = self._merge_call(_batch_all_reduce, (op, flat, options), {})
@@ -186,6 +242,7 @@ class ReplicaContext:
         if self._state is None and self._strategy.num_replicas_in_sync == 1:
             return nest.pack_sequence_as(value, flat)
         if torch.is_grad_enabled() and any(t.requires_grad for t in flat):
+            _backward_needs_threads(self._state)
             gathered = _AllGather.apply(self, axis, options, *flat)
         else:
             gathered = [g for g, _ in self._merge_call(_batch_all_gather, (axis, flat), {})]
@@ -244,6 +301,29 @@ def _batch_all_gather(strategy, axis, flat_values, with_sizes=False):
             sizes = strategy.extended._all_workers_sizes(sizes)
         out.append((_owned(strategy.extended._gather_to(value, axis, value)), PerReplicaConstant(sizes)))
     return out
+
+
+_TURNS_IN_BACKWARD = (
+    "{what} inside a backward pass while the replicas take turns on one thread (they share one device): "
+    "torch's autograd engine cannot run one replica's backward pass while another's is suspended. "
+    "Call replicafit.strategies.set_replica_execution('threads') before this run to give every replica a "
+    "thread of its own."
+)
+
+
+def _backward_needs_threads(state) -> None:
+    """A differentiable collective: its backward is a rendezvous inside autograd's engine, which
+    replicas taking turns on one thread cannot reach (the engine's per-thread state would be shared
+    by two suspended backward passes). Before anything has been merged, the call starts again with
+    a thread per replica (and the function keeps threads from then on); later it is an error."""
+    if not isinstance(state, _CoopState):
+        return
+    with state.cond:
+        if state.generation == 0 and not state.aborted:
+            state.rerun_on_threads = True
+            state._abort()
+            raise _Aborted()
+    raise RuntimeError(_TURNS_IN_BACKWARD.format(what="A differentiable all_reduce/all_gather after a merge_call"))
 
 
 class PerReplicaConstant:
@@ -436,6 +516,17 @@ class _RunState:
                 return
         self.cond.wait()  # woken by every arrival, merge, finish and abort
 
+    def check_stall(self) -> None:
+        """Logs the pending rendezvous once if it is stalled (``cond`` held); never waits."""
+        pending = self._pending()
+        if pending is None or not self.stall_after or self.aborted:
+            return
+        key, since = pending
+        now = time.monotonic()
+        if self.stall_reported != key and now - since >= self.stall_after:
+            self.stall_reported = key
+            _logger.warning("%s", self._describe_wait(key, now - since, timed_out=False))
+
     def _describe_wait(self, key, waited: float, timed_out: bool) -> str:
         kind, generation = key
         if kind == "merge_call":
@@ -515,6 +606,130 @@ class _RunState:
         if self.abort_error is not None:
             raise self.abort_error
         return self.outputs
+
+
+class _CoopState(_RunState):
+    """The state of a cooperative call: every replica is a greenlet on one thread.
+
+    A replica runs until it reaches a rendezvous (or its end), then hands control back to the
+    scheduler (the caller's greenlet), which runs the next ready replica; the last replica to
+    arrive runs ``merge_fn`` and carries on, the others are resumed in replica order. Nothing
+    can wait forever: a replica that returns while others wait, or raises, aborts the call as
+    on threads, and the suspended replicas are resumed to unwind.
+
+    Waiting is measured in each replica's own running time (what the replicas would have
+    waited had they run side by side): a rendezvous is pending for the time the running replica
+    has run since it was resumed, less the shortest time an already-arrived replica ran.
+    """
+
+    def __init__(self, strategy, count: int, stall_after: float):
+        super().__init__(strategy, count, None, stall_after)
+        self.hub = None  # the scheduler's greenlet
+        self.ready: collections.deque = collections.deque(range(count))
+        self.blocked: list = []  # replicas suspended in merge_call, in arrival order
+        self.resumed_at = 0.0  # when the running replica was (re)started
+        self.running = None  # the replica running now (None: the scheduler runs)
+        self.shortest = math.inf  # the shortest segment of the replicas at the pending rendezvous
+        self.rerun_on_threads = False  # a differentiable collective came first: start again on threads
+
+    def _arrive(self, now: float) -> None:
+        """Bookkeeping of an arrival at a rendezvous or the end (``cond`` held)."""
+        segment = now - self.resumed_at
+        if segment < self.shortest:
+            self.shortest = segment
+        self.running = None
+
+    def resume_clock(self, replica_id: int) -> None:
+        """Called by the scheduler as it (re)starts a replica."""
+        with self.cond:
+            self.resumed_at = time.monotonic()
+            self.running = replica_id
+
+    def _pending(self):
+        """The rendezvous others wait at, and since when in their own running time: the running
+        replica's time since it was resumed, less the shortest time an arrived replica ran. With
+        no arrival yet, the replicas still to run wait for their turn from the moment it began."""
+        if self.merging or self.running is None or self.aborted:
+            return None
+        if self.arrived:
+            return ("merge_call", self.generation), self.resumed_at + self.shortest
+        if self.finished:
+            return ("end", None), self.resumed_at + self.shortest
+        if self.count - self.done > 1:
+            return ("turn", self.generation, self.running), self.resumed_at
+        return None
+
+    def _describe_wait(self, key, waited: float, timed_out: bool) -> str:
+        if key[0] != "turn":
+            return super()._describe_wait(key, waited, timed_out)
+        running = key[2]
+        waiting = [i for i in range(self.count) if i != running and i not in self._finished_ids]
+        reached = self.reached[running]
+        last = f"it last reached collective #{reached[0]} ({reached[1]})" if reached else "it reached no collective"
+        return (
+            f"{type(self.strategy).__name__}.run() may be stalled: replica {running} has run {waited:.3g} s "
+            f"without reaching a rendezvous ({last} in this run); replica(s) {waiting} wait for their turn "
+            "(replicas that share one device take turns on one thread). Nothing is aborted; pass "
+            "CommunicationOptions(timeout_seconds=...) to fail instead, or set_stall_warning_seconds(0) to "
+            "silence this warning."
+        )
+
+    def merge_call(self, replica_id, merge_fn, args, kwargs):
+        with self.cond:
+            if self.done == self.count:
+                raise RuntimeError(
+                    "merge_call (or all_reduce/all_gather, also in a backward pass) was called after "
+                    "strategy.run() returned: differentiate through a collective inside the replica function, "
+                    "on every replica."
+                )
+            if self.aborted:
+                raise _Aborted()
+            self.reached[replica_id] = (self.generation + 1, _describe(merge_fn, args))
+            if self.finished:
+                self._abort(RuntimeError(MERGE_CALL_MISMATCH))
+                raise _Aborted()
+            if _graph_task_id() != -1:  # inside autograd's engine: this replica cannot be suspended
+                self._abort(RuntimeError(_TURNS_IN_BACKWARD.format(what=_describe(merge_fn, args))))
+                raise _Aborted()
+            self.requests[replica_id] = (merge_fn, args, kwargs)
+            self.arrived += 1
+            self._arrive(time.monotonic())
+            if self.arrived < self.count:
+                self.blocked.append(replica_id)
+                generation = self.generation
+                last = False
+            else:
+                requests, self.requests = self.requests, [None] * self.count
+                self.merging, self.merging_replica = True, replica_id
+                last = True
+        if not last:
+            self.hub.switch()  # the scheduler resumes this replica after the merge, or to unwind
+            if self.generation == generation:
+                raise _Aborted()
+            return self.results[replica_id]
+        try:
+            results = self._run_merge(requests)
+        except BaseException as error:  # noqa: BLE001 - every failure must release the others
+            with self.cond:
+                self.merging = False
+                self._abort(error)
+            raise _Aborted() from None
+        with self.cond:
+            self.results = results
+            self.arrived = 0
+            self.merging = False
+            self.generation += 1
+            self.shortest = math.inf
+            self.ready.extend(sorted(self.blocked))
+            self.blocked.clear()
+            self.resumed_at = time.monotonic()
+            self.running = replica_id
+        return results[replica_id]
+
+    def finish(self, replica_id, output) -> None:
+        with self.cond:
+            self._arrive(time.monotonic())
+        super().finish(replica_id, output)
 
 
 def _describe(merge_fn, args) -> str:
@@ -609,6 +824,184 @@ def torch_state(state: tuple, device: torch.device, current: tuple):
         yield
 
 
+# --- switching replicas on one thread ---------------------------------------------------
+
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+def _snapshot() -> tuple:
+    """The thread-local torch state a replica carries across a switch (cheap when it is plain):
+    grad mode, inference mode, autocast (per device type), torch function modes (the default
+    device is one)."""
+    autocast = None
+    if _any_autocast is None or _any_autocast():
+        autocast = tuple((d, _autocast_enabled(d), _autocast_dtype(d)) for d in ("cpu", "cuda"))
+    depth = torch._C._len_torch_function_stack()
+    modes = tuple(torch._C._get_function_stack_at(i) for i in range(depth)) if depth else ()
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, modes)
+
+
+def _put_in_force(wanted: tuple, current: tuple):
+    """Makes ``wanted`` (a ``_snapshot``) the thread's state; returns an inference-mode guard to
+    exit when the replica is switched out (or None)."""
+    guard = None
+    if wanted[1] != current[1]:
+        guard = torch._C._InferenceMode(wanted[1])
+        guard.__enter__()
+    if wanted[0] != torch.is_grad_enabled():
+        torch._C._set_grad_enabled(wanted[0])
+    if wanted[2] != current[2]:
+        for device_type, enabled, dtype in wanted[2] or (("cpu", False, None), ("cuda", False, None)):
+            with contextlib.suppress(RuntimeError, TypeError):  # a device type this build lacks
+                if dtype is not None:
+                    torch.set_autocast_dtype(device_type, dtype)
+                torch.set_autocast_enabled(device_type, enabled)
+    if wanted[3] != current[3]:
+        for _ in range(torch._C._len_torch_function_stack()):
+            torch._C._pop_torch_function_stack()
+        for mode in wanted[3]:
+            torch._C._push_on_torch_function_stack(mode)
+    return guard
+
+
+_DONE = object()  # what a replica greenlet hands back when its task has ended
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def _switch_to(replica, state, task=None) -> None:
+    """Runs one replica greenlet until it yields (starting ``task``, or resuming it where it
+    waits); its torch state and context stack travel with it. Re-raises a Ctrl-C from it."""
+    current = _snapshot()
+    wanted = replica.torch_state
+    guard = _put_in_force(wanted, current) if wanted != current else None
+    hub_stack = context.swap_stack(replica.stack)
+    state.resume_clock(replica.replica_id)
+    try:
+        out = replica.switch(task) if task is not None else replica.switch()
+    finally:
+        context.swap_stack(hub_stack)
+        replica.torch_state = _snapshot()
+        if guard is not None:
+            guard.__exit__(None, None, None)
+        if replica.torch_state != current:
+            _put_in_force(current, _snapshot())
+    if out is _DONE:
+        replica.task = None
+    elif isinstance(out, BaseException):  # Ctrl-C in this replica; it is back at the top of its loop
+        replica.task = None
+        raise out
+
+
+class _Replica(_greenlet.greenlet if _greenlet is not None else object):
+    """A persistent replica greenlet: runs one task per call, then hands control back.
+
+    Between calls it waits at the top of its loop; during a call it carries the replica's own
+    torch state and context stack (``_switch_to`` swaps them in and out).
+    """
+
+    def __init__(self, replica_id: int, hub):
+        super().__init__(self._loop, hub)
+        self.replica_id = replica_id
+        self.task = None
+        self.torch_state = None
+        self.stack = None
+
+    def _loop(self, task):
+        while True:
+            try:
+                task()
+                out = _DONE
+            except BaseException as error:  # noqa: BLE001 - only Ctrl-C escapes a task; the hub re-raises it
+                out = error
+            task = None
+            task = self.parent.switch(out)
+
+
+def _run_cooperatively(state, tasks, crew) -> bool:
+    """The scheduler: runs the replica greenlets of ``crew`` on this thread until all are done.
+
+    On Ctrl-C (raised in whichever replica runs) the call is aborted, every suspended replica is
+    resumed to unwind at its rendezvous, replicas not yet started never start, and the interrupt
+    propagates. Returns whether every replica is back at the top of its loop (the crew reusable).
+    """
+    hub = _greenlet.getcurrent()
+    state.hub = hub
+    initial = _snapshot()
+    stack = context.current_stack()
+    for replica, task in zip(crew, tasks):
+        replica.parent = hub
+        replica.gr_context = contextvars.copy_context()
+        replica.torch_state, replica.stack, replica.task = initial, list(stack), task
+    _monitor.watch(state)
+    try:
+        while state.ready:
+            replica = crew[state.ready.popleft()]
+            task, replica.task = replica.task, True  # True: started
+            _switch_to(replica, state, task if task is not True else None)
+            if state.aborted and state.blocked:
+                with state.cond:
+                    state.ready.extend(sorted(state.blocked))
+                    state.blocked.clear()
+    except BaseException:
+        with state.cond:
+            state._abort()
+            pending = sorted(set(state.blocked) | {r for r in state.ready if crew[r].task is True})
+            state.blocked.clear()
+            state.ready.clear()
+        for replica_id in pending:  # started and suspended: unwind now, on this thread
+            with contextlib.suppress(BaseException):
+                _switch_to(crew[replica_id], state)
+        raise
+    finally:
+        _monitor.unwatch(state)
+        for replica in crew:
+            replica.stack = replica.torch_state = None
+    return all(replica.task is None and not replica.dead for replica in crew)
+
+
+class _StallMonitor:
+    """One daemon thread that logs stalled cooperative calls (they have no thread of their own
+    waiting). Sleeps between checks; touches no torch state."""
+
+    def __init__(self):
+        self._states: set = set()
+        self._thread = None
+        self._lock = threading.Lock()
+
+    def watch(self, state) -> None:
+        if not state.stall_after:
+            return
+        with self._lock:  # (the thread leaves under this lock once nothing is watched)
+            self._states.add(state)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="replicafit-stall-monitor", daemon=True)
+                self._thread.start()
+
+    def unwatch(self, state) -> None:
+        self._states.discard(state)
+
+    def _loop(self) -> None:
+        idle_since = None
+        while True:
+            time.sleep(min(1.0, max(0.01, _stall_warning_seconds / 4 or 1.0)))
+            states = list(self._states)
+            for state in states:
+                with state.cond:
+                    state.check_stall()
+            if states:
+                idle_since = None
+                continue
+            idle_since = idle_since or time.monotonic()
+            if time.monotonic() - idle_since > 2.0:  # nothing to watch for a while: leave
+                with self._lock:
+                    if not self._states:
+                        self._thread = None
+                        return
+
+
+_monitor = _StallMonitor()
+
+
 # --- persistent replica threads --------------------------------------------------------
 
 
@@ -668,6 +1061,11 @@ class ReplicaRunner:
         self._name = strategy_name
         self._devices = devices
         self._torch_devices = torch_devices
+        # Replicas that share one physical device (logical CPUs, or several replicas on one GPU)
+        # cannot run faster side by side: they take turns on one thread instead.
+        self.shares_device = _greenlet is not None and len(set(torch_devices)) == 1
+        self._greenlets = threading.local()  # per thread: idle crews of replica greenlets
+        self._needs_threads: set = set()  # replica functions with differentiable collectives
         self._lock = threading.Lock()
         self._idle: list = []
         self._crews: list = []
@@ -719,6 +1117,13 @@ class ReplicaRunner:
         ``timeout`` whichever replica is stuck, at a collective or not.
         """
         count = len(self._devices)
+        if timeout is None and self.shares_device and _replica_execution == "auto":
+            key = _function_key(fn)
+            if key not in self._needs_threads:
+                outputs = self._run_cooperatively(strategy, fn, args, kwargs)
+                if outputs is not None:
+                    return outputs
+                self._needs_threads.add(key)
         state = _RunState(strategy, count, timeout, _stall_warning_seconds if timeout is None else 0.0)
         torch_state_now = capture_torch_state()
         on_caller = 0 if timeout is None else None
@@ -745,6 +1150,25 @@ class ReplicaRunner:
             self._discard(crew)
         return state.outcome()
 
+    def _run_cooperatively(self, strategy, fn, args, kwargs):
+        """Every replica on the caller's thread, one at a time, switching only at rendezvous."""
+        if self._closed:
+            raise RuntimeError(f"The replica threads of {self._name} were shut down.")
+        count = len(self._devices)
+        state = _CoopState(strategy, count, _stall_warning_seconds)
+        tasks = [self._task(state, r, fn, args, kwargs, None, True) for r in range(count)]
+        idle = self._greenlets.__dict__.setdefault("idle", [])  # this thread's crews of greenlets
+        crew = idle.pop() if idle else [_Replica(r, _greenlet.getcurrent()) for r in range(count)]
+        reusable = False
+        try:
+            reusable = _run_cooperatively(state, tasks, crew)
+        finally:
+            if reusable:
+                idle.append(crew)
+        if state.rerun_on_threads and not state.errors:
+            return None  # nothing merged yet: run() starts the call again with a thread per replica
+        return state.outcome()
+
     def _task(self, state, replica_id, fn, args, kwargs, torch_state_now, on_caller_thread):
         replica_args = select_replica(replica_id, args) if args else args
         replica_kwargs = select_replica(replica_id, kwargs) if kwargs else kwargs
@@ -752,6 +1176,13 @@ class ReplicaRunner:
         return _ReplicaTask(
             state, replica_id, fn, replica_args, replica_kwargs, torch_state_now, device, on_caller_thread
         )
+
+
+def _function_key(fn):
+    """What identifies a replica function from call to call (a bound method or a closure is a new
+    object every time; its code is not)."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    return code if code is not None else type(fn)
 
 
 class _ReplicaTask:

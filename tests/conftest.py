@@ -53,6 +53,16 @@ def _clean_context():
     assert torch.is_grad_enabled()
 
 
+@pytest.fixture
+def replica_threads():
+    """Every replica on a thread of its own for the test (replicas that share a device take turns on
+    one thread by default): for tests of the threaded runner and of code that needs concurrency."""
+    previous = ds.get_replica_execution()
+    ds.set_replica_execution("threads")
+    yield
+    ds.set_replica_execution(previous)
+
+
 gpu = pytest.mark.gpu
 
 

@@ -913,9 +913,17 @@ def stall_after():
     ds.set_stall_warning_seconds(previous)
 
 
+@pytest.fixture(params=["auto", "threads"])
+def execution(request):
+    previous = ds.get_replica_execution()
+    ds.set_replica_execution(request.param)
+    yield request.param
+    ds.set_replica_execution(previous)
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("late", [0, 1])
-def test_a_stalled_rendezvous_is_logged_once(stall_after, caplog, late):
+def test_a_stalled_rendezvous_is_logged_once(stall_after, caplog, late, execution):
     stall_after(0.2)
     strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
 
@@ -931,6 +939,13 @@ def test_a_stalled_rendezvous_is_logged_once(stall_after, caplog, late):
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1, warnings
     assert "may be stalled" in warnings[0]
+    if execution == "auto" and late == 0:
+        # Taking turns, replica 1 has not started when replica 0 is late: it waits for its turn.
+        ran = re.search(r"replica 0 has run ([0-9.]+) s without reaching a rendezvous", warnings[0])
+        assert ran and 0.2 <= float(ran.group(1)) < 0.8, warnings[0]
+        assert "(it reached no collective in this run); replica(s) [1] wait for their turn" in warnings[0]
+        assert "set_stall_warning_seconds(0)" in warnings[0]
+        return
     waited = re.search(r"have waited ([0-9.]+) s at", warnings[0])
     assert waited and 0.2 <= float(waited.group(1)) < 0.8, warnings[0]
     assert f"replica(s) [{1 - late}] have waited {waited.group(1)} s at collective #1 of this run " in warnings[0]
@@ -940,7 +955,7 @@ def test_a_stalled_rendezvous_is_logged_once(stall_after, caplog, late):
 
 
 @pytest.mark.timeout(30)
-def test_a_replica_late_to_finish_is_logged(stall_after, caplog):
+def test_a_replica_late_to_finish_is_logged(stall_after, caplog, execution):
     stall_after(0.2)
     strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
 
@@ -974,6 +989,7 @@ INTERRUPTED_SCRIPT = """
 import sys, threading, time, torch
 import replicafit.strategies as ds
 
+ds.set_replica_execution("threads")
 strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
 started = threading.Event()
 
@@ -1005,6 +1021,42 @@ def test_interpreter_exit_waits_for_replicas_released_by_ctrl_c(tmp_path):
     assert result.returncode == 130, (result.returncode, result.stderr)
     assert marker.exists()  # replica 1 left torch before the interpreter finalized
     assert "terminate called" not in result.stderr
+
+
+@pytest.mark.timeout(30)
+def test_ctrl_c_in_replicas_taking_turns_unwinds_every_replica_at_once():
+    """Ctrl-C lands in whichever replica runs: run raises it at once, the suspended replicas unwind
+    through their own finally blocks on the caller's thread, unstarted ones never start."""
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
+    unwound, started = [], []
+
+    def fn():
+        r = rid()
+        started.append(r)
+        try:
+            ds.get_replica_context().merge_call(lambda st: None)
+            if r == 1:
+                raise KeyboardInterrupt  # as Ctrl-C would, in the replica that runs
+            ds.get_replica_context().merge_call(lambda st: None)
+        finally:
+            unwound.append(r)
+
+    with pytest.raises(KeyboardInterrupt):
+        strategy.run(fn)
+    assert sorted(started) == [0, 1, 2] and sorted(unwound) == [0, 1, 2]
+    assert ds.get_replica_context() is not None and not ds.in_cross_replica_context()
+    _check_normal_step(strategy)
+
+    def first_interrupts():
+        started.append(rid())
+        if rid() == 0:
+            raise KeyboardInterrupt
+
+    started.clear()
+    with pytest.raises(KeyboardInterrupt):
+        strategy.run(first_interrupts)
+    assert started == [0]  # replicas 1 and 2 never started
+    _check_normal_step(strategy)
 
 
 # --- messages that name the cause (item 4) ---------------------------------------------------------
@@ -1471,16 +1523,37 @@ def test_replica_creates_tensors_requiring_grad_normally(strategy):
 # --- concurrency and determinism ----------------------------------------------------------------
 
 
-def test_replicas_run_on_different_threads():
+def test_replicas_run_on_different_threads(replica_threads):
     strategy = make_strategy("mirrored2")
     idents = _collect(strategy, threading.get_ident)
     assert len(set(idents)) == 2
 
 
-def test_replicas_run_on_different_threads_four():
+def test_replicas_run_on_different_threads_four(replica_threads):
     strategy = make_strategy("mirrored4")
     idents = _collect(strategy, threading.get_ident)
     assert len(set(idents)) == 4
+
+
+@pytest.mark.parametrize("name", ["mirrored2", "mirrored4", "central_storage2"])
+def test_replicas_that_share_a_device_take_turns_on_the_callers_thread(name):
+    strategy = make_strategy(name)
+    before = threading.active_count()
+    assert _collect(strategy, threading.get_ident) == [threading.get_ident()] * n_of(strategy)
+    assert threading.active_count() <= before + 1  # at most the stall monitor, no replica threads
+
+
+def test_a_timeout_runs_replicas_that_share_a_device_on_threads():
+    strategy = make_strategy("mirrored2")
+    idents = strategy.run(threading.get_ident, options=ds.CommunicationOptions(timeout_seconds=10))
+    assert threading.get_ident() not in idents.values and len(set(idents.values)) == 2
+
+
+def test_replica_execution_setting_is_checked():
+    assert ds.get_replica_execution() == "auto"
+    with pytest.raises(ValueError, match=r"one of \['auto', 'threads'\], got 'greenlets'"):
+        ds.set_replica_execution("greenlets")
+    assert ds.get_replica_execution() == "auto"
 
 
 def test_one_replica_runs_on_the_callers_thread(strategy):
@@ -1490,7 +1563,7 @@ def test_one_replica_runs_on_the_callers_thread(strategy):
 
 
 @pytest.mark.timeout(30)
-def test_barrier_between_replicas_does_not_deadlock():
+def test_barrier_between_replicas_does_not_deadlock(replica_threads):
     strategy = make_strategy("mirrored2")
     barrier = threading.Barrier(2, timeout=5)
 
@@ -1502,7 +1575,7 @@ def test_barrier_between_replicas_does_not_deadlock():
 
 
 @pytest.mark.timeout(30)
-def test_barrier_four_replicas_twice():
+def test_barrier_four_replicas_twice(replica_threads):
     strategy = make_strategy("mirrored4")
     barrier = threading.Barrier(4, timeout=5)
 

@@ -71,7 +71,7 @@ def _settle(seconds=5.0):
 
 
 @pytest.mark.timeout(60)
-def test_many_steps_with_merge_calls_and_all_reduce():
+def test_many_steps_with_merge_calls_and_all_reduce(replica_threads):
     _settle()
     before = set(threading.enumerate())
     strategy = ds.MirroredStrategy(DEVICES)
@@ -84,6 +84,16 @@ def test_many_steps_with_merge_calls_and_all_reduce():
         _check(strategy, strategy.run(_step, args=(step,)), step)
     assert threading.active_count() == threads_after_warmup
     assert set(threading.enumerate()) - before == workers
+
+
+@pytest.mark.timeout(60)
+def test_many_steps_taking_turns_start_no_thread():
+    _settle()
+    before = set(threading.enumerate())
+    strategy = ds.MirroredStrategy(DEVICES)
+    for step in range(200):
+        _check(strategy, strategy.run(_step, args=(step,)), step)
+    assert {t.name for t in set(threading.enumerate()) - before} <= {"replicafit-stall-monitor"}
 
 
 def _failing_step(plan):
@@ -158,7 +168,7 @@ def _wait_until_gone(threads, seconds=5.0) -> list:
 
 
 @pytest.mark.timeout(60)
-def test_replica_threads_exit_when_strategy_is_collected():
+def test_replica_threads_exit_when_strategy_is_collected(replica_threads):
     _settle()
     baseline = threading.active_count()
     before = set(threading.enumerate())
@@ -174,7 +184,7 @@ def test_replica_threads_exit_when_strategy_is_collected():
 
 
 @pytest.mark.timeout(60)
-def test_replica_threads_exit_after_nested_runs_and_failures():
+def test_replica_threads_exit_after_nested_runs_and_failures(replica_threads):
     _settle()
     baseline = threading.active_count()
     before = set(threading.enumerate())
