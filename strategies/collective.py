@@ -116,6 +116,9 @@ class Collective:
             kwargs = {"timeout": self.timeout} if self.timeout else {}
             self.control_group = dist.new_group(backend="gloo", **kwargs)
             self.input_group = dist.new_group(backend="gloo", **kwargs)
+            # Gradient buckets started during backward: a group of their own, so their order never
+            # interleaves with other data collectives (gloo pairs messages by order).
+            self.bucket_group = dist.new_group(backend=backend, **kwargs)
         self.operations = 0  # data collectives issued (benchmarks count them)
 
     @classmethod
@@ -187,6 +190,19 @@ class Collective:
             self.operations += len(works)
             for work in works:
                 self._wait(work)
+
+    def start_all_reduce(self, buffer: torch.Tensor, what: str):
+        """Starts summing ``buffer`` across workers in place on the bucket group; returns the work
+        (``wait_work`` it)."""
+        with self._guard(what):
+            work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.bucket_group, async_op=True)
+            self._pending.append(work)
+            self.operations += 1
+            return work
+
+    def wait_work(self, work, what: str) -> None:
+        with self._guard(what):
+            self._wait(work)
 
     def all_gather(self, tensor: torch.Tensor, what: str) -> list:
         """Every worker's ``tensor`` (same shape on all), in worker order."""

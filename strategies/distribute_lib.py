@@ -222,6 +222,14 @@ class StrategyExtended:
         """Worker 0's ``value`` (a tensor or number of the same shape on every worker; a collective)."""
         return value
 
+    def _overlap_gradients(self, variables):
+        """A context for one training step whose gradients of ``variables`` may be reduced while
+        backward runs (across workers; here nothing to overlap)."""
+        return contextlib.nullcontext()
+
+    def _release_gradient_buckets(self) -> None:
+        """Drops what ``_overlap_gradients`` built (the hooks on the model's parameters)."""
+
     def _barrier(self, name: str) -> None:
         """Waits until every worker reaches the barrier ``name`` (bounded by the timeout)."""
 

@@ -22,17 +22,19 @@ one process per worker with ``SimpleClusterResolver``)::
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 
 import torch
 
+from .buckets import GradientBuckets
 from .cluster_resolver import ClusterResolver, resolve_cluster
 from .collective import Collective, WorkerFailedError
-from .cross_device_ops import CollectiveAllReduce, destination_devices
+from .cross_device_ops import CollectiveAllReduce, _broadcast, destination_devices
 from .devices import canonicalize_list, torch_device
 from .distribute_lib import Strategy, StrategyExtended, _tensor_of
 from .mirrored import _default_cross_device_ops
-from .reduce_util import CommunicationOptions
+from .reduce_util import CommunicationOptions, ReduceOp
 from .values import DistributedValues, PerReplica
 
 __all__ = ["MultiWorkerMirroredStrategy", "WorkerFailedError"]
@@ -53,6 +55,10 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         self._worker_index = resolver.worker_index
         self._replica_id_offset = resolver.worker_index * len(devices)
         self._collective = None
+        self._grad_buckets = None  # GradientBuckets of the trainer's variables, built at its first step
+        self._grad_step = None  # the buckets of the step running now
+        #: Start the gradient all-reduces of a training step during backward (buckets.py).
+        self.overlap_gradients = True
         if resolver.num_workers > 1:
             self._collective = Collective.get(
                 resolver.worker_index,
@@ -102,7 +108,45 @@ class MultiWorkerMirroredExtended(StrategyExtended):
     def _in_multi_worker_mode(self) -> bool:
         return self._num_workers > 1
 
+    def _overlap_gradients(self, variables):
+        """A training step whose gradients of ``variables`` are all-reduced in buckets started
+        during backward (``buckets.py``), consumed by the step's ``batch_reduce_to``. With
+        ``overlap_gradients = False`` the step reduces through the same buckets after backward."""
+        if self._collective is None or not variables:
+            return contextlib.nullcontext()
+        buckets = self._grad_buckets
+        if buckets is None or not buckets.matches(variables):
+            self._release_gradient_buckets()
+            bytes_per_bucket = self._options.bytes_per_pack or 0
+            buckets = GradientBuckets(self._collective, variables, len(self._worker_devices), bytes_per_bucket)
+            self._grad_buckets = buckets
+        return self._bucket_step(buckets)
+
+    @contextlib.contextmanager
+    def _bucket_step(self, buckets):
+        buckets.arm(hooks=self.overlap_gradients)
+        self._grad_step = buckets
+        try:
+            yield
+        finally:
+            self._grad_step = None
+            buckets.disarm()
+
+    def _release_gradient_buckets(self) -> None:
+        if self._grad_buckets is not None:
+            self._grad_buckets.remove()
+            self._grad_buckets = None
+
     def _batch_reduce_to(self, op, pairs, options) -> list:
+        buckets = self._grad_step
+        if (
+            buckets is not None
+            and op is ReduceOp.SUM
+            and all(isinstance(value, PerReplica) for value, _ in pairs)
+            and buckets.matches([d for _, d in pairs])
+        ):
+            reduced = buckets.reduce([value for value, _ in pairs])
+            return [_broadcast(t, destination_devices(d)) for t, (_, d) in zip(reduced, pairs)]
         if self._collective is not None:
             # As in TensorFlow: a plain value is this worker's (each local replica's) value.
             pairs = [(self._as_local_replicas(value), d) for value, d in pairs]

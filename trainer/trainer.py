@@ -28,6 +28,7 @@ logs add ``<output>_loss`` and ``<output>_<metric>`` per output.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
@@ -416,6 +417,9 @@ class Trainer:
         # Logs are global, so built-in callbacks decide alike on every worker; a user's callback
         # might not (in any hook), so its stop_training is agreed after every step.
         agree_each_step = extended._num_workers > 1 and callbacks_module.may_stop_training_alone(callback_list)
+        # The built-in step applies its gradients once: across workers they can be reduced in buckets
+        # started during backward (a custom train_step reduces after backward).
+        overlap = extended._overlap_gradients if type(self).train_step is Trainer.train_step else None
         logs: dict = {}
         try:
             for epoch in range(start_epoch, epochs):
@@ -439,7 +443,8 @@ class Trainer:
                     if callback_list.wants_batch_logs["on_train_batch_begin"]:
                         callback_list.call("on_train_batch_begin", step, {})
                     self._set_global_batch(batch)
-                    self.strategy.run(self.train_step, args=(batch,))
+                    with overlap(self._trainable) if overlap is not None else contextlib.nullcontext():
+                        self.strategy.run(self.train_step, args=(batch,))
                     step += 1
                     self._step = step
                     callback_list.call("on_train_batch_end", step - 1, self._logs() if batch_logs else {})
@@ -466,6 +471,7 @@ class Trainer:
                     break
         finally:
             cursor.close()
+            extended._release_gradient_buckets()  # the model's parameters keep no hooks of ours
         callback_list.call("on_train_end", logs)
         return history
 

@@ -1,0 +1,240 @@
+"""Gradient buckets: all-reduces across workers started during backward, consumed by the optimizer.
+
+``MultiWorkerMirroredStrategy`` keeps the contract that ``apply_gradients`` does
+``merge_call`` -> ``batch_reduce_to`` -> ``update``; this module only makes the
+``batch_reduce_to`` of a training step find most of its work already done. For a fixed list of
+trainable variables it lays their gradients out in flat *buckets*, in reverse variable order (the
+order backward produces them): the first bucket up to 1 MiB, the others up to the strategy's
+``bytes_per_pack`` (25 MiB when 0), one dtype per bucket, as DDP does. A hook on every local
+component of every variable records the gradient as backward produces it; when every local
+replica has given every gradient of a bucket, the bucket is filled (local replicas summed in
+replica order) and its all-reduce starts, on a process group of its own, **strictly in bucket
+order** (bucket *i* only after *i - 1*). ``reduce`` (called by ``batch_reduce_to``) then:
+
+1. starts, from the gradients it is given, every bucket that backward did not start (an unused
+   parameter, an empty replica that ran no backward), in bucket order; the last bucket always
+   starts here and carries one more element: whether this worker was given, for a bucket started
+   during backward, anything other than the gradients that backward produced (a gradient the
+   user transformed, in place or not);
+2. waits for every bucket, in order;
+3. if any worker set that flag, every worker reduces every bucket again from the given values
+   (so the collective sequence is the same on every worker whatever ran locally);
+4. returns views of the reduced buffers, which go straight into the update.
+
+Every worker therefore makes the same collectives in the same order every step, and the sums are
+those of the packed path: the same values summed in the same order (bit-identical to
+``overlap_gradients=False``, which reduces through the same buckets after backward).
+
+The hooks act only while a step is *armed* (the trainer arms its built-in ``train_step``); a
+backward pass outside an armed step is untouched.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .values import local_results
+
+__all__ = ["GradientBuckets"]
+
+FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket: small, so communication starts early
+DEFAULT_BUCKET_BYTES = 25 << 20  # DDP's bucket_cap_mb
+
+
+class _Bucket:
+    __slots__ = ("members", "buffer", "views", "work", "ready", "remaining", "dtype", "device")
+
+    def __init__(self, members, dtype, device):
+        self.members = members  # variable indices, in bucket order
+        self.dtype = dtype
+        self.device = device
+        self.buffer = None
+        self.views = []
+        self.work = None  # the all-reduce in flight
+        self.ready = False  # every local gradient recorded during backward
+        self.remaining = 0
+
+
+class GradientBuckets:
+    """Bucketed, hook-started gradient all-reduces of ``variables`` (see the module docstring).
+
+    Example (what ``MultiWorkerMirroredStrategy`` does for the trainer)::
+
+        buckets = GradientBuckets(collective, variables, local_count=1, bucket_bytes=0)
+        with buckets.armed():
+            grads = torch.autograd.grad(loss, [v.value() for v in variables])  # buckets start
+            reduced = buckets.reduce([PerReplica([g]) for g in grads])           # waits, views
+        buckets.remove()
+    """
+
+    def __init__(self, collective, variables, local_count: int, bucket_bytes: int = 0):
+        self._collective = collective
+        self.variables = list(variables)
+        self._count = local_count
+        self._lock = threading.Lock()
+        self._armed = False
+        components = [local_results(v) for v in self.variables]
+        self._tensors = [[c._read() for c in comps] for comps in components]
+        cap = bucket_bytes or DEFAULT_BUCKET_BYTES
+        self._buckets: list[_Bucket] = []
+        self._where: dict = {}  # variable index -> (bucket index, position)
+        current, size, key = None, 0, None
+        for index in reversed(range(len(self.variables))):
+            first = self._tensors[index][0]
+            nbytes = first.numel() * first.element_size()
+            limit = min(FIRST_BUCKET_BYTES, cap) if len(self._buckets) == 1 else cap  # the first is small
+            if current is None or (first.dtype, first.device) != key or (current.members and size + nbytes > limit):
+                current, size, key = _Bucket([], first.dtype, first.device), 0, (first.dtype, first.device)
+                self._buckets.append(current)
+            self._where[index] = (len(self._buckets) - 1, len(current.members))
+            current.members.append(index)
+            size += nbytes
+        last = len(self._buckets) - 1
+        for number, bucket in enumerate(self._buckets):
+            numels = [self._tensors[i][0].numel() for i in bucket.members]
+            extra = 1 if number == last else 0  # the last bucket carries the "transformed" flag
+            bucket.buffer = torch.zeros(sum(numels) + extra, dtype=bucket.dtype, device=bucket.device)
+            pieces = bucket.buffer.split(numels + ([1] if extra else []))
+            bucket.views = [p.view(self._tensors[i][0].shape) for p, i in zip(pieces, bucket.members)]
+        self._grads = [[None] * len(self.variables) for _ in range(local_count)]
+        self._versions = [[0] * len(self.variables) for _ in range(local_count)]
+        self._next = 0
+        self.redone = False  # whether the last step reduced every bucket again (tests count it)
+        self._handles = []
+        for index, tensors in enumerate(self._tensors):
+            for replica, tensor in enumerate(tensors):
+                if tensor.requires_grad:
+                    self._handles.append(tensor.register_hook(self._hook(replica, index)))
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    def bucket_sizes(self) -> list:
+        """Bytes of gradients per bucket, in bucket (launch) order."""
+        return [
+            sum(self._tensors[i][0].numel() * self._tensors[i][0].element_size() for i in b.members)
+            for b in self._buckets
+        ]
+
+    def matches(self, variables) -> bool:
+        return len(variables) == len(self.variables) and all(a is b for a, b in zip(variables, self.variables))
+
+    # --- one step ------------------------------------------------------------------------
+    def arm(self, hooks: bool = True) -> None:
+        """Starts a step: hooks record gradients until ``reduce`` or ``disarm`` (with ``hooks=False``
+        they do not, and ``reduce`` starts every bucket)."""
+        with self._lock:
+            self._reset()
+            self._armed = hooks
+
+    def disarm(self) -> None:
+        """Ends a step. A bucket started during backward but not consumed (the step raised) is
+        waited for, so no collective stays in flight."""
+        with self._lock:
+            self._armed = False
+            pending = [b.work for b in self._buckets if b.work is not None]
+            self._reset()
+        for work in pending:
+            self._collective.wait_work(work, "gradient buckets (an unfinished step)")
+
+    def _reset(self) -> None:
+        for bucket in self._buckets:
+            bucket.work = None
+            bucket.ready = False
+            bucket.remaining = self._count * len(bucket.members)
+        for grads in self._grads:
+            grads[:] = [None] * len(grads)
+        self._next = 0
+
+    def _hook(self, replica: int, index: int):
+        number, _ = self._where[index]
+
+        def hook(grad):
+            if not self._armed:
+                return None
+            with self._lock:
+                if not self._armed or self._grads[replica][index] is not None:
+                    return None  # a second backward pass in one step: reduce() sees other values
+                self._grads[replica][index] = grad
+                self._versions[replica][index] = grad._version
+                bucket = self._buckets[number]
+                bucket.remaining -= 1
+                if bucket.remaining == 0:
+                    bucket.ready = True
+                    self._launch_ready()
+            return None
+
+        return hook
+
+    def _launch_ready(self) -> None:
+        """Starts the ready buckets in order, all but the last (``reduce`` starts that one)."""
+        last = len(self._buckets) - 1
+        while self._next < last and self._buckets[self._next].ready:
+            bucket = self._buckets[self._next]
+            self._fill(bucket, [[self._grads[r][i] for i in bucket.members] for r in range(self._count)])
+            bucket.work = self._collective.start_all_reduce(bucket.buffer, f"gradient bucket {self._next}")
+            self._next += 1
+
+    def _fill(self, bucket: _Bucket, per_replica: list) -> None:
+        """The local replicas' gradients summed in replica order into the bucket (as the packed
+        path sums them: ``(g0 + g1) + g2 ...``)."""
+        views = bucket.views
+        with torch.no_grad():
+            first = [g.to(bucket.device) if g.device != bucket.device else g for g in per_replica[0]]
+            torch._foreach_copy_(views, first)
+            for grads in per_replica[1:]:
+                torch._foreach_add_(views, [g.to(bucket.device) for g in grads])
+
+    def reduce(self, values: list) -> list:
+        """The summed gradients of every worker and replica, one ``Mirrored`` (or tensor) per
+        variable: ``values`` are the ``PerReplica`` gradients ``batch_reduce_to`` was given."""
+        given = [v.values for v in values]
+        with self._lock:
+            self._armed = False
+            transformed = 0
+            for bucket in self._buckets:
+                if bucket.work is None:
+                    continue
+                for index in bucket.members:
+                    for replica in range(self._count):
+                        g = given[index][replica]
+                        if g is not self._grads[replica][index] or g._version != self._versions[replica][index]:
+                            transformed = 1
+            last = len(self._buckets) - 1
+            for number in range(self._next, len(self._buckets)):
+                bucket = self._buckets[number]
+                self._fill(bucket, [[given[i][r] for i in bucket.members] for r in range(self._count)])
+                if number == last:
+                    bucket.buffer[-1] = transformed
+                bucket.work = self._collective.start_all_reduce(bucket.buffer, f"gradient bucket {number}")
+            self._next = len(self._buckets)
+        for number, bucket in enumerate(self._buckets):
+            self._collective.wait_work(bucket.work, f"gradient bucket {number}")
+            bucket.work = None
+        self.redone = len(self._buckets) > 1 and float(self._buckets[-1].buffer[-1]) > 0
+        if self.redone:
+            # Some worker was given other gradients than backward produced: every worker reduces
+            # every bucket again from the given values (the same sequence everywhere).
+            for number, bucket in enumerate(self._buckets[:-1]):
+                self._fill(bucket, [[given[i][r] for i in bucket.members] for r in range(self._count)])
+                bucket.work = self._collective.start_all_reduce(bucket.buffer, f"gradient bucket {number} (again)")
+            for number, bucket in enumerate(self._buckets[:-1]):
+                self._collective.wait_work(bucket.work, f"gradient bucket {number} (again)")
+                bucket.work = None
+        with self._lock:
+            self._reset()
+        results: list = [None] * len(self.variables)
+        for bucket in self._buckets:
+            for view, index in zip(bucket.views, bucket.members):
+                results[index] = view
+        return results
+
+    def remove(self) -> None:
+        """Removes the hooks (the model no longer carries them)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._armed = False
