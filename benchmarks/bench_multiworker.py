@@ -25,12 +25,20 @@ are checked to give the same weights after 3 steps from the same initial values.
 Target (docs: the multi-worker performance plan): B <= 1.05x A on CPU gloo, and one data
 collective per step.
 
+With ``--model large`` (64 -> 2048 -> 2048 -> 1024 -> 10: 26.5 MB of gradients, several buckets) and
+``--without-communication``, it also times A0 (DDP inside ``no_sync()``) and B0 (B's step with a
+local update) and prints what communication adds to each step: B's gradient buckets start during
+backward, so that figure smaller than DDP's shows the overlap. ``--no-overlap`` reduces after
+backward instead, for comparison.
+
 Run: python benchmarks/bench_multiworker.py [--rounds 150] [--steps 20] [--warmup 20] [--batch 64]
+     python benchmarks/bench_multiworker.py --model large --without-communication --rounds 10 --steps 3 --no-fit
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -48,17 +56,19 @@ DISTINCT_BATCHES = 8  # the synthetic data: this many global batches, cycled
 
 
 # --- the worker side ---------------------------------------------------------------------------
+WIDTHS = {"mlp": (256, 256), "large": (2048, 2048, 1024)}  # "large": 6.6M parameters, 26.5 MB of gradients
+MODEL = "mlp"
+
+
 def make_model():
     import torch
 
     torch.manual_seed(0)  # the same initial values in every variant and on every worker
-    return torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, 256),
-        torch.nn.ReLU(),
-        torch.nn.Linear(256, 256),
-        torch.nn.ReLU(),
-        torch.nn.Linear(256, CLASSES),
-    )
+    layers, width = [], FEATURES
+    for hidden in WIDTHS[MODEL]:
+        layers += [torch.nn.Linear(width, hidden), torch.nn.ReLU()]
+        width = hidden
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, CLASSES))
 
 
 class _Census:
@@ -71,6 +81,7 @@ class _Census:
 
         self.dist, self.counts, self.saved = dist, {}, {}
         self.groups = {id(collective.control_group): "control", id(collective.input_group): "input"}
+        self.groups[id(collective.bucket_group)] = "bucket"
 
     def __enter__(self):
         for name in self.NAMES:
@@ -103,7 +114,8 @@ def worker(rank: int, port: int, args, outdir: str) -> None:
 
     torch.set_num_threads(1)
     resolver = ds.SimpleClusterResolver(WORLD, rank, "127.0.0.1", port)
-    strategy = ds.MultiWorkerMirroredStrategy(ds.CommunicationOptions(timeout_seconds=60), resolver)
+    options = ds.CommunicationOptions(timeout_seconds=60, bytes_per_pack=int(args.bucket_mb * 2**20))
+    strategy = ds.MultiWorkerMirroredStrategy(options, resolver)
     collective = strategy.extended._collective
     global_batch, per_worker = args.batch, args.batch // WORLD
 
@@ -135,8 +147,34 @@ def worker(rank: int, port: int, args, outdir: str) -> None:
         grads = torch.autograd.grad(loss, [v.value() for v in variables])
         opt_b.apply_gradients(zip(grads, variables))
 
+    overlap = strategy.extended._overlap_gradients
+
     def step_b(x, y):
-        strategy.run(replica_step, args=(x, y))
+        # As Trainer.fit runs its built-in step: gradient buckets started during backward.
+        with overlap(variables) if args.overlap else contextlib.nullcontext():
+            strategy.run(replica_step, args=(x, y))
+
+    # A0 and B0: the same steps without communication (DDP inside no_sync(); B with its bucket
+    # all-reduces skipped): (X - X0) is what communication adds to a step.
+
+    def step_a0(x, y):
+        with ddp.no_sync():
+            loss = F.cross_entropy(ddp(x), y)
+            loss.backward()
+        opt_a.step()
+        opt_a.zero_grad()
+
+    class _Done:
+        def wait(self):
+            return True
+
+    def step_b0(x, y):
+        start = collective.start_all_reduce
+        collective.start_all_reduce = lambda buffer, what: _Done()  # every bucket "reduced" at once
+        try:
+            step_b(x, y)
+        finally:
+            collective.start_all_reduce = start
 
     # The check: the same weights after 3 steps from the same initial values.
     for x, y in batches[:3]:
@@ -222,9 +260,9 @@ def worker(rank: int, port: int, args, outdir: str) -> None:
         step_b(*batches[k % DISTINCT_BATCHES])
     if not args.no_fit:
         fit_block(args.warmup)
-    order = ["A", "B"] + ([] if args.no_fit else ["C"])
+    order = ["A", "B"] + ([] if args.no_fit else ["C"]) + (["A0", "B0"] if args.without_communication else [])
     blocks: dict = {name: [] for name in order}
-    step_fns = {"A": step_a, "B": step_b}
+    step_fns = {"A": step_a, "B": step_b, "A0": step_a0, "B0": step_b0}
     for r in range(args.rounds):
         for name in order if r % 2 == 0 else order[::-1]:
             dist.barrier()
@@ -301,16 +339,26 @@ def report(outcomes, args) -> None:
         "A": "A  DDP + torch.optim.SGD",
         "B": "B  MWMS replica step + optimizers.SGD",
         "C": "C  MWMS through Trainer.fit",
+        "A0": "A0 DDP step inside no_sync()",
+        "B0": "B0 B with its all-reduces skipped",
     }
+    shape = "-".join(str(w) for w in (FEATURES, *WIDTHS[MODEL], CLASSES))
     print(
-        f"2 workers x 1 thread, gloo on 127.0.0.1, MLP 64-256-256-10, batch {args.batch} "
+        f"2 workers x 1 thread, gloo on 127.0.0.1, MLP {shape}, overlap={args.overlap}, batch {args.batch} "
         f"({args.batch // WORLD}/worker); {args.rounds} rounds x {args.steps} steps; the slower worker, ms/step"
     )
     print(f"  {'variant':<40} {'median':>8} {'p25':>8} {'p75':>8}")
     for n in names:
         q1, q2, q3 = _quartiles(slower[n])
         print(f"  {labels[n]:<40} {q2 * 1e3:8.3f} {q1 * 1e3:8.3f} {q3 * 1e3:8.3f}")
-    for n in names[1:]:
+    if "A0" in names:
+        comm_a = statistics.median(slower["A"]) - statistics.median(slower["A0"])
+        comm_b = statistics.median(slower["B"]) - statistics.median(slower["B0"])
+        print(
+            f"  what communication adds to a step (median X - X0): DDP {comm_a * 1e3:.3f} ms, MWMS {comm_b * 1e3:.3f} "
+            f"ms (overlap visible when MWMS's is the smaller: {comm_b < comm_a})"
+        )
+    for n in [n for n in names[1:] if n in ("B", "C")]:
         ratios = [b / a for a, b in zip(slower["A"], slower[n])]
         q1, q2, q3 = _quartiles(ratios)
         of_medians = statistics.median(slower[n]) / statistics.median(slower["A"])
@@ -345,11 +393,21 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps of each variant first")
     parser.add_argument("--batch", type=int, default=64, help="global batch (split over 2 workers)")
     parser.add_argument("--no-fit", action="store_true", help="leave out C (Trainer.fit)")
+    parser.add_argument("--bucket-mb", type=float, default=0, help="MWMS bytes_per_pack in MiB (0: 25 MiB buckets)")
+    parser.add_argument("--model", choices=sorted(WIDTHS), default="mlp", help="large: 26.5 MB of gradients")
+    parser.add_argument(
+        "--no-overlap", dest="overlap", action="store_false", help="B reduces after backward (no hook-started buckets)"
+    )
+    parser.add_argument(
+        "--without-communication", action="store_true", help="also time A0 and B0, the steps without communication"
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before the workers are ended")
     parser.add_argument("--_worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.batch % WORLD or args.batch < WORLD:
         parser.error(f"--batch must be a positive multiple of {WORLD}")
+    global MODEL
+    MODEL = args.model
     if args._worker:
         rank, port, outdir = args._worker
         worker(int(rank), int(port), args, outdir)

@@ -130,15 +130,20 @@ class GradientBuckets:
             self._reset()
             self._armed = hooks
 
-    def disarm(self) -> None:
+    def disarm(self, quiet: bool = False) -> None:
         """Ends a step. A bucket started during backward but not consumed (the step raised) is
-        waited for, so no collective stays in flight."""
+        waited for, so no collective stays in flight (``quiet``: a failure to wait is not raised,
+        the step's own error is on its way)."""
         with self._lock:
             self._armed = False
             pending = [b.work for b in self._buckets if b.work is not None]
             self._reset()
         for work in pending:
-            self._collective.wait_work(work, "gradient buckets (an unfinished step)")
+            try:
+                self._collective.wait_work(work, "gradient buckets (an unfinished step)")
+            except Exception:
+                if not quiet:
+                    raise
 
     def _reset(self) -> None:
         for bucket in self._buckets:

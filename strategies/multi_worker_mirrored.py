@@ -128,9 +128,12 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         self._grad_step = buckets
         try:
             yield
-        finally:
+        except BaseException:
             self._grad_step = None
-            buckets.disarm()
+            buckets.disarm(quiet=True)  # the step's own error is the one to report
+            raise
+        self._grad_step = None
+        buckets.disarm()
 
     def _release_gradient_buckets(self) -> None:
         if self._grad_buckets is not None:
