@@ -58,6 +58,8 @@ Used in a custom training loop::
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 import replicafit.strategies as ds
@@ -131,6 +133,7 @@ class Optimizer:
         self._pending: state_format.PendingState | None = None  # loaded, for variables not built yet
         self._plans: dict = {}  # multi-tensor plans per variable list
         self._wrapped: dict = {}  # id(raw tensor) -> (tensor, LocalVariable) for plain parameters
+        self._last_resolved = None  # (the variables last given to apply_gradients, their containers)
 
     # --- learning rate ----------------------------------------------------------------------
     @staticmethod
@@ -228,7 +231,13 @@ class Optimizer:
                 "depends on the variables and that grad mode is enabled."
             )
         grads = [g for g, _ in pairs]
-        variables = [self._as_variable(v, i) for i, (_, v) in enumerate(pairs)]
+        raw = [v for _, v in pairs]
+        last = self._last_resolved
+        if last is not None and len(last[0]) == len(raw) and all(map(operator.is_, last[0], raw)):
+            variables = last[1]  # the same variables as the previous call (a training loop): resolved once
+        else:
+            variables = [self._as_variable(v, i) for i, v in enumerate(raw)]
+            self._last_resolved = (raw, variables)
         ctx = ds.get_replica_context()
         if ctx is not None and not ctx._is_default:
             return ctx.merge_call(_merge_apply, args=(self, grads, variables))
@@ -282,7 +291,8 @@ class Optimizer:
     def _apply_aggregated(self, strategy, grads, variables):
         """Cross-replica part: build, transform, update, count. ``grads`` are aggregated."""
         self._build_for(variables)
-        primaries = [_first_tensor(g) for g in grads]
+        plain = all(type(g) is torch.Tensor for g in grads)  # one copy each (the default strategy)
+        primaries = grads if plain else [_first_tensor(g) for g in grads]
         transformed = self._transform(primaries, variables)
         if transformed is not primaries:
             grads = [strategy.extended.broadcast_to(g, v) for g, v in zip(transformed, variables)]
@@ -290,13 +300,14 @@ class Optimizer:
         self._prepare_step(learning_rate)
         if self._multi_tensor and type(self)._update_many is not Optimizer._update_many:
             # Gradients given once for a variable with several copies go to every copy.
-            grads = [_per_copy(strategy, g, v) for g, v in zip(grads, variables)]
+            if not (plain and all(type(v) is ds.LocalVariable for v in variables)):
+                grads = [_per_copy(strategy, g, v) for g, v in zip(grads, variables)]
             self._apply_multi_tensor(grads, variables, learning_rate)
             strategy.extended._after_direct_update(variables)
         else:
             for grad, variable in zip(grads, variables):
                 strategy.extended.update(variable, self._update_component, args=(grad, learning_rate), group=False)
-        self.iterations.assign_add(1)
+        _count_update(self.iterations)
         return self.iterations
 
     def _build_for(self, variables) -> None:
@@ -343,7 +354,7 @@ class Optimizer:
 
     def _apply_multi_tensor(self, grads, variables, learning_rate) -> None:
         plan = self._plan(variables)
-        with torch.no_grad():
+        with _no_grad():
             for group_params, group_slots, positions in plan:
                 group_grads = [
                     g if type(g) is torch.Tensor else local_results(g)[copy]
@@ -512,6 +523,29 @@ def _assign_all(assignments) -> None:
         strategy = getattr(slot, "_distribute_strategy", None) or context.get_strategy()
         with context.enter_or_assert_strategy(strategy):
             slot.assign(value)
+
+
+class _no_grad:  # noqa: N801 - torch.no_grad without its decorator machinery (a per-step cost)
+    __slots__ = ("previous",)
+
+    def __enter__(self):
+        self.previous = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+
+    def __exit__(self, *exc):
+        torch._C._set_grad_enabled(self.previous)
+
+
+def _count_update(iterations) -> None:
+    """``iterations.assign_add(1)`` in cross-replica context, written directly into every copy for
+    the kinds that hold plain copies (the same result, without the assignment's dispatch)."""
+    kind = type(iterations)
+    if kind is ds.LocalVariable or kind is ds.MirroredVariable:
+        with torch.no_grad():
+            for tensor in iterations._component_tensors():
+                tensor.add_(1)
+        return
+    iterations.assign_add(1)
 
 
 def _first_tensor(value) -> torch.Tensor:

@@ -27,9 +27,22 @@ class StructureMismatchError(ValueError, AssertionError):
     """
 
 
+_nested_types: dict = {}  # type -> whether it is a structure (isinstance on an ABC is slow)
+
+
 def is_nested(value) -> bool:
     """Whether ``value`` is a structure (tuple, list, namedtuple, mapping), not a leaf."""
-    return isinstance(value, (tuple, list, Mapping))
+    kind = type(value)
+    nested = _nested_types.get(kind)
+    if nested is None:
+        nested = _nested_types[kind] = isinstance(value, (tuple, list, Mapping))
+    return nested
+
+
+def _flat_sequence(value) -> bool:
+    """A tuple or list (not a namedtuple) whose items are all leaves: the common case, walked at once."""
+    kind = type(value)
+    return (kind is tuple or kind is list) and not any(map(is_nested, value))
 
 
 def _is_namedtuple(value) -> bool:
@@ -55,6 +68,8 @@ def flatten(structure) -> list:
     """The leaves of ``structure`` in order (a leaf gives ``[leaf]``)."""
     if not is_nested(structure):
         return [structure]
+    if _flat_sequence(structure):
+        return list(structure)
     out: list = []
     stack = [structure]
     # Iterative depth-first walk keeps deep nests off the recursion limit.
@@ -101,6 +116,8 @@ def map_structure(fn, *structures, names=None):
     ``names(i)`` may describe structure ``i`` in the error raised when shapes differ.
     """
     first = structures[0]
+    if len(structures) == 1 and _flat_sequence(first):
+        return type(first)([fn(leaf) for leaf in first])
     if len(structures) > 1:
         _check_same(structures, names)
     if not is_nested(first):
@@ -116,6 +133,12 @@ def map_structure(fn, *structures, names=None):
 def pack_sequence_as(structure, flat_sequence):
     """Rebuilds ``structure`` with its leaves taken in order from ``flat_sequence``."""
     flat = list(flat_sequence)
+    if _flat_sequence(structure):
+        if len(structure) != len(flat):
+            raise StructureMismatchError(
+                f"pack_sequence_as() needs {len(structure)} leaves for the structure, got {len(flat)}."
+            )
+        return type(structure)(flat)
     position = 0
 
     def take(_):

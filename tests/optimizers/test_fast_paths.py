@@ -1,0 +1,67 @@
+"""The optimizer's per-step fast paths equal the general path they skip (issue 12, item 3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_strategy
+
+import replicafit.strategies as ds
+from replicafit import optimizers
+from replicafit.optimizers import base
+
+
+def _train(name: str, fast: bool, steps: int = 5):
+    strategy = make_strategy(name)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    dmodel = strategy.distribute_module(model)
+    variables = list(dmodel.trainable_variables)
+    with strategy.scope():
+        optimizer = optimizers.SGD(0.1, momentum=0.9)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([0, 1, 1, 0, 1, 0])
+
+    def step():
+        loss = torch.nn.functional.cross_entropy(dmodel(x), y)
+        grads = torch.autograd.grad(loss, [v.value() for v in variables])
+        optimizer.apply_gradients(zip(grads, variables))
+
+    counted = base._count_update
+    if not fast:
+        base._count_update = lambda iterations: iterations.assign_add(1)
+    try:
+        for _ in range(steps):
+            if not fast:
+                optimizer._last_resolved = None  # resolve the variables again every call
+            strategy.run(step)
+    finally:
+        base._count_update = counted
+    copies = [[t.clone() for t in v._component_tensors()] for v in variables]
+    iterations = [int(t) for t in optimizer.iterations._component_tensors()]
+    return copies, iterations
+
+
+@pytest.mark.parametrize("name", ["default", "one_device", "mirrored2", "central_storage2"])
+def test_resolved_variables_and_the_direct_count_equal_the_general_path(name):
+    fast, fast_iterations = _train(name, True)
+    slow, slow_iterations = _train(name, False)
+    assert fast_iterations == slow_iterations and set(fast_iterations) == {5}
+    for a, b in zip(fast, slow):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+
+
+def test_plain_parameters_resolve_once_and_the_same_each_time():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 2)
+    optimizer = optimizers.SGD(0.1)
+    for _ in range(3):
+        optimizer.apply_gradients([(torch.ones_like(p), p) for p in layer.parameters()])
+    assert len(optimizer._wrapped) == 2  # one LocalVariable per parameter, made once
+    other = torch.nn.Linear(3, 2)  # a different list: resolved afresh
+    optimizer.apply_gradients([(torch.ones_like(p), p) for p in other.parameters()])
+    assert len(optimizer._wrapped) == 4
+    assert int(optimizer.iterations) == 4
+    assert ds.get_replica_context() is not None
