@@ -39,10 +39,13 @@ def is_nested(value) -> bool:
     return nested
 
 
+_FAST = True  # the fast paths for plain tuples and lists (tests compare them with the general walk)
+
+
 def _flat_sequence(value) -> bool:
     """A tuple or list (not a namedtuple) whose items are all leaves: the common case, walked at once."""
     kind = type(value)
-    return (kind is tuple or kind is list) and not any(map(is_nested, value))
+    return _FAST and (kind is tuple or kind is list) and not any(map(is_nested, value))
 
 
 def _is_namedtuple(value) -> bool:
@@ -116,8 +119,15 @@ def map_structure(fn, *structures, names=None):
     ``names(i)`` may describe structure ``i`` in the error raised when shapes differ.
     """
     first = structures[0]
-    if len(structures) == 1 and _flat_sequence(first):
-        return type(first)([fn(leaf) for leaf in first])
+    kind = type(first)
+    if _FAST and (kind is tuple or kind is list):
+        if len(structures) == 1:
+            if not any(map(is_nested, first)):
+                return kind([fn(leaf) for leaf in first])
+            return kind([map_structure(fn, child, names=names) for child in first])
+        length = len(first)
+        if all(type(other) is kind and len(other) == length for other in structures[1:]):
+            return kind([map_structure(fn, *parts, names=names) for parts in zip(*structures)])
     if len(structures) > 1:
         _check_same(structures, names)
     if not is_nested(first):

@@ -32,7 +32,7 @@ def structures():
 
 @pytest.fixture
 def slow(monkeypatch):
-    monkeypatch.setattr(nest, "_flat_sequence", lambda value: False)
+    monkeypatch.setattr(nest, "_FAST", False)
 
 
 def _walk_all():
@@ -57,7 +57,7 @@ def _same(a, b):
 
 def test_the_fast_path_equals_the_general_walk(monkeypatch):
     fast = _walk_all()
-    monkeypatch.setattr(nest, "_flat_sequence", lambda value: False)
+    monkeypatch.setattr(nest, "_FAST", False)
     general = _walk_all()
     assert len(fast) == len(general)
     for f, g in zip(fast, general):
@@ -92,10 +92,21 @@ def test_random_nests_agree():
 
     samples = [make(0) for _ in range(200)]
     fast = [(nest.flatten(s), nest.map_structure(lambda v: v * 2, s)) for s in samples]
-    original = nest._flat_sequence
+    pairs = list(zip(samples, samples[1:] + samples[:1]))
+
+    def combined(a, b):
+        try:
+            return nest.map_structure(lambda u, v: (u, v), a, b, names=lambda i: f"value {i}")
+        except nest.StructureMismatchError as error:
+            return ("mismatch", str(error))
+
+    fast += [combined(a, b) for a, b in pairs] + [combined(s, s) for s in samples]
+    original = nest._FAST
     try:
-        nest._flat_sequence = lambda value: False
+        nest._FAST = False
         general = [(nest.flatten(s), nest.map_structure(lambda v: v * 2, s)) for s in samples]
+        general += [combined(a, b) for a, b in pairs] + [combined(s, s) for s in samples]
     finally:
-        nest._flat_sequence = original
+        nest._FAST = original
+    assert len(fast) == len(general)
     assert all(_same(f, g) for f, g in zip(fast, general))

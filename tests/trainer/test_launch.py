@@ -183,6 +183,7 @@ def test_max_restarts_restarts_all_workers_with_the_attempt_number(tmp_path, sta
     body = """
 touch(f"attempt{attempt}-rank{rank}", os.environ["MASTER_PORT"])
 if attempt == 0 and rank == 1:
+    wait_for("attempt0-rank0")  # fail only once worker 0 has started (it may still be importing)
     sys.exit(1)
 if attempt == 0:
     time.sleep(60)
