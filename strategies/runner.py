@@ -900,21 +900,36 @@ class _Replica(_greenlet.greenlet if _greenlet is not None else object):
     """
 
     def __init__(self, replica_id: int, hub):
-        super().__init__(self._loop, hub)
+        super().__init__(_replica_loop, hub)
         self.replica_id = replica_id
         self.task = None
         self.torch_state = None
         self.stack = None
 
-    def _loop(self, task):
-        while True:
-            try:
-                task()
-                out = _DONE
-            except BaseException as error:  # noqa: BLE001 - only Ctrl-C escapes a task; the hub re-raises it
-                out = error
-            task = None
-            task = self.parent.switch(out)
+
+def _replica_loop():
+    """A replica greenlet's life. It keeps no reference to itself (``run`` is this plain function,
+    no local names the greenlet), so a crew no longer referenced is freed at once; and the first
+    task arrives by a switch too: passed to the first switch it would stay referenced from this
+    greenlet's C stack for its whole life (and its call with it)."""
+    task = _greenlet.getcurrent().parent.switch()
+    while True:
+        try:
+            task()
+            out = _DONE
+        except BaseException as error:  # noqa: BLE001 - only Ctrl-C escapes a task; the hub re-raises it
+            out = error
+        task = None
+        task = _greenlet.getcurrent().parent.switch(out)
+        out = None
+
+
+def _new_crew(count: int) -> list:
+    """``count`` replica greenlets, started and waiting at the top of their loop."""
+    crew = [_Replica(r, _greenlet.getcurrent()) for r in range(count)]
+    for replica in crew:
+        replica.switch()
+    return crew
 
 
 def _run_cooperatively(state, tasks, crew) -> bool:
@@ -988,7 +1003,8 @@ class _StallMonitor:
             for state in states:
                 with state.cond:
                     state.check_stall()
-            if states:
+            watched, states, state = bool(states), None, None  # keep no call (nor its strategy) alive
+            if watched:
                 idle_since = None
                 continue
             idle_since = idle_since or time.monotonic()
@@ -1158,7 +1174,7 @@ class ReplicaRunner:
         state = _CoopState(strategy, count, _stall_warning_seconds)
         tasks = [self._task(state, r, fn, args, kwargs, None, True) for r in range(count)]
         idle = self._greenlets.__dict__.setdefault("idle", [])  # this thread's crews of greenlets
-        crew = idle.pop() if idle else [_Replica(r, _greenlet.getcurrent()) for r in range(count)]
+        crew = idle.pop() if idle else _new_crew(count)
         reusable = False
         try:
             reusable = _run_cooperatively(state, tasks, crew)

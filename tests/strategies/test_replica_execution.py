@@ -212,3 +212,29 @@ def test_a_nested_run_inside_a_merge_fn_takes_turns_too():
     assert [float(v) for v in strategy.experimental_local_results(out)] == [2.0, 2.0]
     out = strategy.run(fn)  # the crews are back and reused
     assert [float(v) for v in strategy.experimental_local_results(out)] == [2.0, 2.0]
+
+
+def test_a_strategy_whose_replicas_took_turns_is_collected_with_its_greenlets():
+    """Nothing of a call stays referenced from a replica greenlet (its C stack included)."""
+    import gc
+    import weakref
+
+    def make():
+        strategy = make_strategy("mirrored3")
+        for _ in range(3):
+            strategy.run(lambda: ds.get_replica_context().merge_call(lambda st: None))
+
+        def failing():
+            if ds.get_replica_context().replica_id_in_sync_group == 1:
+                raise ValueError("boom")
+            ds.get_replica_context().merge_call(lambda st: None)
+
+        with pytest.raises(ValueError):
+            strategy.run(failing)
+        crew = strategy.extended._runner._greenlets.idle[0]
+        return weakref.ref(strategy), [weakref.ref(g) for g in crew]
+
+    strategy_ref, greenlet_refs = make()
+    gc.collect()
+    assert strategy_ref() is None
+    assert all(ref() is None for ref in greenlet_refs)
