@@ -917,6 +917,8 @@ def _replica_loop():
         try:
             task()
             out = _DONE
+        except _greenlet.GreenletExit:
+            raise  # the crew is being freed: this greenlet ends
         except BaseException as error:  # noqa: BLE001 - only Ctrl-C escapes a task; the hub re-raises it
             out = error
         task = None
@@ -1236,6 +1238,8 @@ class _ReplicaTask:
         except BaseException as error:  # noqa: BLE001 - recorded and re-raised by run()
             context.truncate(depth)
             state.fail(self.replica_id, error)
+            if _greenlet is not None and isinstance(error, _greenlet.GreenletExit):
+                raise  # a replica greenlet being freed mid-call ends (the call is aborted above)
         else:
             context.truncate(depth)
             state.finish(self.replica_id, output)
