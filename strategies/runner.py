@@ -411,20 +411,25 @@ class _RunState:
             self.abort_time = time.monotonic()
         self.cond.notify_all()
 
+    def _check_arrival(self, replica_id, merge_fn, args) -> None:
+        """What every arrival at a rendezvous checks first (``cond`` held): raises ``_Aborted``
+        (after recording why) when the call cannot go on."""
+        if self.done == self.count:
+            raise RuntimeError(
+                "merge_call (or all_reduce/all_gather, also in a backward pass) was called after "
+                "strategy.run() returned: differentiate through a collective inside the replica function, "
+                "on every replica."
+            )
+        if self.aborted:
+            raise _Aborted()
+        self.reached[replica_id] = (self.generation + 1, _describe(merge_fn, args))
+        if self.finished:
+            self._abort(RuntimeError(MERGE_CALL_MISMATCH))
+            raise _Aborted()
+
     def merge_call(self, replica_id, merge_fn, args, kwargs):
         with self.cond:
-            if self.done == self.count:
-                raise RuntimeError(
-                    "merge_call (or all_reduce/all_gather, also in a backward pass) was called after "
-                    "strategy.run() returned: differentiate through a collective inside the replica function, "
-                    "on every replica."
-                )
-            if self.aborted:
-                raise _Aborted()
-            self.reached[replica_id] = (self.generation + 1, _describe(merge_fn, args))
-            if self.finished:
-                self._abort(RuntimeError(MERGE_CALL_MISMATCH))
-                raise _Aborted()
+            self._check_arrival(replica_id, merge_fn, args)
             self.requests[replica_id] = (merge_fn, args, kwargs)
             self.arrived += 1
             if self.arrived == 1:
@@ -434,6 +439,10 @@ class _RunState:
                 return self._wait_for_merge(replica_id)
             requests, self.requests = self.requests, [None] * self.count
             self.merging, self.merging_replica = True, replica_id
+        return self._merge(requests, replica_id)
+
+    def _merge(self, requests, replica_id):
+        """Runs the merge (this replica arrived last), publishes the results; this replica's part."""
         try:
             results = self._run_merge(requests)
         except BaseException as error:  # noqa: BLE001 - every failure must release the others
@@ -446,8 +455,12 @@ class _RunState:
             self.arrived = 0
             self.merging = False
             self.generation += 1
+            self._merged(replica_id)
             self.cond.notify_all()
         return results[replica_id]
+
+    def _merged(self, replica_id) -> None:
+        """After a merge's results are published (``cond`` held): the runner's own bookkeeping."""
 
     def _wait_for_merge(self, replica_id):
         """Waits (holding ``cond``) until the merge of this generation is done or the run aborts."""
@@ -676,18 +689,7 @@ class _CoopState(_RunState):
 
     def merge_call(self, replica_id, merge_fn, args, kwargs):
         with self.cond:
-            if self.done == self.count:
-                raise RuntimeError(
-                    "merge_call (or all_reduce/all_gather, also in a backward pass) was called after "
-                    "strategy.run() returned: differentiate through a collective inside the replica function, "
-                    "on every replica."
-                )
-            if self.aborted:
-                raise _Aborted()
-            self.reached[replica_id] = (self.generation + 1, _describe(merge_fn, args))
-            if self.finished:
-                self._abort(RuntimeError(MERGE_CALL_MISMATCH))
-                raise _Aborted()
+            self._check_arrival(replica_id, merge_fn, args)
             if _graph_task_id() != -1:  # inside autograd's engine: this replica cannot be suspended
                 self._abort(RuntimeError(_TURNS_IN_BACKWARD.format(what=_describe(merge_fn, args))))
                 raise _Aborted()
@@ -707,24 +709,14 @@ class _CoopState(_RunState):
             if self.generation == generation:
                 raise _Aborted()
             return self.results[replica_id]
-        try:
-            results = self._run_merge(requests)
-        except BaseException as error:  # noqa: BLE001 - every failure must release the others
-            with self.cond:
-                self.merging = False
-                self._abort(error)
-            raise _Aborted() from None
-        with self.cond:
-            self.results = results
-            self.arrived = 0
-            self.merging = False
-            self.generation += 1
-            self.shortest = math.inf
-            self.ready.extend(sorted(self.blocked))
-            self.blocked.clear()
-            self.resumed_at = time.monotonic()
-            self.running = replica_id
-        return results[replica_id]
+        return self._merge(requests, replica_id)
+
+    def _merged(self, replica_id) -> None:
+        self.shortest = math.inf
+        self.ready.extend(sorted(self.blocked))
+        self.blocked.clear()
+        self.resumed_at = time.monotonic()
+        self.running = replica_id
 
     def finish(self, replica_id, output) -> None:
         with self.cond:
