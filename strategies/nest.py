@@ -126,8 +126,13 @@ def map_structure(fn, *structures, names=None):
                 return kind([fn(leaf) for leaf in first])
             return kind([map_structure(fn, child, names=names) for child in first])
         length = len(first)
-        if all(type(other) is kind and len(other) == length for other in structures[1:]):
+        others = structures[1:]
+        if all(type(other) is kind and len(other) == length for other in others):
+            if not any(map(is_nested, first)) and not any(any(map(is_nested, other)) for other in others):
+                return kind([fn(*parts) for parts in zip(*structures)])
             return kind([map_structure(fn, *parts, names=names) for parts in zip(*structures)])
+    elif _FAST and not is_nested(first) and not any(map(is_nested, structures[1:])):
+        return fn(*structures)  # leaves only
     if len(structures) > 1:
         _check_same(structures, names)
     if not is_nested(first):
