@@ -541,7 +541,7 @@ def _count_update(iterations) -> None:
     the kinds that hold plain copies (the same result, without the assignment's dispatch)."""
     kind = type(iterations)
     if kind is ds.LocalVariable or kind is ds.MirroredVariable:
-        with torch.no_grad():
+        with _no_grad():
             for tensor in iterations._component_tensors():
                 tensor.add_(1)
         return

@@ -79,7 +79,7 @@ class GradientBuckets:
         self._tensors = [[c._read() for c in comps] for comps in components]
         cap = bucket_bytes or DEFAULT_BUCKET_BYTES
         self._buckets: list[_Bucket] = []
-        self._where: dict = {}  # variable index -> (bucket index, position)
+        self._bucket_of: dict = {}  # variable index -> bucket index
         current, size, key = None, 0, None
         for index in reversed(range(len(self.variables))):
             first = self._tensors[index][0]
@@ -88,7 +88,7 @@ class GradientBuckets:
             if current is None or (first.dtype, first.device) != key or (current.members and size + nbytes > limit):
                 current, size, key = _Bucket([], first.dtype, first.device), 0, (first.dtype, first.device)
                 self._buckets.append(current)
-            self._where[index] = (len(self._buckets) - 1, len(current.members))
+            self._bucket_of[index] = len(self._buckets) - 1
             current.members.append(index)
             size += nbytes
         last = len(self._buckets) - 1
@@ -111,13 +111,6 @@ class GradientBuckets:
     @property
     def num_buckets(self) -> int:
         return len(self._buckets)
-
-    def bucket_sizes(self) -> list:
-        """Bytes of gradients per bucket, in bucket (launch) order."""
-        return [
-            sum(self._tensors[i][0].numel() * self._tensors[i][0].element_size() for i in b.members)
-            for b in self._buckets
-        ]
 
     def matches(self, variables) -> bool:
         return len(variables) == len(self.variables) and all(a is b for a, b in zip(variables, self.variables))
@@ -155,7 +148,7 @@ class GradientBuckets:
         self._next = 0
 
     def _hook(self, replica: int, index: int):
-        number, _ = self._where[index]
+        number = self._bucket_of[index]
 
         def hook(grad):
             if not self._armed:
@@ -194,8 +187,9 @@ class GradientBuckets:
                 torch._foreach_add_(views, [g.to(bucket.device) for g in grads])
 
     def reduce(self, values: list) -> list:
-        """The summed gradients of every worker and replica, one ``Mirrored`` (or tensor) per
-        variable: ``values`` are the ``PerReplica`` gradients ``batch_reduce_to`` was given."""
+        """The summed gradients of every worker and replica, one tensor per variable (a view of
+        its bucket, valid until the next step): ``values`` are the ``PerReplica`` gradients
+        ``batch_reduce_to`` was given."""
         given = [v.values for v in values]
         with self._lock:
             self._armed = False
