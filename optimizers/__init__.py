@@ -6,6 +6,8 @@ Example::
     optimizer = optimizers.get("adam")                       # or optimizers.Adam(1e-3)
     optimizer = optimizers.SGD(0.1, momentum=0.9, global_clipnorm=1.0)
     optimizer = optimizers.from_torch(torch.optim.AdamW, lr=1e-3)
+    optimizer = optimizers.Adam(1e-3, gradient_accumulation_steps=4)    # one update per 4 steps
+    optimizer = optimizers.LossScaleOptimizer(optimizers.SGD(0.1))       # float16 loss scaling
 """
 
 from difflib import get_close_matches
@@ -13,6 +15,7 @@ from difflib import get_close_matches
 from . import schedules
 from .adam import Adam, AdamW
 from .base import Optimizer
+from .loss_scale import LossScaleOptimizer
 from .rmsprop import Adagrad, RMSprop
 from .sgd import SGD
 from .torch_optimizer import TorchOptimizer, from_torch
@@ -21,6 +24,7 @@ __all__ = [
     "Adagrad",
     "Adam",
     "AdamW",
+    "LossScaleOptimizer",
     "Optimizer",
     "RMSprop",
     "SGD",
@@ -31,6 +35,8 @@ __all__ = [
 ]
 
 _BY_NAME = {"sgd": SGD, "adam": Adam, "adamw": AdamW, "rmsprop": RMSprop, "adagrad": Adagrad}
+# Classes a config dict may name besides the built-ins (they need more than a name to be made).
+_BY_CONFIG = {"torchoptimizer": TorchOptimizer, "lossscaleoptimizer": LossScaleOptimizer}
 
 
 def get(identifier) -> Optimizer:
@@ -55,9 +61,10 @@ def get(identifier) -> Optimizer:
     if isinstance(identifier, dict):
         config = dict(identifier)
         name = str(config.pop("class_name", "")).lower()
-        if name not in _BY_NAME:
+        cls = _BY_NAME.get(name) or _BY_CONFIG.get(name)
+        if cls is None:
             raise ValueError(f"Unknown optimizer class_name {name!r}; known: {sorted(_BY_NAME)}.")
-        return _BY_NAME[name].from_config(config.pop("config", config))
+        return cls.from_config(config.pop("config", config))
     raise TypeError(
         f"Cannot make an optimizer from {type(identifier).__name__}: pass a name, a config dict or an Optimizer."
     )

@@ -36,7 +36,15 @@ class TorchOptimizer(Optimizer):
     """
 
     def __init__(
-        self, optimizer_class, *, clipnorm=None, clipvalue=None, global_clipnorm=None, name=None, **torch_kwargs
+        self,
+        optimizer_class,
+        *,
+        clipnorm=None,
+        clipvalue=None,
+        global_clipnorm=None,
+        gradient_accumulation_steps=None,
+        name=None,
+        **torch_kwargs,
     ):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"from_torch() needs a torch.optim.Optimizer subclass, got {optimizer_class!r}.")
@@ -46,6 +54,7 @@ class TorchOptimizer(Optimizer):
             clipnorm=clipnorm,
             clipvalue=clipvalue,
             global_clipnorm=global_clipnorm,
+            gradient_accumulation_steps=gradient_accumulation_steps,
             name=name or f"torch_{optimizer_class.__name__.lower()}",
         )
         self._torch_class = optimizer_class
@@ -69,10 +78,14 @@ class TorchOptimizer(Optimizer):
     def _copy_tensor(variable, copy: int) -> torch.Tensor:
         return local_results(variable)[copy]._read()
 
-    def _apply_aggregated(self, strategy, grads, variables):
+    def _apply_aggregated(self, strategy, grads, variables, divisor=None):
         self._build_for(variables)
-        primaries = [local_results(g)[0] for g in grads]
-        transformed = self._transform(primaries, variables)
+        primaries = [g if type(g) is torch.Tensor else local_results(g)[0] for g in grads]
+        prepared = self._prepared(primaries, divisor)
+        if prepared is None:  # a loss-scaled step with infinities or NaNs: skipped, but counted
+            self.iterations.assign_add(1)
+            return self.iterations
+        transformed = self._transform(prepared, variables)
         grads = [strategy.extended.broadcast_to(g, v) for g, v in zip(transformed, variables)]
         learning_rate = self._current_learning_rate()
         with torch.no_grad():
@@ -103,6 +116,7 @@ class TorchOptimizer(Optimizer):
             "clipnorm": self.clipnorm,
             "clipvalue": self.clipvalue,
             "global_clipnorm": self.global_clipnorm,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
         } | self._torch_kwargs
 
     @classmethod
@@ -119,6 +133,8 @@ class TorchOptimizer(Optimizer):
         "param_groups": [...]}``: torch's own per-parameter state, keyed by the variable's position."""
         if self._pending is not None and self._pending.checked != len(self._variables) and self._torch_optimizers:
             self._restore_pending()
+        if self._window is not None:  # a first window opens before the first update builds
+            self._build_for(self._window.variables)
         records = state_format.describe(self._variables)
         entries: dict = {}
         groups = [dict(group) for group in self._pending_groups]
@@ -139,6 +155,7 @@ class TorchOptimizer(Optimizer):
         state = {"iterations": int(self.iterations), "torch_state": entries, "param_groups": groups}
         if records is not None:
             state["variables"] = records
+        self._add_window_state(state)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -166,7 +183,9 @@ class TorchOptimizer(Optimizer):
             learning_rate = state_format.check_learning_rate(groups[0]["lr"], "lr (in the optimizer state)")
         if self._torch_optimizers:
             pending.match(self._variables)  # every check before any change
+        window = self._checked_window_state(state)
         self.iterations.assign(iterations)
+        self._load_window_state(window)
         if learning_rate is not None:
             self.learning_rate = learning_rate
         self._pending_groups = [{k: v for k, v in group.items() if k != "params"} for group in groups]

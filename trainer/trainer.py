@@ -134,15 +134,30 @@ class Trainer:
       metrics: names (``"accuracy"`` follows the loss) or ``metrics.Metric`` objects.
       seed: makes shuffling, dropout and the rest of the run reproducible; ``None``
         draws a fresh seed per ``fit``.
+      precision: ``"32"`` (float32 throughout), ``"bf16-mixed"`` (each replica's forward
+        pass and loss under ``torch.autocast`` to bfloat16 on its device; variables,
+        gradients and updates stay float32) or ``"16-mixed"`` (float16 autocast, and the
+        optimizer wrapped in an ``optimizers.LossScaleOptimizer`` unless it is one: the
+        loss is scaled before backward, the gradients unscaled after the reduction, and a
+        step with overflowing gradients is skipped on every replica). Lightning's names;
+        ``fit``, ``evaluate`` and ``predict`` all use it (``predict`` returns floating
+        outputs as float32). A custom ``train_step`` differentiates
+        ``self.optimizer.scale_loss(loss)``.
 
     Override ``train_step``, ``test_step`` or ``predict_step`` (each runs per replica on
     that replica's slice) for custom logic.
     """
 
-    def __init__(self, strategy=None, optimizer="adam", loss="cross_entropy", metrics=("accuracy",), seed=None):
+    def __init__(
+        self, strategy=None, optimizer="adam", loss="cross_entropy", metrics=("accuracy",), seed=None, precision="32"
+    ):
         self.strategy = strategy or ds.get_strategy()
+        self.precision = _check_precision(precision)
+        self._autocast_dtype = _AUTOCAST[self.precision]
         with context.enter_or_assert_strategy(self.strategy):
             self.optimizer = optimizers.get(optimizer)
+            if self.precision == "16-mixed" and not isinstance(self.optimizer, optimizers.LossScaleOptimizer):
+                self.optimizer = optimizers.LossScaleOptimizer(self.optimizer)
         self.loss = nest.map_structure(losses.get, loss) if isinstance(loss, (Mapping, list)) else losses.get(loss)
         self._metric_specs = list(metrics or ())
         self.seed = seed
@@ -274,9 +289,8 @@ class Trainer:
             grads = [torch.zeros_like(v.value()) for v in variables]
             self.optimizer.apply_gradients(zip(grads, variables))
             return
-        y_pred = self.model(x)
-        per_example = self.compute_loss(y, y_pred, sample_weight)
-        loss = per_example.sum() / self._global_batch
+        y_pred, per_example = self._forward(x, y, sample_weight)
+        loss = self.optimizer.scale_loss(per_example.sum() / self._global_batch)
         grads = torch.autograd.grad(loss, [v.value() for v in variables], allow_unused=True)
         grads = [torch.zeros_like(v.value()) if g is None else g for g, v in zip(grads, variables)]
         self.optimizer.apply_gradients(zip(grads, variables))
@@ -288,15 +302,29 @@ class Trainer:
         if _rows(x) == 0:
             return
         with torch.no_grad():
-            y_pred = self.model(x)
-            per_example = self.compute_loss(y, y_pred, sample_weight)
+            y_pred, per_example = self._forward(x, y, sample_weight)
         self._update_metrics(y, y_pred, sample_weight, per_example)
 
     def predict_step(self, data):
         """One replica's prediction: the model's output on its slice."""
         x, _, _ = _unpack(data)
         with torch.no_grad():
-            return self.model(x)
+            if self._autocast_dtype is None:
+                return self.model(x)
+            with torch.autocast(_device_type(x), dtype=self._autocast_dtype):
+                y_pred = self.model(x)
+        return nest.map_structure(_as_float32, y_pred)
+
+    def _forward(self, x, y, sample_weight):
+        """The model's output and the per-example loss (float32) of a replica's slice, under the
+        trainer's precision."""
+        if self._autocast_dtype is None:
+            y_pred = self.model(x)
+            return y_pred, self.compute_loss(y, y_pred, sample_weight)
+        with torch.autocast(_device_type(x), dtype=self._autocast_dtype):
+            y_pred = self.model(x)
+            per_example = self.compute_loss(y, y_pred, sample_weight)
+        return y_pred, per_example.float()
 
     @property
     def global_batch_size(self) -> int:
@@ -418,8 +446,11 @@ class Trainer:
         # might not (in any hook), so its stop_training is agreed after every step.
         agree_each_step = extended._num_workers > 1 and callbacks_module.may_stop_training_alone(callback_list)
         # The built-in step applies its gradients once: across workers they can be reduced in buckets
-        # started during backward (a custom train_step reduces after backward).
-        overlap = extended._overlap_gradients if type(self).train_step is Trainer.train_step else None
+        # started during backward (a custom train_step reduces after backward). An accumulating
+        # optimizer reduces once per window, after the window's last backward.
+        accumulating = bool(getattr(self.optimizer, "gradient_accumulation_steps", None))
+        builtin_step = type(self).train_step is Trainer.train_step
+        overlap = extended._overlap_gradients if builtin_step and not accumulating else None
         logs: dict = {}
         try:
             for epoch in range(start_epoch, epochs):
@@ -443,6 +474,8 @@ class Trainer:
                     if callback_list.wants_batch_logs["on_train_batch_begin"]:
                         callback_list.call("on_train_batch_begin", step, {})
                     self._set_global_batch(batch)
+                    if accumulating:  # a window's steps weigh their examples: it equals one step on them all
+                        self.optimizer._step_weight = float(self._global_batch)
                     with overlap(self._trainable) if overlap is not None else contextlib.nullcontext():
                         self.strategy.run(self.train_step, args=(batch,))
                     step += 1
@@ -452,6 +485,9 @@ class Trainer:
                         self.stop_training = extended._agree(self.stop_training)
                     if self.stop_training:
                         break
+                if accumulating:  # a partial window is applied, not dropped
+                    with context.enter_or_assert_strategy(self.strategy):
+                        self.optimizer.apply_accumulated_gradients()
                 dm.sync_buffers()  # replica-mean statistics for validation and in the user's module
                 logs = self._logs()
                 if validation_data is not None:
@@ -599,7 +635,7 @@ class Trainer:
         state = {
             "format": _FORMAT,
             "model": self.model_state_dict(),  # every worker takes part (SyncOnRead reads are collectives)
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self._optimizer_state(),
             "epoch": self._epoch,
             "step": self._step,
             "rng": torch.get_rng_state(),
@@ -673,13 +709,24 @@ class Trainer:
             "cursor": list(position),
             "data_seed": self._data_seed,
             "model": self.model_state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self._optimizer_state(),
             "metrics": self._metric_states(),
             "metric_replicas": self._metric_replica_states(),
             "history": _history_with(self.history, epoch_logs),
             "rng": torch.get_rng_state(),
             **self._worker_rng_states(),
         }
+
+    def _optimizer_state(self) -> dict:
+        """``optimizer.state_dict()``, with an open accumulation window's sums of every worker's replicas."""
+        state = self.optimizer.state_dict()
+        window = state.get("accumulation")
+        extended = self.strategy.extended
+        if window is not None and extended._num_workers > 1 and not window["aggregated"]:
+            parts = extended._all_gather_object(window["gradients"])  # every worker's replicas, in order
+            window = dict(window, gradients={key: [t for part in parts for t in part[key]] for key in parts[0]})
+            state = dict(state, accumulation=window)
+        return state
 
     def _worker_rng_states(self) -> dict:
         """``{"worker_rng": [every worker's generator state]}`` across workers (each resumes its own), else ``{}``."""
@@ -767,6 +814,31 @@ class Trainer:
                     for component, value in zip(components, saved[first : first + count]):
                         if isinstance(value, torch.Tensor) and value.shape == component._tensor.shape:
                             component._tensor.copy_(value)
+
+
+_AUTOCAST = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+_PRECISION_ALIASES = {32: "32", "32": "32", "32-true": "32", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}
+
+
+def _check_precision(precision) -> str:
+    name = _PRECISION_ALIASES.get(precision) if isinstance(precision, (str, int)) and precision is not True else None
+    if name is None:
+        raise ValueError(
+            f"precision must be one of '32', 'bf16-mixed', '16-mixed' (Lightning's names), got {precision!r}."
+        )
+    return name
+
+
+def _device_type(x) -> str:
+    """The device type (``"cpu"``, ``"cuda"``) of a replica's inputs: where its autocast applies."""
+    leaves = nest.flatten(x)
+    return leaves[0].device.type if leaves and isinstance(leaves[0], torch.Tensor) else "cpu"
+
+
+def _as_float32(value):
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float32:
+        return value.float()
+    return value
 
 
 def _batchable(dataset) -> bool:

@@ -105,6 +105,7 @@ def test_builtin_defaults_in_config():
         "clipnorm": None,
         "clipvalue": None,
         "global_clipnorm": None,
+        "gradient_accumulation_steps": None,
     }
     adam = optimizers.Adam().get_config()
     assert {k: adam[k] for k in ("learning_rate", "beta_1", "beta_2", "epsilon", "amsgrad", "weight_decay")} == {

@@ -1,0 +1,231 @@
+"""``LossScaleOptimizer``: dynamic loss scaling for float16 training, inside the optimizer pipeline.
+
+Keras 3's rule: the loss is multiplied by ``scale`` before backward (``scale_loss``), so small
+float16 gradients do not underflow; the wrapped optimizer then runs its own pipeline with one
+step added after the cross-replica reduction:
+
+    aggregate across replicas (one batched SUM; an accumulation window's sums once per window)
+    → divide by the window's weight (when accumulating)
+    → finite check of the reduced gradients → unscale (divide by ``scale``)
+    → clipping → update
+
+A step whose reduced gradients hold an infinity or a NaN is skipped (no variable, slot or
+learning rate changes), ``scale`` is halved and the growth counter restarts; after
+``dynamic_growth_steps`` finite steps in a row ``scale`` doubles. The reduced gradients are the
+same on every replica and, after the all-reduce, on every worker, so every replica and worker
+takes the same decision from the gradient reduction itself, with no second collective: one
+replica's overflow (an infinite loss on its rows only) makes the sum non-finite everywhere.
+
+Where we differ from Keras 3: a skipped step still counts in ``iterations`` (as tf.keras'
+LossScaleOptimizer counted it; Keras 3 leaves the inner optimizer's count alone), so a
+learning-rate schedule advances with the steps taken; and clipping applies to the unscaled,
+aggregated gradient (Keras clips per replica).
+
+Example::
+
+    optimizer = optimizers.LossScaleOptimizer(optimizers.SGD(0.1, momentum=0.9))
+
+    def step(x, y):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(model(x), y).float().sum() / global_batch_size
+        grads = torch.autograd.grad(optimizer.scale_loss(loss), params)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))   # unscaled inside
+
+    strategy.run(step, args=(x, y))
+
+``Trainer(precision="16-mixed")`` wraps the trainer's optimizer in one and scales the loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import Optimizer, _no_grad
+
+__all__ = ["LossScaleOptimizer"]
+
+
+class LossScaleOptimizer(Optimizer):
+    """Wraps ``inner_optimizer`` (any ``Optimizer``: built-in, subclass or ``from_torch``) with
+    dynamic loss scaling (see the module docstring for the rule and the order of operations).
+
+    Args:
+      inner_optimizer: the optimizer that updates the variables; its learning rate,
+        clipping and ``gradient_accumulation_steps`` are used as they are.
+      initial_scale: the first loss scale (Keras' default ``2**15``).
+      dynamic_growth_steps: finite steps in a row after which the scale doubles.
+      name: defaults to ``"loss_scale_optimizer"``.
+
+    ``iterations``, ``learning_rate`` and ``variables`` are the inner optimizer's;
+    ``dynamic_scale`` and ``step_counter`` are the scaler's state, kept in ``state_dict()``
+    under ``"loss_scale"`` beside the inner optimizer's own entries.
+    """
+
+    def __init__(self, inner_optimizer, initial_scale=2.0**15, dynamic_growth_steps=2000, name=None):
+        if not isinstance(inner_optimizer, Optimizer):
+            raise TypeError(
+                "LossScaleOptimizer wraps one of our optimizers (optimizers.get('adam'), optimizers.SGD(...), "
+                f"optimizers.from_torch(torch.optim.AdamW, lr=...)), got {type(inner_optimizer).__name__}."
+            )
+        if isinstance(inner_optimizer, LossScaleOptimizer) or inner_optimizer._loss_scaler is not None:
+            raise ValueError(f"{inner_optimizer!r} already has a LossScaleOptimizer: wrap an optimizer only once.")
+        if isinstance(initial_scale, bool) or not isinstance(initial_scale, (int, float)):
+            raise TypeError(f"`initial_scale` must be a number, got {initial_scale!r}.")
+        if not (math.isfinite(initial_scale) and initial_scale > 0):
+            raise ValueError(f"`initial_scale` must be a positive finite number, got {initial_scale!r}.")
+        if isinstance(dynamic_growth_steps, bool) or not isinstance(dynamic_growth_steps, int):
+            raise TypeError(f"`dynamic_growth_steps` must be an int, got {dynamic_growth_steps!r}.")
+        if dynamic_growth_steps < 1:
+            raise ValueError(f"`dynamic_growth_steps` must be >= 1, got {dynamic_growth_steps!r}.")
+        self.inner_optimizer = inner_optimizer
+        self.initial_scale = float(initial_scale)
+        self.dynamic_growth_steps = dynamic_growth_steps
+        self.name = name or "loss_scale_optimizer"
+        self._scale = self.initial_scale
+        self._step_counter = 0
+        inner_optimizer._loss_scaler = self
+
+    def __getattr__(self, name):
+        # What the scaler does not define is the inner optimizer's (slots, plans, build state).
+        if name == "inner_optimizer":
+            raise AttributeError(name)
+        return getattr(self.inner_optimizer, name)
+
+    # --- the scale ---------------------------------------------------------------------------
+    @property
+    def dynamic_scale(self) -> float:
+        """The current loss scale."""
+        return self._scale
+
+    @property
+    def step_counter(self) -> int:
+        """Finite steps since the scale last changed."""
+        return self._step_counter
+
+    def scale_loss(self, loss):
+        """``loss * dynamic_scale``: differentiate this, and give the gradients to ``apply_gradients``."""
+        return loss * self._scale
+
+    def _unscale_or_skip(self, grads: list) -> list | None:
+        """The reduced (still scaled) gradients unscaled, or ``None`` (and the scale halved) when
+        any value is infinite or NaN. Runs once per update, in cross-replica context."""
+        with _no_grad():
+            norms = torch._foreach_norm([g for g in grads if g.numel()], ord=math.inf)
+            finite = all(bool(torch.isfinite(torch.stack(group)).all()) for group in _by_device(norms))
+            if not finite:
+                self._scale /= 2.0
+                self._step_counter = 0
+                return None
+            unscaled = torch._foreach_div(grads, self._scale)
+        if self._step_counter == self.dynamic_growth_steps - 1:
+            self._step_counter = 0
+            self._scale *= 2.0
+        else:
+            self._step_counter += 1
+        return unscaled
+
+    # --- the inner optimizer's pipeline ----------------------------------------------------------
+    def apply_gradients(self, grads_and_vars):
+        """The inner optimizer's ``apply_gradients`` with the gradients of a scaled loss."""
+        return self.inner_optimizer.apply_gradients(grads_and_vars)
+
+    def apply(self, grads, variables=None):
+        return self.inner_optimizer.apply(grads, variables)
+
+    def apply_accumulated_gradients(self):
+        return self.inner_optimizer.apply_accumulated_gradients()
+
+    def minimize(self, loss, var_list):
+        """Scales ``loss``, differentiates it and applies the gradients (unscaled inside)."""
+        if callable(loss):
+            loss = loss()
+        return self.inner_optimizer.minimize(self.scale_loss(loss), var_list)
+
+    def build(self, variables) -> None:
+        self.inner_optimizer.build(variables)
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    @property
+    def learning_rate(self) -> float:
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value) -> None:
+        self.inner_optimizer.learning_rate = value
+
+    @property
+    def gradient_accumulation_steps(self):
+        return self.inner_optimizer.gradient_accumulation_steps
+
+    @property
+    def _step_weight(self) -> float:
+        return self.inner_optimizer._step_weight
+
+    @_step_weight.setter
+    def _step_weight(self, value: float) -> None:
+        self.inner_optimizer._step_weight = value
+
+    @property
+    def variables(self) -> list:
+        return self.inner_optimizer.variables
+
+    # --- state and configuration ------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The inner optimizer's state plus ``"loss_scale": {"scale", "step_counter"}``."""
+        return self.inner_optimizer.state_dict() | {
+            "loss_scale": {"scale": self._scale, "step_counter": self._step_counter}
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores ``state_dict()`` output; a state without ``"loss_scale"`` (saved without loss
+        scaling) restores the inner optimizer and starts from ``initial_scale``."""
+        entry = state.get("loss_scale") if isinstance(state, dict) else None
+        scale, counter = self.initial_scale, 0
+        if entry is not None:
+            try:
+                scale, counter = float(entry["scale"]), entry["step_counter"]
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(
+                    "The optimizer state's 'loss_scale' must be {'scale': float, 'step_counter': int}, "
+                    f"got {entry!r}."
+                ) from None
+            if not (math.isfinite(scale) and scale > 0) or isinstance(counter, bool) or not isinstance(counter, int):
+                raise ValueError(f"The optimizer state's 'loss_scale' holds invalid values: {entry!r}.")
+            if not 0 <= counter < self.dynamic_growth_steps:
+                raise ValueError(
+                    f"The optimizer state's loss-scale step_counter {counter} does not fit dynamic_growth_steps="
+                    f"{self.dynamic_growth_steps}."
+                )
+        self.inner_optimizer.load_state_dict(state)
+        self._scale, self._step_counter = scale, counter
+
+    def get_config(self) -> dict:
+        inner = self.inner_optimizer
+        return {
+            "name": self.name,
+            "inner_optimizer": {"class_name": type(inner).__name__, "config": inner.get_config()},
+            "initial_scale": self.initial_scale,
+            "dynamic_growth_steps": self.dynamic_growth_steps,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict):
+        from . import get
+
+        config = dict(config)
+        return cls(get(config.pop("inner_optimizer")), **config)
+
+    def __repr__(self) -> str:
+        return f"LossScaleOptimizer({self.inner_optimizer!r}, dynamic_scale={self._scale!r})"
+
+
+def _by_device(tensors: list) -> list:
+    groups: dict = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.device, []).append(tensor)
+    return list(groups.values())
