@@ -12,6 +12,12 @@ reference and their ratio (median and range over the paired repeats):
 - central_storage: ``CentralStorageStrategy(["cpu:0", "cpu:1"], "cpu:0")`` throughput against
   OneDevice; the same targets.
 
+- bf16 / 16-mixed / accumulation: the cost of each issue-13 feature on the default strategy,
+  ``fit(precision="bf16-mixed")``, ``fit(precision="16-mixed")`` (autocast plus loss scaling:
+  one host read per step for the finite check) and SGD with ``gradient_accumulation_steps=4``,
+  each against the same ``fit`` in float32 without accumulation (step time ratio; no target:
+  bfloat16 and float16 on a CPU without half-precision units are expected to be slower).
+
 ``--execution threads`` runs the two-replica strategies with a thread per replica (the runner
 before replicas that share a device took turns on one thread), for the before/after figure.
 
@@ -20,6 +26,7 @@ reversed every repeat), so drifts of this shared machine hit both sides alike: a
 run replica threads keeps them (and their OpenMP state), which slows later work in it.
 
 Run: python benchmarks/bench_fit.py [--repeats 5] [--examples 8192] [--epochs 5] [--batches 64 8]
+     python benchmarks/bench_fit.py --rows bf16 16-mixed accumulation    (issue 13's costs)
 """
 
 from __future__ import annotations
@@ -81,14 +88,16 @@ class _EpochClock(Callback):
         self.times.append(time.perf_counter() - self._start)
 
 
-def fit(x, y, batch: int, epochs: int, strategy=None) -> list[float]:
+def fit(x, y, batch: int, epochs: int, strategy=None, precision="32", accumulation=None) -> list[float]:
     clock = _EpochClock()
+    config = {"learning_rate": 0.01, "momentum": 0.9, "gradient_accumulation_steps": accumulation}
     trainer = Trainer(
         strategy=strategy,
-        optimizer={"class_name": "sgd", "config": {"learning_rate": 0.01, "momentum": 0.9}},
+        optimizer={"class_name": "sgd", "config": config},
         loss="cross_entropy",
         metrics=(),
         seed=0,
+        precision=precision,
     )
     trainer.fit(make_model(), (x, y), batch_size=batch, epochs=epochs, shuffle=False, verbose=0, callbacks=[clock])
     return clock.times
@@ -100,13 +109,20 @@ VARIANTS = {
     "one_device": lambda x, y, b, e: fit(x, y, b, e, ds.OneDeviceStrategy("cpu:0")),
     "mirrored": lambda x, y, b, e: fit(x, y, b, e, ds.MirroredStrategy(["cpu:0", "cpu:1"])),
     "central_storage": lambda x, y, b, e: fit(x, y, b, e, ds.CentralStorageStrategy(["cpu:0", "cpu:1"], "cpu:0")),
+    "bf16": lambda x, y, b, e: fit(x, y, b, e, precision="bf16-mixed"),
+    "16-mixed": lambda x, y, b, e: fit(x, y, b, e, precision="16-mixed"),
+    "accumulation": lambda x, y, b, e: fit(x, y, b, e, accumulation=4),
 }
 # (ours, reference, kind, target at batch 64, target at batch 8)
 ROWS = [
     ("fit", "loop", "step time", 1.05, 1.10),
     ("mirrored", "one_device", "throughput", 0.8, 0.6),
     ("central_storage", "one_device", "throughput", 0.8, 0.6),
+    ("bf16", "fit", "cost", None, None),
+    ("16-mixed", "fit", "cost", None, None),
+    ("accumulation", "fit", "cost", None, None),
 ]
+DEFAULT_ROWS = ["fit", "mirrored", "central_storage"]
 
 
 def child(variant: str, batch: int, examples: int, epochs: int, execution: str) -> None:
@@ -133,7 +149,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 8])
-    parser.add_argument("--rows", nargs="+", default=[r[0] for r in ROWS], choices=[r[0] for r in ROWS])
+    parser.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, choices=[r[0] for r in ROWS])
     parser.add_argument("--execution", choices=["auto", "threads"], default="auto")
     parser.add_argument("--child", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -159,10 +175,12 @@ def main() -> None:
                 ratios.append(a / b if kind == "throughput" else b / a)
             target = target64 if batch == 64 else target8
             sign = ">=" if kind == "throughput" else "<="
+            goal = f"target {sign} {target}" if target is not None else "the feature's cost, no target"
+            kind = "step time" if kind == "cost" else kind
             print(
                 f"batch {batch:>3} {ours:>15} vs {reference:<10}: {statistics.median(a_rates):8.0f} vs "
                 f"{statistics.median(b_rates):8.0f} steps/s; {kind} ratio {statistics.median(ratios):.3f} "
-                f"(range {min(ratios):.3f}-{max(ratios):.3f}; target {sign} {target})",
+                f"(range {min(ratios):.3f}-{max(ratios):.3f}; {goal})",
                 flush=True,
             )
 

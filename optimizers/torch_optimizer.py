@@ -226,7 +226,8 @@ def from_torch(optimizer_class, **kwargs) -> TorchOptimizer:
     """Makes ``torch.optim`` optimizer ``optimizer_class`` distribution-aware.
 
     ``kwargs`` go to the torch class, except ``clipnorm``/``clipvalue``/``global_clipnorm``
-    /``name``, which are this package's (applied to the aggregated gradient).
+    /``gradient_accumulation_steps``/``name``, which are this package's (applied to the
+    aggregated gradient; torch's ``step()`` runs once per accumulation window).
 
     Example::
 

@@ -818,6 +818,28 @@ def torch_state(state: tuple, device: torch.device, current: tuple):
 
 # --- switching replicas on one thread ---------------------------------------------------
 
+
+def _autocast_nesting() -> int:
+    """How many autocast regions are open on this thread (torch offers only increment/decrement)."""
+    depth = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return depth
+
+
+def _close_autocast_regions(depth: int) -> None:
+    """Closes autocast regions opened on this thread since it had ``depth`` of them and never closed
+    (a replica that called ``autocast().__enter__()`` alone), clearing the cast cache as leaving the
+    last region does. Left open, the cache would keep serving the first step's casts of weights that
+    have since been updated in place: later autocast forwards would use stale weights."""
+    current = _autocast_nesting()
+    if current <= depth:
+        return
+    while current > depth:
+        current = torch.autocast_decrement_nesting()
+    if current == 0:
+        torch.clear_autocast_cache()
+
+
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
@@ -1126,6 +1148,13 @@ class ReplicaRunner:
         replica runs on a crew thread and the caller only watches, so ``run`` returns within about
         ``timeout`` whichever replica is stuck, at a collective or not.
         """
+        nesting = _autocast_nesting()
+        try:
+            return self._run(strategy, fn, args, kwargs, timeout)
+        finally:
+            _close_autocast_regions(nesting)  # regions a replica entered on this thread and never left
+
+    def _run(self, strategy, fn, args, kwargs, timeout):
         count = len(self._devices)
         if timeout is None and self.shares_device and _replica_execution == "auto":
             key = _function_key(fn)
@@ -1217,11 +1246,16 @@ class _ReplicaTask:
                 raise _Aborted()
             # The caller's thread is already in the wanted state; a worker checks its own.
             current = self.torch_state if self.on_caller_thread else capture_torch_state()
-            if self.torch_state == current and self.device.type != "cuda":
-                output = self.fn(*self.args, **self.kwargs)
-            else:
-                with torch_state(self.torch_state, self.device, current):
+            nesting = None if self.on_caller_thread else _autocast_nesting()  # (the caller's: run() restores it)
+            try:
+                if self.torch_state == current and self.device.type != "cuda":
                     output = self.fn(*self.args, **self.kwargs)
+                else:
+                    with torch_state(self.torch_state, self.device, current):
+                        output = self.fn(*self.args, **self.kwargs)
+            finally:
+                if nesting is not None:
+                    _close_autocast_regions(nesting)
         except KeyboardInterrupt as error:
             context.truncate(depth)
             if self.on_caller_thread:

@@ -1,7 +1,7 @@
 """YAML recipes: a whole training run in one file, checked before anything runs.
 
-Top-level keys: ``seed``, ``strategy``, ``model``, ``data``, ``optimizer``, ``loss``,
-``metrics``, ``callbacks``, ``fit``, ``evaluate``. Every entry is
+Top-level keys: ``seed``, ``precision``, ``strategy``, ``model``, ``data``, ``optimizer``,
+``loss``, ``metrics``, ``callbacks``, ``fit``, ``evaluate``. Every entry is
 ``{type: registered-name or "package.module:attr", ...constructor arguments}`` (a plain
 string for the simple cases: ``optimizer: adam``), mapping one-to-one onto the Python
 constructors. ``${VAR}`` and ``${VAR:-default}`` are replaced from the environment when
@@ -38,7 +38,20 @@ from .registry import REGISTRIES, did_you_mean, resolve
 
 __all__ = ["RecipeError", "Recipe", "load", "locate", "shipped", "describe", "validate", "build", "Run", "SECTIONS"]
 
-SECTIONS = ("seed", "strategy", "model", "data", "optimizer", "loss", "metrics", "callbacks", "fit", "evaluate")
+SECTIONS = (
+    "seed",
+    "precision",
+    "strategy",
+    "model",
+    "data",
+    "optimizer",
+    "loss",
+    "metrics",
+    "callbacks",
+    "fit",
+    "evaluate",
+)
+PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 FIT_KEYS = {
     "epochs": int,
     "batch_size": int,
@@ -439,6 +452,7 @@ def validate(recipe: Recipe) -> dict:
         if required not in data:
             raise recipe.error((), f"missing section {required!r}")
     _check_seed(recipe, data.get("seed"))
+    _check_precision(recipe, data.get("precision", "32"))
     checked: dict = {}
     checked["strategy"] = check_entry(recipe, ("strategy",), data.get("strategy", "default"), "strategy")
     if kinds.is_builtin("strategy", checked["strategy"][0]):  # bad devices are found now
@@ -466,6 +480,8 @@ def validate(recipe: Recipe) -> dict:
     rate = optimizer.get("learning_rate") if isinstance(optimizer, dict) else None
     if isinstance(rate, dict):
         checked["schedule"] = check_entry(recipe, ("optimizer", "learning_rate"), rate, "schedule")
+    elif kinds.is_builtin("optimizer", checked["optimizer"][0]):  # bad values (accumulation steps, ...) fail now
+        _construct(recipe, ("optimizer",), *checked["optimizer"])
     checked["loss"] = check_entry(recipe, ("loss",), data.get("loss", "cross_entropy"), "loss")
     metrics = data.get("metrics", [])
     if not isinstance(metrics, list):
@@ -481,6 +497,12 @@ def validate(recipe: Recipe) -> dict:
         raise recipe.error(("fit", "batch_size"), "batch_size is set in data too: set it in one place")
     _check_task(recipe, checked)
     return checked
+
+
+def _check_precision(recipe: Recipe, precision) -> None:
+    if str(precision) not in PRECISIONS or isinstance(precision, (bool, float)):
+        hint = did_you_mean(str(precision), PRECISIONS)
+        raise recipe.error(("precision",), f"expected one of {', '.join(PRECISIONS)}{hint}, got {_short(precision)}")
 
 
 def _check_seed(recipe: Recipe, seed) -> None:
@@ -734,7 +756,10 @@ def build(recipe: Recipe, checked: dict | None = None, run_dir=None) -> Run:
         _built(recipe, ("callbacks", i), "callback", f, _in_run_dir(f, a, run_dir))
         for i, (f, a) in enumerate(checked["callbacks"])
     ]
-    trainer = Trainer(strategy=strategy, optimizer=optimizer, loss=loss, metrics=metrics, seed=seed)
+    precision = str(data.get("precision", "32"))
+    trainer = Trainer(
+        strategy=strategy, optimizer=optimizer, loss=loss, metrics=metrics, seed=seed, precision=precision
+    )
     fit_kwargs = dict(checked["fit"])
     fit_kwargs.update(checked["data_batch"])
     _check_training_data(recipe, info, fit_kwargs, checked["data_batch"])

@@ -508,6 +508,8 @@ class Trainer:
         finally:
             cursor.close()
             extended._release_gradient_buckets()  # the model's parameters keep no hooks of ours
+            if accumulating:
+                self.optimizer._step_weight = 1.0  # a loop of one's own after fit weighs its steps alike
         callback_list.call("on_train_end", logs)
         return history
 

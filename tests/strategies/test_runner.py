@@ -1687,6 +1687,32 @@ def test_thread_state_left_by_a_replica_does_not_leak_into_the_next_run():
     )
 
 
+@pytest.mark.parametrize("execution", ["auto", "threads"])
+def test_an_autocast_region_left_open_by_a_replica_is_closed_and_its_cast_cache_cleared(execution):
+    # Left open, autocast's cache keeps the first cast of a weight: after an in-place update the
+    # next autocast forward would still compute with the old weight (training silently stalls).
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    ds.set_replica_execution(execution)
+    try:
+        for _ in range(2):
+            strategy.run(lambda: torch.autocast("cpu", dtype=torch.bfloat16).__enter__())
+    finally:
+        ds.set_replica_execution("auto")
+    torch.set_autocast_enabled("cpu", False)
+    weight = torch.ones(2, 2, requires_grad=True)
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return weight @ torch.ones(2)
+
+    assert torch.equal(forward(), torch.full((2,), 2.0, dtype=torch.bfloat16))
+    with torch.no_grad():
+        weight.add_(1)
+    assert torch.equal(forward(), torch.full((2,), 4.0, dtype=torch.bfloat16))
+    for replica_output in strategy.experimental_local_results(strategy.run(lambda: forward().detach().float().sum())):
+        assert float(replica_output) == 8.0  # replica threads too
+
+
 @pytest.mark.timeout(30)
 def test_a_scope_left_open_by_a_merge_fn_neither_hangs_nor_dirties_the_caller():
     from replicafit.strategies import context

@@ -25,22 +25,24 @@ def data():
     return x, y
 
 
-def fit_run(strategy, init_seed, *, seed=None, data_seed=None, extra_callbacks=(), epochs=3, **fit_kwargs):
+def fit_run(
+    strategy, init_seed, *, seed=None, data_seed=None, extra_callbacks=(), epochs=3, optimizer=None, **fit_kwargs
+):
     """A small fit (partial last batch: 120 training rows in batches of 32, then 30 for validation)."""
     torch.manual_seed(init_seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    trainer = Trainer(strategy=strategy, optimizer=optimizers.SGD(0.1, momentum=0.9), loss="cross_entropy", seed=seed)
+    optimizer = optimizer or optimizers.SGD(0.1, momentum=0.9)
+    trainer = Trainer(strategy=strategy, optimizer=optimizer, loss="cross_entropy", seed=seed)
     if data_seed is not None:  # the reference run takes the seed the workers agreed on
         random.seed(data_seed)
     history = trainer.fit(
         model,
         data(),
-        batch_size=32,
         epochs=epochs,
         validation_split=0.2,
         verbose=0,
         callbacks=list(extra_callbacks),
-        **fit_kwargs,
+        **{"batch_size": 32} | fit_kwargs,
     )
     return {
         "history": history.history,
@@ -50,6 +52,32 @@ def fit_run(strategy, init_seed, *, seed=None, data_seed=None, extra_callbacks=(
         "predict": trainer.predict(model, data()[0][:37], batch_size=16),
         "evaluate": trainer.evaluate(model, data(), batch_size=32, verbose=0, return_dict=True),
     }
+
+
+def accumulated_optimizer():
+    return optimizers.Adam(0.01, global_clipnorm=1.0, gradient_accumulation_steps=3)
+
+
+def accumulated(rank, num_workers, port):
+    """Accumulation over 3 steps at batch 16 (8 steps per epoch: windows of 3, 3 and a partial 2),
+    with the collectives of each ``strategy.run`` (each step) counted."""
+    from replicafit.strategies.collective import Collective
+
+    operations = []
+    guard = Collective._guard
+    Collective._guard = lambda self, operation: (operations.append(operation), guard(self, operation))[1]
+    strategy = strategy_for(rank, num_workers, port)
+    run, per_step = strategy.run, []
+
+    def counting_run(fn, args=(), kwargs=None, options=None):
+        before = len(operations)
+        result = run(fn, args=args, kwargs=kwargs, options=options)
+        per_step.append(len(operations) - before)
+        return result
+
+    strategy.run = counting_run
+    result = fit_run(strategy, init_seed=100, seed=3, optimizer=accumulated_optimizer(), batch_size=16)
+    return result | {"collectives_per_step": per_step}
 
 
 def fit(rank, num_workers, port, seed=None):

@@ -42,6 +42,25 @@ def test_fit_on_two_workers_equals_mirrored_two(seed):
 
 
 @pytest.mark.timeout(120)
+def test_accumulation_on_two_workers_equals_mirrored_two_with_no_traffic_between_window_ends():
+    workers = results(run_workers(SCENARIOS, "accumulated", 2, timeout=90))
+    expected = scenarios.fit_run(
+        ds.MirroredStrategy(["cpu:0", "cpu:1"]),
+        init_seed=100,
+        seed=3,
+        optimizer=scenarios.accumulated_optimizer(),
+        batch_size=16,
+    )
+    for worker, got in enumerate(workers):
+        _same_run(expected, got, f"worker {worker}")
+        counts = got["collectives_per_step"][:8]  # the first epoch's steps
+        # only each window's last step reduces (steps 3 and 6); the partial window (7, 8) is applied
+        # after the epoch's steps, outside them
+        assert [c > 0 for c in counts] == [False, False, True, False, False, True, False, False], counts
+        assert got["iterations"] == 3 * 3
+
+
+@pytest.mark.timeout(120)
 def test_stop_training_on_one_worker_stops_both():
     workers = results(run_workers(SCENARIOS, "stop_on_one_worker", 2, timeout=90))
     assert workers[0]["iterations"] == workers[1]["iterations"] == 5
