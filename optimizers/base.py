@@ -415,17 +415,20 @@ class Optimizer:
             _count_update(self.iterations)
             return self.iterations
         transformed = self._transform(prepared, variables)
-        if transformed is not primaries:
-            grads = [strategy.extended.broadcast_to(g, v) for g, v in zip(transformed, variables)]
+        if transformed is not primaries:  # one value per variable now: each copy gets it below
+            grads, plain = transformed, True
+        # Gradients given once for a variable with several copies go to every copy.
+        spread = not (plain and all(type(v) is ds.LocalVariable for v in variables))
         learning_rate = self._current_learning_rate()
         self._prepare_step(learning_rate)
         if self._multi_tensor and type(self)._update_many is not Optimizer._update_many:
-            # Gradients given once for a variable with several copies go to every copy.
-            if not (plain and all(type(v) is ds.LocalVariable for v in variables)):
+            if spread:
                 grads = [_per_copy(strategy, g, v) for g, v in zip(grads, variables)]
             self._apply_multi_tensor(grads, variables, learning_rate)
             strategy.extended._after_direct_update(variables)
         else:
+            if spread and plain:
+                grads = [_per_copy(strategy, g, v) for g, v in zip(grads, variables)]
             for grad, variable in zip(grads, variables):
                 strategy.extended.update(variable, self._update_component, args=(grad, learning_rate), group=False)
         _count_update(self.iterations)

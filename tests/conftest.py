@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import replicafit.strategies as ds
+from replicafit.trainer import Callback
 
 STRATEGY_IDS = ["default", "one_device", "mirrored2", "central_storage2", "multi_worker1x2"]
 
@@ -26,6 +27,20 @@ def make_strategy(name: str):
         resolver = ds.SimpleClusterResolver(1, 0, devices=["cpu:0", "cpu:1"])
         return ds.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
     raise ValueError(name)
+
+
+class InterruptAt(Callback):
+    """Raises ``KeyboardInterrupt`` at the beginning of global step ``step`` (0-based), as Ctrl-C
+    would: ``step`` steps are done (for resume tests)."""
+
+    def __init__(self, step: int):
+        super().__init__()
+        self.step, self.seen = step, 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.seen == self.step:
+            raise KeyboardInterrupt(f"interrupted at global step {self.step}")
+        self.seen += 1
 
 
 @pytest.fixture(params=STRATEGY_IDS)

@@ -8,12 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import make_strategy
+from conftest import InterruptAt, make_strategy
 
 import replicafit.strategies as ds
 from replicafit import optimizers
 from replicafit.optimizers import schedules
-from replicafit.trainer import BackupAndRestore, Callback, Trainer
+from replicafit.trainer import BackupAndRestore, Trainer
 
 # 200 examples: batch 32 gives 6 full steps and one of 8 per epoch; batch 8 with N=4 gives the
 # same 6 windows and a partial window of one step, applied at the epoch's end.
@@ -191,17 +191,6 @@ def test_apply_accumulated_gradients_inside_run_is_refused():
         strategy.run(optimizer.apply_accumulated_gradients)
 
 
-class _CrashAt(Callback):
-    def __init__(self, step):
-        super().__init__()
-        self.step, self.seen = step, 0
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self.seen == self.step:
-            raise KeyboardInterrupt("interrupted")
-        self.seen += 1
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy", ["default", "mirrored2"])
 def test_backup_mid_window_resumes_bit_identical(tmp_path, strategy):
@@ -212,6 +201,6 @@ def test_backup_mid_window_resumes_bit_identical(tmp_path, strategy):
     # 25 steps per epoch; backups every 6 steps (mid-window: 6 = 4 + 2); the crash before step 33
     backup = tmp_path / "backup"
     with pytest.raises(KeyboardInterrupt):
-        fit(strategy, 8, optimizer(), callbacks=[BackupAndRestore(backup, save_freq=6), _CrashAt(33)])
+        fit(strategy, 8, optimizer(), callbacks=[BackupAndRestore(backup, save_freq=6), InterruptAt(33)])
     _, model, _ = fit(strategy, 8, optimizer(), callbacks=[BackupAndRestore(backup, save_freq=6)])
     assert torch.equal(flat(model), flat(reference))

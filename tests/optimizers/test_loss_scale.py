@@ -8,11 +8,11 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import make_strategy
+from conftest import InterruptAt, make_strategy
 
 import replicafit.strategies as ds
 from replicafit import optimizers
-from replicafit.trainer import BackupAndRestore, Callback, Trainer
+from replicafit.trainer import BackupAndRestore, Trainer
 
 X = torch.randn(96, 8, generator=torch.Generator().manual_seed(0))
 Y = (X[:, 0] - X[:, 1] > 0).long() + (X[:, 2] > 0.5).long()
@@ -213,17 +213,6 @@ def test_bad_arguments():
         optimizers.LossScaleOptimizer(optimizers.SGD(), dynamic_growth_steps=0)
 
 
-class _CrashAt(Callback):
-    def __init__(self, step):
-        super().__init__()
-        self.step, self.seen = step, 0
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self.seen == self.step:
-            raise KeyboardInterrupt("interrupted")
-        self.seen += 1
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy", ["default", "mirrored2"])
 def test_backup_resumes_loss_scaling_bit_exactly(tmp_path, strategy):
@@ -232,7 +221,7 @@ def test_backup_resumes_loss_scaling_bit_exactly(tmp_path, strategy):
 
     reference, ref_model, _ = fit(strategy, optimizer(), precision="16-mixed")
     with pytest.raises(KeyboardInterrupt):
-        fit(strategy, optimizer(), "16-mixed", callbacks=[BackupAndRestore(tmp_path, save_freq=5), _CrashAt(13)])
+        fit(strategy, optimizer(), "16-mixed", callbacks=[BackupAndRestore(tmp_path, save_freq=5), InterruptAt(13)])
     trainer, model, _ = fit(strategy, optimizer(), "16-mixed", callbacks=[BackupAndRestore(tmp_path, save_freq=5)])
     assert torch.equal(flat(model), flat(ref_model))
     assert trainer.optimizer.state_dict()["loss_scale"] == reference.optimizer.state_dict()["loss_scale"]
