@@ -26,13 +26,22 @@ def data():
 
 
 def fit_run(
-    strategy, init_seed, *, seed=None, data_seed=None, extra_callbacks=(), epochs=3, optimizer=None, **fit_kwargs
+    strategy,
+    init_seed,
+    *,
+    seed=None,
+    data_seed=None,
+    extra_callbacks=(),
+    epochs=3,
+    optimizer=None,
+    precision="32",
+    **fit_kwargs,
 ):
     """A small fit (partial last batch: 120 training rows in batches of 32, then 30 for validation)."""
     torch.manual_seed(init_seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
     optimizer = optimizer or optimizers.SGD(0.1, momentum=0.9)
-    trainer = Trainer(strategy=strategy, optimizer=optimizer, loss="cross_entropy", seed=seed)
+    trainer = Trainer(strategy=strategy, optimizer=optimizer, loss="cross_entropy", seed=seed, precision=precision)
     if data_seed is not None:  # the reference run takes the seed the workers agreed on
         random.seed(data_seed)
     history = trainer.fit(
@@ -51,6 +60,7 @@ def fit_run(
         "iterations": int(trainer.optimizer.iterations),
         "predict": trainer.predict(model, data()[0][:37], batch_size=16),
         "evaluate": trainer.evaluate(model, data(), batch_size=32, verbose=0, return_dict=True),
+        "loss_scale": trainer.optimizer.state_dict().get("loss_scale"),
     }
 
 
@@ -78,6 +88,18 @@ def accumulated(rank, num_workers, port):
     strategy.run = counting_run
     result = fit_run(strategy, init_seed=100, seed=3, optimizer=accumulated_optimizer(), batch_size=16)
     return result | {"collectives_per_step": per_step}
+
+
+def loss_scaled_optimizer():
+    # A scale far too large at first: float16 overflows and steps are skipped until it has come down.
+    inner = optimizers.SGD(0.1, momentum=0.9)
+    return optimizers.LossScaleOptimizer(inner, initial_scale=2.0**24, dynamic_growth_steps=3)
+
+
+def float16_mixed(rank, num_workers, port):
+    """``precision="16-mixed"`` with skipped steps: every worker must take the same decisions."""
+    strategy = strategy_for(rank, num_workers, port)
+    return fit_run(strategy, init_seed=100, seed=3, optimizer=loss_scaled_optimizer(), precision="16-mixed")
 
 
 def fit(rank, num_workers, port, seed=None):

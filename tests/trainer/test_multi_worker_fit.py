@@ -61,6 +61,22 @@ def test_accumulation_on_two_workers_equals_mirrored_two_with_no_traffic_between
 
 
 @pytest.mark.timeout(120)
+def test_float16_loss_scaling_on_two_workers_skips_alike_and_equals_mirrored_two():
+    workers = results(run_workers(SCENARIOS, "float16_mixed", 2, timeout=90))
+    expected = scenarios.fit_run(
+        ds.MirroredStrategy(["cpu:0", "cpu:1"]),
+        init_seed=100,
+        seed=3,
+        optimizer=scenarios.loss_scaled_optimizer(),
+        precision="16-mixed",
+    )
+    assert expected["loss_scale"]["scale"] < 2.0**24  # steps were skipped on the way
+    for worker, got in enumerate(workers):
+        _same_run(expected, got, f"worker {worker}")
+        assert got["loss_scale"] == expected["loss_scale"]
+
+
+@pytest.mark.timeout(120)
 def test_stop_training_on_one_worker_stops_both():
     workers = results(run_workers(SCENARIOS, "stop_on_one_worker", 2, timeout=90))
     assert workers[0]["iterations"] == workers[1]["iterations"] == 5
