@@ -324,7 +324,8 @@ class Trainer:
         with torch.autocast(_device_type(x), dtype=self._autocast_dtype):
             y_pred = self.model(x)
             per_example = self.compute_loss(y, y_pred, sample_weight)
-        return y_pred, per_example.float()
+        half = per_example.dtype in (torch.float16, torch.bfloat16)
+        return y_pred, per_example.float() if half else per_example  # summed in float32 (or wider)
 
     @property
     def global_batch_size(self) -> int:
