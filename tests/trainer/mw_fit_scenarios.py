@@ -64,8 +64,10 @@ def fit_run(
     }
 
 
-def accumulated_optimizer():
-    return optimizers.Adam(0.01, global_clipnorm=1.0, gradient_accumulation_steps=3)
+def accumulated_settings() -> dict:
+    """``fit_run`` arguments: accumulation over 3 steps at batch 16 (the workers' and the reference's)."""
+    optimizer = optimizers.Adam(0.01, global_clipnorm=1.0, gradient_accumulation_steps=3)
+    return {"init_seed": 100, "seed": 3, "optimizer": optimizer, "batch_size": 16}
 
 
 def accumulated(rank, num_workers, port):
@@ -86,20 +88,22 @@ def accumulated(rank, num_workers, port):
         return result
 
     strategy.run = counting_run
-    result = fit_run(strategy, init_seed=100, seed=3, optimizer=accumulated_optimizer(), batch_size=16)
+    result = fit_run(strategy, **accumulated_settings())
     return result | {"collectives_per_step": per_step}
 
 
-def loss_scaled_optimizer():
-    # A scale far too large at first: float16 overflows and steps are skipped until it has come down.
+def float16_settings() -> dict:
+    """``fit_run`` arguments: ``"16-mixed"`` with a scale far too large at first, so float16 overflows
+    and steps are skipped until it has come down."""
     inner = optimizers.SGD(0.1, momentum=0.9)
-    return optimizers.LossScaleOptimizer(inner, initial_scale=2.0**24, dynamic_growth_steps=3)
+    optimizer = optimizers.LossScaleOptimizer(inner, initial_scale=2.0**24, dynamic_growth_steps=3)
+    return {"init_seed": 100, "seed": 3, "optimizer": optimizer, "precision": "16-mixed"}
 
 
 def float16_mixed(rank, num_workers, port):
     """``precision="16-mixed"`` with skipped steps: every worker must take the same decisions."""
     strategy = strategy_for(rank, num_workers, port)
-    return fit_run(strategy, init_seed=100, seed=3, optimizer=loss_scaled_optimizer(), precision="16-mixed")
+    return fit_run(strategy, **float16_settings())
 
 
 def fit(rank, num_workers, port, seed=None):

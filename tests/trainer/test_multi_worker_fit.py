@@ -44,13 +44,7 @@ def test_fit_on_two_workers_equals_mirrored_two(seed):
 @pytest.mark.timeout(120)
 def test_accumulation_on_two_workers_equals_mirrored_two_with_no_traffic_between_window_ends():
     workers = results(run_workers(SCENARIOS, "accumulated", 2, timeout=90))
-    expected = scenarios.fit_run(
-        ds.MirroredStrategy(["cpu:0", "cpu:1"]),
-        init_seed=100,
-        seed=3,
-        optimizer=scenarios.accumulated_optimizer(),
-        batch_size=16,
-    )
+    expected = scenarios.fit_run(ds.MirroredStrategy(["cpu:0", "cpu:1"]), **scenarios.accumulated_settings())
     for worker, got in enumerate(workers):
         _same_run(expected, got, f"worker {worker}")
         counts = got["collectives_per_step"][:8]  # the first epoch's steps
@@ -63,13 +57,7 @@ def test_accumulation_on_two_workers_equals_mirrored_two_with_no_traffic_between
 @pytest.mark.timeout(120)
 def test_float16_loss_scaling_on_two_workers_skips_alike_and_equals_mirrored_two():
     workers = results(run_workers(SCENARIOS, "float16_mixed", 2, timeout=90))
-    expected = scenarios.fit_run(
-        ds.MirroredStrategy(["cpu:0", "cpu:1"]),
-        init_seed=100,
-        seed=3,
-        optimizer=scenarios.loss_scaled_optimizer(),
-        precision="16-mixed",
-    )
+    expected = scenarios.fit_run(ds.MirroredStrategy(["cpu:0", "cpu:1"]), **scenarios.float16_settings())
     assert expected["loss_scale"]["scale"] < 2.0**24  # steps were skipped on the way
     for worker, got in enumerate(workers):
         _same_run(expected, got, f"worker {worker}")
