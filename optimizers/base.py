@@ -8,9 +8,12 @@
    in cross-replica context the given gradients are taken as already reduced;
 3. gradient transforms on the aggregated gradient: ``clipvalue``, ``clipnorm`` (per
    variable) or ``global_clipnorm``;
-4. for every variable, ``extended.update(var, ...)``: decoupled ``weight_decay``, then
-   ``update_step(gradient, variable, learning_rate)`` on each copy of the variable,
-   on its device (built-ins use one multi-tensor kernel per device and dtype instead);
+4. for every variable, ``extended.update(var, ...)``: decoupled ``weight_decay`` (unless
+   ``exclude_from_weight_decay`` excluded the variable), then ``update_step(gradient,
+   variable, learning_rate)`` on each copy of the variable, on its device (built-ins use
+   one multi-tensor kernel per device and dtype instead), then, with ``use_ema``, the
+   copy's moving average (and, every ``ema_overwrite_frequency`` updates, the copy
+   overwritten by it);
 5. ``iterations += 1`` (once per apply, not once per replica).
 
 With ``gradient_accumulation_steps=N``, step 2 waits: each replica adds its local
@@ -65,6 +68,7 @@ Used in a custom training loop::
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
 
@@ -103,6 +107,17 @@ class Optimizer:
       clipnorm: clip each aggregated gradient to this L2 norm.
       clipvalue: clip each aggregated gradient's entries to ``[-clipvalue, clipvalue]``.
       global_clipnorm: scale all aggregated gradients so their joint L2 norm is at most this.
+      use_ema: keep an exponential moving average of every variable the optimizer updates
+        (Keras 3's argument), as a slot ``"average"`` living where the variable lives. After
+        each update ``average = ema_momentum * average + (1 - ema_momentum) * variable``,
+        except the first update (``iterations == 0``), which sets ``average = variable``.
+        ``finalize_variable_values`` writes the averages into the variables (``Trainer.fit``
+        calls it at its end, as Keras' ``fit`` does); ``averaged_weights()`` swaps them in
+        for a while (to evaluate with them).
+      ema_momentum: the averages' momentum, in ``[0, 1]`` (default 0.99).
+      ema_overwrite_frequency: ``None`` or an int >= 1: every this many updates the
+        variables are overwritten with their averages (Keras 3's rule: after the update
+        whose ``iterations + 1`` is a multiple of it).
       gradient_accumulation_steps: ``None`` or an int >= 2 (Keras 3's argument): every
         replica accumulates its local gradients for this many steps, then one batched
         reduction and one update apply them. Under ``Trainer.fit`` the window equals one step
@@ -115,6 +130,14 @@ class Optimizer:
 
     At most one of ``clipnorm``, ``clipvalue``, ``global_clipnorm`` may be set, as in
     Keras. Unlike Keras 3, clipping applies to the gradient aggregated over replicas.
+    With gradient accumulation the averages move once per update (Keras 3 moves them on
+    every step, also on the steps that leave the variables unchanged); a step a
+    ``LossScaleOptimizer`` skips leaves them unchanged.
+
+    Example::
+
+        optimizer = AdamW(1e-3, weight_decay=0.05, use_ema=True, ema_momentum=0.999)
+        optimizer.exclude_from_weight_decay(var_names=["bias", "norm"])
     """
 
     #: Built-ins implement ``_update_many`` over lists of tensors (one kernel per device/dtype).
@@ -128,6 +151,9 @@ class Optimizer:
         clipnorm=None,
         clipvalue=None,
         global_clipnorm=None,
+        use_ema=False,
+        ema_momentum=0.99,
+        ema_overwrite_frequency=None,
         gradient_accumulation_steps=None,
         name=None,
     ):
@@ -143,6 +169,9 @@ class Optimizer:
         self.clipvalue = _check_positive("clipvalue", clipvalue)
         self.global_clipnorm = _check_positive("global_clipnorm", global_clipnorm)
         self.gradient_accumulation_steps = check_accumulation_steps(gradient_accumulation_steps)
+        self.use_ema, self.ema_momentum, self.ema_overwrite_frequency = check_ema(
+            use_ema, ema_momentum, ema_overwrite_frequency
+        )
         self.name = name or type(self).__name__.lower()
         self._learning_rate = self._check_learning_rate(learning_rate)
         self.iterations = ds.Variable(
@@ -165,6 +194,9 @@ class Optimizer:
         self._pending_window: dict | None = None  # a loaded window, for variables not built yet
         self._step_weight = 1.0  # the weight of the next accumulated step (the trainer's: its examples)
         self._loss_scaler = None  # the LossScaleOptimizer wrapping this one, if any
+        self._decay_exclusions: tuple = ((), ())  # (variables or tensors, name substrings) not decayed
+        self._no_decay: set = set()  # id(container) of the built variables excluded from weight decay
+        self._swapped: list | None = None  # (variable, its copies' trained values) while averages are swapped in
 
     # --- learning rate ----------------------------------------------------------------------
     @staticmethod
@@ -191,11 +223,79 @@ class Optimizer:
 
     # --- building and slots ------------------------------------------------------------------
     def build(self, variables) -> None:
-        """Creates per-variable state; subclasses call ``super().build(variables)`` then make slots."""
+        """Creates per-variable state; subclasses call ``super().build(variables)`` then make slots.
+
+        Decides, once per variable, whether weight decay applies to it (see
+        ``exclude_from_weight_decay``), and with ``use_ema`` creates its ``"average"`` slot.
+        """
         for variable in variables:
             if id(variable) not in self._built_ids:
                 self._built_ids.add(id(variable))
                 self._variables.append(variable)
+                if self._excluded_from_decay(variable):
+                    self._no_decay.add(id(value_container(variable)))
+                if self.use_ema:
+                    self.add_variable_from_reference(variable, "average")
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None) -> None:
+        """Keeps variables out of ``weight_decay`` (Keras 3's method): call it before the optimizer builds.
+
+        Args:
+          var_list: variables to exclude: our ``Variable``s, or a module's parameters
+            (``model.fc.bias``; under a strategy the variable it became is excluded).
+          var_names: strings; a variable whose name contains any of them is excluded
+            (``["bias", "norm"]``). Names are the module's parameter names (``"fc.bias"``).
+
+        The exclusion is decided when the optimizer builds for a variable (its first
+        update, or a checkpoint restore), as in Keras 3; calling this once the optimizer has
+        built raises ``ValueError``. A new call replaces the previous exclusions. Unlike Keras
+        3, which joins ``var_names`` into a regular expression, names match as plain
+        substrings (``"bn.weight"`` matches only that text). For ``from_torch`` optimizers the
+        excluded variables form their own torch param group with ``weight_decay=0``, so
+        whatever decay the torch class applies (coupled L2 for ``SGD``/``Adam``, decoupled for
+        ``AdamW``) skips them.
+
+        Example::
+
+            optimizer = optimizers.AdamW(1e-3, weight_decay=0.05)
+            optimizer.exclude_from_weight_decay(var_names=["bias", "norm"])
+            optimizer.exclude_from_weight_decay(var_list=[model.embedding.weight])   # or objects
+        """
+        if self._variables:
+            raise ValueError(
+                f"exclude_from_weight_decay() can only be called before {type(self).__name__} {self.name!r} is "
+                f"built (it was built for {len(self._variables)} variables by a first update or a checkpoint "
+                "restore): call it right after creating the optimizer."
+            )
+        objects = tuple(var_list or ())
+        for item in objects:
+            if not isinstance(item, (ds.Variable, torch.Tensor)):
+                raise TypeError(
+                    f"exclude_from_weight_decay(var_list=...) takes variables or parameters, got "
+                    f"{type(item).__name__} {item!r}; pass names as var_names=[...]."
+                )
+        if isinstance(var_names, str):
+            raise TypeError(f"var_names must be a list of strings, got the string {var_names!r}: write [{var_names!r}]")
+        names = tuple(var_names or ())
+        for name in names:
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"var_names must hold non-empty strings, got {name!r}.")
+        self._decay_exclusions = (objects, names)
+
+    def _excluded_from_decay(self, variable) -> bool:
+        objects, names = self._decay_exclusions
+        if not objects and not names:
+            return False
+        name = getattr(variable, "name", None) or ""
+        if any(part in name for part in names):
+            return True
+        # The variable itself, or one of its copies' tensors (a module's parameter is replica 0's copy).
+        candidates = {id(variable), id(value_container(variable))}
+        for component in local_results(value_container(variable)):
+            candidates.add(id(component))
+            if isinstance(component, ds.Variable):
+                candidates.add(id(component._read()))
+        return any(id(item) in candidates for item in objects)
 
     def add_variable_from_reference(self, reference_variable, name: str, initializer="zeros"):
         """A slot variable shaped like ``reference_variable`` and living on its devices.
@@ -246,6 +346,91 @@ class Optimizer:
     def variables(self) -> list:
         """The optimizer's own variables: ``iterations`` and every slot."""
         return [self.iterations] + list(self._slots.values())
+
+    # --- moving averages (use_ema) ---------------------------------------------------------------
+    def finalize_variable_values(self, var_list) -> None:
+        """Keras 3's end-of-training hook: with ``use_ema``, writes each variable's moving average into it.
+
+        ``var_list``: variables or a module's parameters (``model.parameters()``); those the
+        optimizer keeps no average for (never updated by it) are left as they are. Every copy
+        of a variable gets its own copy's average (``extended.update``), so copies stay equal;
+        under ``MultiWorkerMirroredStrategy`` every worker calls it (no communication). Without
+        ``use_ema`` it does nothing. ``Trainer.fit`` calls it at its end, before ``on_train_end``
+        (as Keras' ``fit`` does), so the model holds the averages after training.
+
+        Example::
+
+            optimizer = optimizers.Adam(1e-3, use_ema=True)
+            ...                                       # a training loop of one's own
+            optimizer.finalize_variable_values(model.parameters())
+        """
+        if not self.use_ema:
+            return
+        for variable in self._averaged(var_list):
+            self._strategy_of([variable]).extended.update(variable, self._take_average, group=False)
+
+    @contextlib.contextmanager
+    def averaged_weights(self, var_list=None):
+        """Inside the block the variables hold their moving averages; after it, their trained values again.
+
+        The callback-free way to evaluate (or save) with the averages in the middle of
+        training. ``var_list`` defaults to every variable the optimizer updates; needs
+        ``use_ema=True``. Call it in cross-replica context (outside ``strategy.run``).
+
+        Example::
+
+            with optimizer.averaged_weights():
+                val_logs = trainer.evaluate(model, (x_val, y_val), batch_size=256, return_dict=True)
+        """
+        self._swap_in_averages(var_list, "averaged_weights()")
+        try:
+            yield
+        finally:
+            self._swap_out_averages()
+
+    def _swap_in_averages(self, var_list=None, caller: str = "averaged_weights()") -> None:
+        """Writes the averages into the variables, keeping their values for ``_swap_out_averages``."""
+        if not self.use_ema:
+            raise ValueError(
+                f"{caller} needs an optimizer with use_ema=True; {type(self).__name__} {self.name!r} keeps no "
+                "moving averages."
+            )
+        if self._swapped is not None:
+            raise RuntimeError(f"{caller}: the averages are swapped in already (averaged_weights() do not nest).")
+        variables = self._averaged(self._variables if var_list is None else var_list)
+        saved = [[_tensor_of(c).detach().clone() for c in local_results(v)] for v in variables]
+        for variable in variables:
+            self._strategy_of([variable]).extended.update(variable, self._take_average, group=False)
+        self._swapped = list(zip(variables, saved))
+
+    def _swap_out_averages(self) -> None:
+        """Puts back the values ``_swap_in_averages`` kept (nothing when nothing is swapped in)."""
+        swapped, self._swapped = self._swapped, None
+        for variable, values in swapped or ():
+            self._strategy_of([variable]).extended.update(variable, _take_saved, args=(values,), group=False)
+
+    def _keep_averages(self) -> None:
+        """Ends a swap without putting the trained values back (the averages stay: ``fit``'s end)."""
+        self._swapped = None
+
+    def _trained_values(self) -> dict:
+        """``{id(variable): its trained value}`` while averages are swapped in (what a backup must hold)."""
+        return {id(variable): values[0] for variable, values in self._swapped or ()}
+
+    def _averaged(self, var_list) -> list:
+        """The containers of ``var_list`` that have an ``"average"`` slot, each once, in order."""
+        found, seen = [], set()
+        for item in var_list:
+            entry = self._wrapped.get(id(item))
+            container = entry[1] if entry is not None and entry[0] is item else value_container(item)
+            if (id(container), "average") in self._slots and id(container) not in seen:
+                seen.add(id(container))
+                found.append(container)
+        return found
+
+    def _take_average(self, component) -> None:
+        with _no_grad():
+            _tensor_of(component).copy_(_tensor_of(self.get_slot(component, "average")))
 
     # --- applying gradients -------------------------------------------------------------------
     def apply_gradients(self, grads_and_vars):
@@ -421,18 +606,34 @@ class Optimizer:
         spread = not (plain and all(type(v) is ds.LocalVariable for v in variables))
         learning_rate = self._current_learning_rate()
         self._prepare_step(learning_rate)
+        ema = self._ema_step()
         if self._multi_tensor and type(self)._update_many is not Optimizer._update_many:
             if spread:
                 grads = [_per_copy(strategy, g, v) for g, v in zip(grads, variables)]
-            self._apply_multi_tensor(grads, variables, learning_rate)
+            self._apply_multi_tensor(grads, variables, learning_rate, ema)
             strategy.extended._after_direct_update(variables)
         else:
             if spread and plain:
                 grads = [_per_copy(strategy, g, v) for g, v in zip(grads, variables)]
+            decay, no_decay = self.weight_decay, self._no_decay
             for grad, variable in zip(grads, variables):
-                strategy.extended.update(variable, self._update_component, args=(grad, learning_rate), group=False)
+                strategy.extended.update(
+                    variable,
+                    self._update_component,
+                    args=(grad, learning_rate, None if id(variable) in no_decay else decay, ema),
+                    group=False,
+                )
         _count_update(self.iterations)
         return self.iterations
+
+    def _ema_step(self) -> tuple | None:
+        """``(momentum, overwrite)`` of this update's moving averages (Keras 3's rule), or None without EMA."""
+        if not self.use_ema:
+            return None
+        step = int(self.iterations)  # before this update counts
+        momentum = self.ema_momentum if step else 0.0  # the first update: average = variable
+        frequency = self.ema_overwrite_frequency
+        return momentum, bool(frequency) and (step + 1) % frequency == 0
 
     def _prepared(self, grads: list, divisor) -> list | None:
         """The aggregated gradients divided by an accumulation window's weight and unscaled by a
@@ -455,11 +656,19 @@ class Optimizer:
         if self._pending is not None and self._pending.checked != len(self._variables):
             self._restore_pending()
 
-    def _update_component(self, variable, gradient, learning_rate):
+    def _update_component(self, variable, gradient, learning_rate, decay=None, ema=None):
+        """One copy's update: decay, ``update_step``, then its moving average (the per-variable path)."""
         with torch.no_grad():
-            if self.weight_decay:
-                variable.assign_sub(variable.value() * (self.weight_decay * learning_rate))
+            if decay:
+                variable.assign_sub(variable.value() * (decay * learning_rate))
             self.update_step(gradient, variable, learning_rate)
+            if ema is not None:
+                momentum, overwrite = ema
+                weights = variable.value()
+                average = self.get_slot(variable, "average").value()
+                average.mul_(momentum).add_(weights, alpha=1.0 - momentum)
+                if overwrite:
+                    weights.copy_(average)
 
     def _prepare_step(self, learning_rate: float) -> None:
         """Computes per-apply constants once (before any variable is updated)."""
@@ -487,22 +696,29 @@ class Optimizer:
         """Built-ins: updates lists of same-device, same-dtype tensors (slots: name -> list)."""
         raise NotImplementedError
 
-    def _apply_multi_tensor(self, grads, variables, learning_rate) -> None:
+    def _apply_multi_tensor(self, grads, variables, learning_rate, ema=None) -> None:
         plan = self._plan(variables)
         with _no_grad():
-            for group_params, group_slots, positions in plan:
+            for group_params, group_slots, positions, decayed in plan:
                 group_grads = [
                     g if type(g) is torch.Tensor else local_results(g)[copy]
                     for g, copy in ((grads[var_index], copy) for var_index, copy in positions)
                 ]
-                if self.weight_decay:
+                if self.weight_decay and decayed:
                     torch._foreach_sub_(
                         group_params, torch._foreach_mul(group_params, self.weight_decay * learning_rate)
                     )
                 self._update_many(group_params, group_grads, group_slots, learning_rate)
+                if ema is not None:  # the same operations as _update_component's, one kernel per list
+                    momentum, overwrite = ema
+                    averages = group_slots["average"]
+                    torch._foreach_mul_(averages, momentum)
+                    torch._foreach_add_(averages, group_params, alpha=1.0 - momentum)
+                    if overwrite:
+                        torch._foreach_copy_(group_params, averages)
 
     def _plan(self, variables) -> list:
-        """Groups every copy of every variable by (device, dtype), once per variable list."""
+        """Groups every copy of every variable by (device, dtype, slots, decayed), once per variable list."""
         key = tuple(id(v) for v in variables)
         plan = self._plans.get(key)
         if plan is not None:
@@ -511,9 +727,12 @@ class Optimizer:
         for var_index, variable in enumerate(variables):
             names = self._slot_names.get(id(variable), [])
             slot_copies = {n: local_results(self._slots[(id(variable), n)]) for n in names}
+            decayed = id(variable) not in self._no_decay
             for copy, component in enumerate(local_results(variable)):
                 tensor = component._read() if isinstance(component, ds.Variable) else component
-                group = groups.setdefault((tensor.device, tensor.dtype, tuple(names)), ([], {n: [] for n in names}, []))
+                group = groups.setdefault(
+                    (tensor.device, tensor.dtype, tuple(names), decayed), ([], {n: [] for n in names}, [], decayed)
+                )
                 group[0].append(tensor)
                 for n in names:
                     group[1][n].append(slot_copies[n][copy]._read())
@@ -540,6 +759,9 @@ class Optimizer:
             "clipnorm": self.clipnorm,
             "clipvalue": self.clipvalue,
             "global_clipnorm": self.global_clipnorm,
+            "use_ema": self.use_ema,
+            "ema_momentum": self.ema_momentum,
+            "ema_overwrite_frequency": self.ema_overwrite_frequency,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
         }
 
@@ -600,6 +822,9 @@ class Optimizer:
         A state whose variables (count, names, shapes) or slots (names, shapes) do not fit
         raises ``ValueError`` naming the position and slot, and changes nothing. States of
         earlier versions, keyed by variable name, load when no two variables share a name.
+        The ``"average"`` slots of ``use_ema`` are the exception: a state saved without them
+        loads into an optimizer with ``use_ema`` (each average starts at its variable's value
+        then), and a state with them loads into one without (they are dropped).
         """
         iterations, pending = state_format.parse(state, "slots", type(self).__name__)
         learning_rate = state.get("learning_rate")
@@ -728,6 +953,7 @@ class Optimizer:
         for position, entry in taken.items():
             variable = self._variables[position]
             names = self._slot_names.get(id(variable), [])
+            entry = _with_average(entry, names, variable)
             if set(entry) != set(names):
                 raise ValueError(
                     f"The optimizer state's variable {position} ({variable.name!r}) has slots {sorted(entry)}, but "
@@ -748,6 +974,20 @@ class Optimizer:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, learning_rate={self._learning_rate!r})"
+
+
+def _with_average(entry: dict, names: list, variable) -> dict:
+    """A loaded slot entry fitted to ``use_ema``: an average saved by an optimizer with ``use_ema`` is
+    dropped by one without; one without gives an optimizer with ``use_ema`` the variable's current value
+    as its average (turning ``use_ema`` on when resuming a run starts the average there)."""
+    if ("average" in entry) == ("average" in names):
+        return entry
+    entry = dict(entry)
+    if "average" in entry:
+        del entry["average"]
+    else:
+        entry["average"] = _first_tensor(variable).detach().clone()
+    return entry
 
 
 def _assign_all(assignments) -> None:
@@ -779,6 +1019,17 @@ def _count_update(iterations) -> None:
                 tensor.add_(1)
         return
     iterations.assign_add(1)
+
+
+def _tensor_of(component) -> torch.Tensor:
+    return component._read() if isinstance(component, ds.Variable) else component
+
+
+def _take_saved(component, values) -> None:
+    """``averaged_weights``' way back: the copy gets the value it held before."""
+    index = context.current_mode().update_replica or 0
+    with _no_grad():
+        _tensor_of(component).copy_(values[index])
 
 
 def _first_tensor(value) -> torch.Tensor:
@@ -816,6 +1067,21 @@ def _merge_apply_window(strategy, optimizer, sums, variables):
     window = optimizer._window
     optimizer._window = None
     return _merge_apply(strategy, optimizer, sums, variables, divisor=window.weight)
+
+
+def check_ema(use_ema, momentum, overwrite_frequency) -> tuple:
+    """``(use_ema, ema_momentum, ema_overwrite_frequency)`` checked (Keras 3's ranges)."""
+    if not isinstance(use_ema, bool):
+        raise TypeError(f"`use_ema` must be True or False, got {use_ema!r}.")
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum <= 1:
+        raise ValueError(f"`ema_momentum` must be a number in [0, 1], got {momentum!r}.")
+    if overwrite_frequency is not None and (
+        isinstance(overwrite_frequency, bool) or not isinstance(overwrite_frequency, int) or overwrite_frequency < 1
+    ):
+        raise ValueError(
+            f"`ema_overwrite_frequency` must be None (never) or an integer >= 1, got {overwrite_frequency!r}."
+        )
+    return use_ema, float(momentum), overwrite_frequency
 
 
 def check_accumulation_steps(steps):

@@ -22,7 +22,7 @@ import torch
 from replicafit.strategies.values import local_results
 
 from . import state as state_format
-from .base import Optimizer
+from .base import Optimizer, _assign_all
 
 __all__ = ["TorchOptimizer", "from_torch"]
 
@@ -42,6 +42,9 @@ class TorchOptimizer(Optimizer):
         clipnorm=None,
         clipvalue=None,
         global_clipnorm=None,
+        use_ema=False,
+        ema_momentum=0.99,
+        ema_overwrite_frequency=None,
         gradient_accumulation_steps=None,
         name=None,
         **torch_kwargs,
@@ -54,21 +57,35 @@ class TorchOptimizer(Optimizer):
             clipnorm=clipnorm,
             clipvalue=clipvalue,
             global_clipnorm=global_clipnorm,
+            use_ema=use_ema,
+            ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
             gradient_accumulation_steps=gradient_accumulation_steps,
             name=name or f"torch_{optimizer_class.__name__.lower()}",
         )
         self._torch_class = optimizer_class
         self._torch_kwargs = dict(torch_kwargs)
+        self._decays = "weight_decay" in probe.defaults  # the class has a weight_decay (exclusions apply)
         self._torch_optimizers: list = []
+        self._torch_order: list = []  # the variable position of each of torch's parameter indices
         self._pending_groups: list = []  # loaded param_groups (without "params"), applied at build
+        self._pending_slots = None  # loaded averages (use_ema), for variables not built yet
 
     def build(self, variables) -> None:
         super().build(variables)
         copies = len(local_results(self._variables[0]))
         previous = self._torch_optimizers
         self._torch_optimizers = []
+        # Variables excluded from weight decay form a second param group with weight_decay=0;
+        # torch numbers the parameters group by group, so its indices follow this order.
+        excluded = [i for i, v in enumerate(self._variables) if id(v) in self._no_decay] if self._decays else []
+        decayed = [i for i in range(len(self._variables)) if i not in set(excluded)]
+        self._torch_order = decayed + excluded
         for copy in range(copies):
-            params = [self._copy_tensor(v, copy) for v in self._variables]
+            tensors = [self._copy_tensor(v, copy) for v in self._variables]
+            params = [{"params": [tensors[i] for i in decayed]}] if decayed else []
+            if excluded:
+                params.append({"params": [tensors[i] for i in excluded], "weight_decay": 0.0})
             optimizer = self._torch_class(params, **self._torch_kwargs)
             if copy < len(previous):  # keep the state of variables built before
                 optimizer.state.update(previous[copy].state)
@@ -104,9 +121,26 @@ class TorchOptimizer(Optimizer):
                 finally:
                     for tensor, grad in zip(everything, saved):
                         tensor.grad = grad
+            ema = self._ema_step()
+            if ema is not None:
+                self._update_averages(variables, ema)
         strategy.extended._after_direct_update(variables)
         self.iterations.assign_add(1)
         return self.iterations
+
+    def _update_averages(self, variables, ema) -> None:
+        """Every copy's moving average, from that copy (the operations of the built-ins' update)."""
+        momentum, overwrite = ema
+        weights = [self._copy_tensor(v, c) for v in variables for c in range(len(local_results(v)))]
+        averages = [
+            local_results(self._slots[(id(v), "average")])[c]._read()
+            for v in variables
+            for c in range(len(local_results(v)))
+        ]
+        torch._foreach_mul_(averages, momentum)
+        torch._foreach_add_(averages, weights, alpha=1.0 - momentum)
+        if overwrite:
+            torch._foreach_copy_(weights, averages)
 
     def get_config(self) -> dict:
         config = super().get_config()
@@ -116,6 +150,9 @@ class TorchOptimizer(Optimizer):
             "clipnorm": self.clipnorm,
             "clipvalue": self.clipvalue,
             "global_clipnorm": self.global_clipnorm,
+            "use_ema": self.use_ema,
+            "ema_momentum": self.ema_momentum,
+            "ema_overwrite_frequency": self.ema_overwrite_frequency,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
         } | self._torch_kwargs
 
@@ -140,7 +177,7 @@ class TorchOptimizer(Optimizer):
         groups = [dict(group) for group in self._pending_groups]
         if self._torch_optimizers:
             state = self._torch_optimizers[0].state_dict()
-            entries = {index: _cloned(entry) for index, entry in state["state"].items()}
+            entries = {self._torch_order[index]: _cloned(entry) for index, entry in state["state"].items()}
             groups = [{k: v for k, v in group.items() if k != "params"} for group in state["param_groups"]]
         pending = self._pending
         if pending is not None and pending.records is None and not self._variables:
@@ -155,8 +192,23 @@ class TorchOptimizer(Optimizer):
         state = {"iterations": int(self.iterations), "torch_state": entries, "param_groups": groups}
         if records is not None:
             state["variables"] = records
+        if self.use_ema:
+            state["slots"] = self._average_entries(records)
         self._add_window_state(state)
         return state
+
+    def _average_entries(self, records) -> dict:
+        """``{position: {"average": tensor}}``: the moving averages (``use_ema``), as the built-ins keep them."""
+        slots = {
+            position: {"average": local_results(self._slots[(id(v), "average")])[0]._read().detach().clone()}
+            for position, v in enumerate(self._variables)
+        }
+        pending = self._pending_slots
+        if pending is not None and records is not None and pending.records:
+            for position in range(len(self._variables), len(pending.records)):
+                if position in pending.entries:
+                    slots[position] = dict(pending.entries[position])
+        return slots
 
     def load_state_dict(self, state: dict) -> None:
         """Restores ``state_dict()`` output (see ``Optimizer.load_state_dict`` for the checks).
@@ -181,8 +233,17 @@ class TorchOptimizer(Optimizer):
         learning_rate = None
         if groups and "lr" in groups[0] and not callable(self._learning_rate):
             learning_rate = state_format.check_learning_rate(groups[0]["lr"], "lr (in the optimizer state)")
+        slots = None
+        if "slots" in state:  # moving averages (use_ema)
+            _, slots = state_format.parse(
+                {"iterations": 0, "slots": state["slots"], "variables": state.get("variables")},
+                "slots",
+                type(self).__name__,
+            )
         if self._torch_optimizers:
             pending.match(self._variables)  # every check before any change
+            if slots is not None:
+                self._plan_restore(slots)
         window = self._checked_window_state(state)
         self.iterations.assign(iterations)
         self._load_window_state(window)
@@ -190,6 +251,7 @@ class TorchOptimizer(Optimizer):
             self.learning_rate = learning_rate
         self._pending_groups = [{k: v for k, v in group.items() if k != "params"} for group in groups]
         self._pending = pending
+        self._pending_slots = slots
         if self._torch_optimizers:
             self._restore_pending()
 
@@ -199,17 +261,25 @@ class TorchOptimizer(Optimizer):
             return
         pending = self._pending
         taken = pending.match(self._variables)
+        index = {position: i for i, position in enumerate(self._torch_order)}  # torch's numbering
         for optimizer in self._torch_optimizers:
             current = optimizer.state_dict()
             groups = current["param_groups"]
             for group, saved in zip(groups, self._pending_groups):
                 group.update(saved)
             # Each copy gets its own tensors: torch updates its state in place.
-            entries = dict(current["state"]) | {position: _cloned(entry) for position, entry in taken.items()}
+            entries = dict(current["state"]) | {index[position]: _cloned(entry) for position, entry in taken.items()}
             optimizer.load_state_dict({"state": entries, "param_groups": groups})
         pending.discard(taken, self._variables)
         if pending.done(len(self._variables)):
             self._pending = None
+        slots = self._pending_slots
+        if slots is not None:
+            slot_taken, assignments = self._plan_restore(slots)
+            _assign_all(assignments)
+            slots.discard(slot_taken, self._variables)
+            if slots.done(len(self._variables)):
+                self._pending_slots = None
 
 
 def _cloned(entry: Mapping) -> dict:

@@ -105,6 +105,9 @@ def test_builtin_defaults_in_config():
         "clipnorm": None,
         "clipvalue": None,
         "global_clipnorm": None,
+        "use_ema": False,
+        "ema_momentum": 0.99,
+        "ema_overwrite_frequency": None,
         "gradient_accumulation_steps": None,
     }
     adam = optimizers.Adam().get_config()
