@@ -20,6 +20,7 @@ from .callbacks import (
     ModelCheckpoint,
     ProgbarLogger,
     ReduceLROnPlateau,
+    SwapEMAWeights,
     TerminateOnNaN,
 )
 from .checkpoint import CheckpointError
@@ -41,6 +42,7 @@ __all__ = [
     "ModelSummary",
     "ProgbarLogger",
     "ReduceLROnPlateau",
+    "SwapEMAWeights",
     "TensorBoard",
     "TerminateOnNaN",
     "Trainer",

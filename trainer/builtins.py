@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import replicafit.strategies as ds
 from replicafit import optimizers
 from replicafit.optimizers import schedules
@@ -9,6 +11,27 @@ from replicafit.optimizers import schedules
 from . import callbacks, datasets, losses, metrics, models
 from .registry import REGISTRIES
 from .tensorboard import TensorBoard
+
+
+def optimizer_arguments() -> str:
+    """What every optimizer entry of a recipe takes besides its own arguments (``replicafit list optimizer``)."""
+    parameters = inspect.signature(optimizers.Optimizer.__init__).parameters
+    common = [name for name in parameters if name not in ("self", "learning_rate")]
+    return (
+        f"every optimizer also takes: {', '.join(common)}; "
+        "and exclude_from_weight_decay: [name parts] (e.g. [bias, norm])"
+    )
+
+
+def _own_arguments(cls) -> str:
+    """``Arguments: ...`` of an optimizer class, those shared by every optimizer left out."""
+    common = set(inspect.signature(optimizers.Optimizer.__init__).parameters)
+    own = [
+        name
+        for name, p in inspect.signature(cls.__init__).parameters.items()
+        if name not in common and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    return f"Arguments: learning_rate, {', '.join(own)}." if own else "Arguments: learning_rate."
 
 
 def default() -> ds.Strategy:
@@ -87,7 +110,7 @@ def _register_all() -> None:
         ("rmsprop", optimizers.RMSprop),
         ("adagrad", optimizers.Adagrad),
     ):
-        register("optimizer", name, cls, (cls.__doc__ or "").strip().splitlines()[0])
+        register("optimizer", name, cls, f"{(cls.__doc__ or '').strip().splitlines()[0]} {_own_arguments(cls)}")
     for name, cls in (
         ("exponential_decay", schedules.ExponentialDecay),
         ("piecewise_constant_decay", schedules.PiecewiseConstantDecay),
@@ -113,6 +136,7 @@ def _register_all() -> None:
         ("csv_logger", callbacks.CSVLogger),
         ("terminate_on_nan", callbacks.TerminateOnNaN),
         ("backup_and_restore", callbacks.BackupAndRestore),
+        ("swap_ema_weights", callbacks.SwapEMAWeights),
         ("tensorboard", TensorBoard),
     ):
         register("callback", name, cls)

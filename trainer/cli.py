@@ -176,6 +176,10 @@ def _list(args) -> int:
         print(f"{kind}:")
         for name, description in REGISTRIES[kind].describe():
             print(f"  {name:<28} {description}")
+        if kind == "optimizer":
+            from .builtins import optimizer_arguments
+
+            print(f"  ({optimizer_arguments()})")
     return 0
 
 

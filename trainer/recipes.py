@@ -7,6 +7,13 @@ string for the simple cases: ``optimizer: adam``), mapping one-to-one onto the P
 constructors. ``${VAR}`` and ``${VAR:-default}`` are replaced from the environment when
 the file is read (only here, never deeper in the library).
 
+The optimizer entry takes the optimizer's arguments (``use_ema: true``, ``ema_momentum``,
+``weight_decay``, ...) and one key that is a method call in Python:
+``exclude_from_weight_decay: [bias, norm]`` (``optimizer.exclude_from_weight_decay(var_names=...)``).
+With ``use_ema`` the averaged model is the run's result: unless the recipe lists
+``swap_ema_weights`` itself, ``SwapEMAWeights(swap_on_epoch=True)`` comes first among the
+callbacks, so validation, best checkpoints and early stopping judge and keep the averages.
+
 A bad recipe gives one message naming the file, the line and the key path::
 
     recipe.yaml:7: optimizer.learning_rat: unknown argument of 'sgd' (did you mean 'learning_rate'?)
@@ -476,6 +483,7 @@ def validate(recipe: Recipe) -> dict:
     if kinds.is_builtin("model", checked["model"][0]):
         _check_builtin_model(recipe, checked)
     optimizer = data.get("optimizer", "adam")
+    optimizer, checked["decay_exclusions"] = _decay_exclusions(recipe, optimizer)
     checked["optimizer"] = check_entry(recipe, ("optimizer",), optimizer, "optimizer")
     rate = optimizer.get("learning_rate") if isinstance(optimizer, dict) else None
     if isinstance(rate, dict):
@@ -512,6 +520,23 @@ def _check_seed(recipe: Recipe, seed) -> None:
         raise recipe.error(("seed",), f"expected an integer, got {type(seed).__name__} {_short(seed)}")
     if not 0 <= seed <= MAX_SEED:
         raise recipe.error(("seed",), f"must be in [0, 2**64 - 1] (what torch.manual_seed takes), got {seed}")
+
+
+def _decay_exclusions(recipe: Recipe, optimizer) -> tuple:
+    """``(the optimizer entry without it, its exclude_from_weight_decay list)``: the recipe key that calls
+    ``optimizer.exclude_from_weight_decay(var_names=[...])`` (a method in Python, not an argument)."""
+    if not isinstance(optimizer, dict) or "exclude_from_weight_decay" not in optimizer:
+        return optimizer, []
+    names = optimizer["exclude_from_weight_decay"]
+    key = ("optimizer", "exclude_from_weight_decay")
+    if isinstance(names, str):
+        names = [names]
+    if not isinstance(names, list):
+        raise recipe.error(key, f"expected a list of name parts (e.g. [bias, norm]), got {type(names).__name__}")
+    for index, name in enumerate(names):
+        if not isinstance(name, str) or not name:
+            raise recipe.error(key + (index,), f"expected a non-empty string (a part of variable names), got {name!r}")
+    return {k: v for k, v in optimizer.items() if k != "exclude_from_weight_decay"}, list(names)
 
 
 def _construct(recipe: Recipe, key: tuple, factory, args, **extra):
@@ -721,6 +746,7 @@ def build(recipe: Recipe, checked: dict | None = None, run_dir=None) -> Run:
     """
     import torch
 
+    from .callbacks import SwapEMAWeights
     from .trainer import Trainer
 
     checked = checked or validate(recipe)
@@ -744,6 +770,8 @@ def build(recipe: Recipe, checked: dict | None = None, run_dir=None) -> Run:
             schedule = _built(recipe, ("optimizer", "learning_rate"), "schedule", *checked["schedule"])
             optimizer_args = dict(optimizer_args, learning_rate=schedule)
         optimizer = _built(recipe, ("optimizer",), "optimizer", optimizer_factory, optimizer_args)
+        if checked["decay_exclusions"]:
+            optimizer.exclude_from_weight_decay(var_names=checked["decay_exclusions"])
     loss = _built(recipe, ("loss",), "loss", *checked["loss"])
     metric_names = [_entry_name(m) for m in data.get("metrics", []) or []]
     metrics = [
@@ -756,6 +784,10 @@ def build(recipe: Recipe, checked: dict | None = None, run_dir=None) -> Run:
         _built(recipe, ("callbacks", i), "callback", f, _in_run_dir(f, a, run_dir))
         for i, (f, a) in enumerate(checked["callbacks"])
     ]
+    if getattr(optimizer, "use_ema", False) and not any(isinstance(c, SwapEMAWeights) for c in callbacks):
+        # With use_ema the averaged model is the result: validation, best checkpoints and early stopping
+        # judge (and keep) the averages. A recipe that lists swap_ema_weights itself decides.
+        callbacks.insert(0, SwapEMAWeights(swap_on_epoch=True))
     precision = str(data.get("precision", "32"))
     trainer = Trainer(
         strategy=strategy, optimizer=optimizer, loss=loss, metrics=metrics, seed=seed, precision=precision

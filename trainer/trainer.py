@@ -511,6 +511,8 @@ class Trainer:
             extended._release_gradient_buckets()  # the model's parameters keep no hooks of ours
             if accumulating:
                 self.optimizer._step_weight = 1.0  # a loop of one's own after fit weighs its steps alike
+        if getattr(self.optimizer, "use_ema", False):  # as Keras' fit: the model ends with the averages
+            self.optimizer.finalize_variable_values(self._trainable)
         callback_list.call("on_train_end", logs)
         return history
 
@@ -711,7 +713,7 @@ class Trainer:
             "step": step,
             "cursor": list(position),
             "data_seed": self._data_seed,
-            "model": self.model_state_dict(),
+            "model": self._trained_model_state(),
             "optimizer": self._optimizer_state(),
             "metrics": self._metric_states(),
             "metric_replicas": self._metric_replica_states(),
@@ -719,6 +721,17 @@ class Trainer:
             "rng": torch.get_rng_state(),
             **self._worker_rng_states(),
         }
+
+    def _trained_model_state(self) -> dict:
+        """``model_state_dict()`` with the trained values of variables whose moving averages are swapped in
+        (``SwapEMAWeights(swap_on_epoch=True)`` between epochs): a resumed run trains on from those."""
+        state = self.model_state_dict()
+        trained = self.optimizer._trained_values() if getattr(self.optimizer, "use_ema", False) else {}
+        if trained and self._distributed is not None:
+            for name, variable in self._distributed.named_variables().items():
+                if id(variable) in trained:
+                    state[name] = trained[id(variable)].detach().to(state[name].device).clone()
+        return state
 
     def _optimizer_state(self) -> dict:
         """``optimizer.state_dict()``, with an open accumulation window's sums of every worker's replicas."""

@@ -61,7 +61,15 @@ def fit_run(
         "predict": trainer.predict(model, data()[0][:37], batch_size=16),
         "evaluate": trainer.evaluate(model, data(), batch_size=32, verbose=0, return_dict=True),
         "loss_scale": trainer.optimizer.state_dict().get("loss_scale"),
+        "averages": _averages(trainer.optimizer),
     }
+
+
+def _averages(optimizer) -> dict | None:
+    """The moving averages (``use_ema``) by variable position, else None."""
+    if not optimizer.use_ema:
+        return None
+    return {position: entry["average"] for position, entry in optimizer.state_dict()["slots"].items()}
 
 
 def accumulated_settings() -> dict:
@@ -104,6 +112,21 @@ def float16_mixed(rank, num_workers, port):
     """``precision="16-mixed"`` with skipped steps: every worker must take the same decisions."""
     strategy = strategy_for(rank, num_workers, port)
     return fit_run(strategy, **float16_settings())
+
+
+def ema_settings() -> dict:
+    """``fit_run`` arguments: AdamW with biases excluded from its decay, moving averages that overwrite
+    the weights every 4 updates, and validation, early stopping and the end judged on the averages."""
+    optimizer = optimizers.AdamW(0.01, weight_decay=0.1, use_ema=True, ema_momentum=0.8, ema_overwrite_frequency=4)
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    swap = callbacks.SwapEMAWeights(swap_on_epoch=True)
+    stop = callbacks.EarlyStopping(monitor="val_loss", patience=5, restore_best_weights=True)
+    return {"init_seed": 100, "seed": 3, "optimizer": optimizer, "extra_callbacks": (swap, stop)}
+
+
+def ema(rank, num_workers, port):
+    """Weight-decay exclusions and moving averages: every worker's copies and averages stay equal."""
+    return fit_run(strategy_for(rank, num_workers, port), **ema_settings())
 
 
 def fit(rank, num_workers, port, seed=None):

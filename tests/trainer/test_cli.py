@@ -78,6 +78,8 @@ def test_list_one_kind(capsys):
     assert status == 0
     lines = out.splitlines()
     assert lines[0] == "optimizer:"
+    assert lines[-1].startswith("  (every optimizer also takes: ") and "use_ema" in lines[-1]
+    lines = lines[:-1]
     names = [line.split()[0] for line in lines[1:]]
     assert names == sorted(REGISTRIES["optimizer"].names())
     assert {"sgd", "adam", "adamw", "rmsprop", "adagrad"} <= set(names)

@@ -65,6 +65,21 @@ def test_float16_loss_scaling_on_two_workers_skips_alike_and_equals_mirrored_two
 
 
 @pytest.mark.timeout(120)
+def test_moving_averages_and_decay_exclusions_on_two_workers_equal_mirrored_two():
+    workers = results(run_workers(SCENARIOS, "ema", 2, timeout=90))
+    expected = scenarios.fit_run(ds.MirroredStrategy(["cpu:0", "cpu:1"]), **scenarios.ema_settings())
+    for worker, got in enumerate(workers):
+        _same_run(expected, got, f"worker {worker}")
+        assert got["averages"].keys() == expected["averages"].keys()
+        for position, average in expected["averages"].items():
+            assert torch.equal(got["averages"][position], average), f"worker {worker}: average {position}"
+    # validation judged the averages, the last epoch was the best: the model ends with the last averages
+    assert expected["history"]["val_loss"] == sorted(expected["history"]["val_loss"], reverse=True)
+    for average, weights in zip(expected["averages"].values(), expected["weights"].values()):
+        assert torch.equal(average, weights)
+
+
+@pytest.mark.timeout(120)
 def test_stop_training_on_one_worker_stops_both():
     workers = results(run_workers(SCENARIOS, "stop_on_one_worker", 2, timeout=90))
     assert workers[0]["iterations"] == workers[1]["iterations"] == 5
