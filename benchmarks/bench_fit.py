@@ -17,6 +17,9 @@ reference and their ratio (median and range over the paired repeats):
   one host read per step for the finite check) and SGD with ``gradient_accumulation_steps=4``,
   each against the same ``fit`` in float32 without accumulation (step time ratio; no target:
   bfloat16 and float16 on a CPU without half-precision units are expected to be slower).
+- ema / ema_mirrored: the cost of issue 14's moving averages, SGD with ``use_ema=True`` (one
+  multiply and one add per parameter copy per step, plus one host read of ``iterations``) against
+  the same ``fit`` without, on the default strategy and under Mirrored(2) (step time ratio).
 
 ``--execution threads`` runs the two-replica strategies with a thread per replica (the runner
 before replicas that share a device took turns on one thread), for the before/after figure.
@@ -27,6 +30,7 @@ run replica threads keeps them (and their OpenMP state), which slows later work 
 
 Run: python benchmarks/bench_fit.py [--repeats 5] [--examples 8192] [--epochs 5] [--batches 64 8]
      python benchmarks/bench_fit.py --rows bf16 16-mixed accumulation    (issue 13's costs)
+     python benchmarks/bench_fit.py --rows ema ema_mirrored               (issue 14's cost)
 """
 
 from __future__ import annotations
@@ -88,9 +92,9 @@ class _EpochClock(Callback):
         self.times.append(time.perf_counter() - self._start)
 
 
-def fit(x, y, batch: int, epochs: int, strategy=None, precision="32", accumulation=None) -> list[float]:
+def fit(x, y, batch: int, epochs: int, strategy=None, precision="32", accumulation=None, ema=False) -> list[float]:
     clock = _EpochClock()
-    config = {"learning_rate": 0.01, "momentum": 0.9, "gradient_accumulation_steps": accumulation}
+    config = {"learning_rate": 0.01, "momentum": 0.9, "gradient_accumulation_steps": accumulation, "use_ema": ema}
     trainer = Trainer(
         strategy=strategy,
         optimizer={"class_name": "sgd", "config": config},
@@ -112,6 +116,8 @@ VARIANTS = {
     "bf16": lambda x, y, b, e: fit(x, y, b, e, precision="bf16-mixed"),
     "16-mixed": lambda x, y, b, e: fit(x, y, b, e, precision="16-mixed"),
     "accumulation": lambda x, y, b, e: fit(x, y, b, e, accumulation=4),
+    "ema": lambda x, y, b, e: fit(x, y, b, e, ema=True),
+    "ema_mirrored": lambda x, y, b, e: fit(x, y, b, e, ds.MirroredStrategy(["cpu:0", "cpu:1"]), ema=True),
 }
 # (ours, reference, kind, target at batch 64, target at batch 8)
 ROWS = [
@@ -121,6 +127,8 @@ ROWS = [
     ("bf16", "fit", "cost", None, None),
     ("16-mixed", "fit", "cost", None, None),
     ("accumulation", "fit", "cost", None, None),
+    ("ema", "fit", "cost", None, None),
+    ("ema_mirrored", "mirrored", "cost", None, None),
 ]
 DEFAULT_ROWS = ["fit", "mirrored", "central_storage"]
 
