@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import replicafit.strategies as ds
+from replicafit import optimizers
 from replicafit.trainer import Callback
 
 STRATEGY_IDS = ["default", "one_device", "mirrored2", "central_storage2", "multi_worker1x2"]
@@ -27,6 +28,26 @@ def make_strategy(name: str):
         resolver = ds.SimpleClusterResolver(1, 0, devices=["cpu:0", "cpu:1"])
         return ds.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
     raise ValueError(name)
+
+
+class Lion(optimizers.Optimizer):
+    """A user's optimizer (Chen et al. 2023) written as the base class's docstring shows: only
+    ``__init__``, ``build`` and ``update_step`` (correct under every strategy without seeing one)."""
+
+    def __init__(self, learning_rate=1e-4, beta_1=0.9, beta_2=0.99, **kwargs):
+        super().__init__(learning_rate, **kwargs)
+        self.beta_1, self.beta_2 = beta_1, beta_2
+
+    def build(self, variables):
+        super().build(variables)
+        for v in variables:
+            self.add_variable_from_reference(v, "momentum")
+
+    def update_step(self, gradient, variable, learning_rate):
+        m = self.get_slot(variable, "momentum")
+        update = torch.sign(m * self.beta_1 + gradient * (1 - self.beta_1))
+        variable.assign_sub(learning_rate * update)
+        m.assign(m * self.beta_2 + gradient * (1 - self.beta_2))
 
 
 class InterruptAt(Callback):

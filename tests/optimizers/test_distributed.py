@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from conftest import make_strategy
+from conftest import Lion, make_strategy
 from torch import nn
 
 import replicafit.strategies as ds
@@ -27,24 +27,6 @@ STRATEGY_NAMES = ["default", "one_device", "mirrored2", "mirrored4", "central_st
 BATCH_SIZES = (6, 6, 5, 1)  # a partial batch of 5 and a batch of 1: empty replicas under Mirrored(2)/(4)
 ATOL = 1e-5
 CLIP = 1.0  # the global gradient norm of every step below is between 2 and 7, so this clips
-
-
-# --- a user-written optimizer: only __init__, build and update_step (base.py's docstring) --------
-class Lion(optimizers.Optimizer):
-    def __init__(self, learning_rate=1e-4, beta_1=0.9, beta_2=0.99, **kwargs):
-        super().__init__(learning_rate, **kwargs)
-        self.beta_1, self.beta_2 = beta_1, beta_2
-
-    def build(self, variables):
-        super().build(variables)
-        for v in variables:
-            self.add_variable_from_reference(v, "momentum")
-
-    def update_step(self, gradient, variable, learning_rate):
-        m = self.get_slot(variable, "momentum")
-        update = torch.sign(m * self.beta_1 + gradient * (1 - self.beta_1))
-        variable.assign_sub(learning_rate * update)
-        m.assign(m * self.beta_2 + gradient * (1 - self.beta_2))
 
 
 OPTIMIZERS = {

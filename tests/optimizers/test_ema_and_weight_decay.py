@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import make_strategy
+from conftest import Lion, make_strategy
 
 import replicafit.strategies as ds
 from replicafit import optimizers
@@ -99,25 +99,6 @@ def reference(rule, lr, steps, *, decay=None, decayed=(True, True, True), ema=No
 
 
 # --- our side ----------------------------------------------------------------------------------------
-class Lion(optimizers.Optimizer):
-    """A user's optimizer: only build and update_step (the base class's docstring)."""
-
-    def __init__(self, learning_rate=1e-4, beta_1=0.9, beta_2=0.99, **kwargs):
-        super().__init__(learning_rate, **kwargs)
-        self.beta_1, self.beta_2 = beta_1, beta_2
-
-    def build(self, variables):
-        super().build(variables)
-        for v in variables:
-            self.add_variable_from_reference(v, "momentum")
-
-    def update_step(self, gradient, variable, learning_rate):
-        m = self.get_slot(variable, "momentum")
-        update = torch.sign(m * self.beta_1 + gradient * (1 - self.beta_1))
-        variable.assign_sub(learning_rate * update)
-        m.assign(m * self.beta_2 + gradient * (1 - self.beta_2))
-
-
 CASES = {
     "sgd_momentum": (lambda **kw: optimizers.SGD(0.1, momentum=0.9, **kw), sgd_rule(0.1, 0.9), 0.1),
     "adamw": (lambda **kw: optimizers.AdamW(0.05, **kw), adam_rule(0.05), 0.05),

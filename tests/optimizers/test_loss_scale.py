@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import InterruptAt, make_strategy
+from conftest import InterruptAt, Lion, make_strategy
 
 import replicafit.strategies as ds
 from replicafit import optimizers
@@ -42,18 +42,6 @@ def fit(strategy="default", optimizer=None, precision="32", epochs=3, callbacks=
         model, (X, Y), batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks)
     )
     return trainer, model, history
-
-
-class Lion(optimizers.Optimizer):  # a user's subclass: build + update_step only
-    def build(self, variables):
-        super().build(variables)
-        for v in variables:
-            self.add_variable_from_reference(v, "momentum")
-
-    def update_step(self, gradient, variable, learning_rate):
-        m = self.get_slot(variable, "momentum")
-        variable.assign_sub(learning_rate * torch.sign(m * 0.9 + gradient * 0.1))
-        m.assign(m * 0.99 + gradient * 0.01)
 
 
 INNER = {
