@@ -158,8 +158,9 @@ def test_exclusions_keep_variables_out_of_the_decay(case, by):
     assert not np.allclose(copies(variables[1])[0].numpy(), decayed_everywhere[1], rtol=RTOL, atol=ATOL)
 
 
-def test_names_match_as_plain_substrings_and_a_module_parameter_selects_its_variable():
-    strategy = make_strategy("mirrored2")
+@pytest.mark.parametrize("strategy_name", ["default", "mirrored2", "central_storage2", "multi_worker1x2"])
+def test_names_match_as_plain_substrings_and_a_module_parameter_selects_its_variable(strategy_name):
+    strategy = make_strategy(strategy_name)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
     dm = strategy.distribute_module(model)
     optimizer = optimizers.AdamW(0.01, weight_decay=0.1)
