@@ -127,7 +127,13 @@ def _register_all() -> None:
         "metric",
         "accuracy",
         metrics.Accuracy,
-        "accuracy that follows the loss (sparse categorical for cross_entropy, binary for binary_crossentropy)",
+        "accuracy resolved from the shapes of labels and predictions (binary, categorical or sparse categorical)",
+    )
+    register(
+        "metric",
+        "crossentropy",
+        metrics.SparseCategoricalCrossentropy,
+        "cross entropy resolved from the shapes of labels and predictions, as accuracy is",
     )
     for name, cls in (
         ("early_stopping", callbacks.EarlyStopping),

@@ -161,10 +161,31 @@ class Huber(Loss):
         return F.huber_loss(y_pred, _as_prediction_shape(y_true, y_pred), reduction="none", delta=self.delta)
 
 
+# What torch's own cross-entropy losses mean for "accuracy" where shapes cannot tell (kind, logits?).
+_TORCH_KINDS = {
+    torch.nn.CrossEntropyLoss: ("sparse_categorical", True),
+    torch.nn.NLLLoss: ("sparse_categorical", True),
+    torch.nn.BCEWithLogitsLoss: ("binary", True),
+    torch.nn.BCELoss: ("binary", False),
+    F.cross_entropy: ("sparse_categorical", True),
+    F.nll_loss: ("sparse_categorical", True),
+    F.binary_cross_entropy_with_logits: ("binary", True),
+    F.binary_cross_entropy: ("binary", False),
+}
+
+
+def _torch_kind(key) -> tuple:
+    try:
+        return _TORCH_KINDS.get(key, (None, False))
+    except TypeError:  # an unhashable callable
+        return None, False
+
+
 class _Callable(Loss):
     def __init__(self, fn, name=None):
         super().__init__(name or getattr(fn, "__name__", type(fn).__name__))
         self.fn = fn
+        self.accuracy_kind, self.from_logits = _torch_kind(fn)
 
     def call(self, y_true, y_pred):
         out = self.fn(y_true, y_pred)
@@ -182,6 +203,7 @@ class _Callable(Loss):
 class _TorchModule(Loss):
     def __init__(self, module: torch.nn.modules.loss._Loss):
         super().__init__(type(module).__name__)
+        self.accuracy_kind, self.from_logits = _torch_kind(type(module))
         self.module = copy.copy(module)
         self.module.reduction = "none"  # per-example values; the trainer does the reduction
 

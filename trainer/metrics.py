@@ -24,6 +24,7 @@ import torch
 import replicafit.strategies as ds
 from replicafit.strategies import context
 
+from . import losses
 from .registry import did_you_mean
 
 __all__ = [
@@ -318,6 +319,41 @@ class AUC(Metric):
         return ((x[:-1] - x[1:]) * (y[:-1] + y[1:]) / 2).sum()
 
 
+class _Crossentropy(_MeanOfValues):
+    """The mean over examples of a cross entropy (the loss of the same name, as a metric)."""
+
+    _loss_class = None
+
+    def __init__(self, from_logits: bool = True, name: str | None = None):
+        super().__init__(name)
+        self.from_logits = from_logits
+        self._loss = self._loss_class(from_logits=from_logits)
+
+    def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        self._update(self._loss(y_true, y_pred.float()), sample_weight)
+
+
+class SparseCategoricalCrossentropy(_Crossentropy):
+    """Cross entropy of integer labels against logits (``from_logits=False``: probabilities), as a metric."""
+
+    _loss_class = losses.SparseCategoricalCrossentropy
+
+
+class CategoricalCrossentropy(_Crossentropy):
+    """Cross entropy of one-hot labels against logits (``from_logits=False``: probabilities), as a metric."""
+
+    _loss_class = losses.CategoricalCrossentropy
+
+
+class BinaryCrossentropy(_Crossentropy):
+    """Binary cross entropy of 0/1 labels against probabilities (``from_logits=True``: logits), as a metric."""
+
+    _loss_class = losses.BinaryCrossentropy
+
+    def __init__(self, from_logits: bool = False, name: str | None = None):
+        super().__init__(from_logits, name)
+
+
 _NAMES = {
     "mean": Mean,
     "sum": Sum,
@@ -330,7 +366,11 @@ _NAMES = {
     "mae": MeanAbsoluteError,
     "mean_absolute_error": MeanAbsoluteError,
     "auc": AUC,
+    "sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
+    "categorical_crossentropy": CategoricalCrossentropy,
+    "binary_crossentropy": BinaryCrossentropy,
 }
+_RESOLVED = ("accuracy", "acc", "crossentropy", "ce")  # names whose metric the data's shapes decide
 _ACCURACY_FOR_LOSS = {
     "sparse_categorical": SparseCategoricalAccuracy,
     "categorical": CategoricalAccuracy,
@@ -338,23 +378,64 @@ _ACCURACY_FOR_LOSS = {
 }
 
 
-def get(identifier, loss=None) -> Metric:
+def get(identifier, loss=None, y_true=None, y_pred=None) -> Metric:
     """A metric from a name or a ``Metric`` (returned as is).
 
-    ``"accuracy"``/``"acc"`` follows the loss, as in Keras: sparse categorical accuracy
-    for ``cross_entropy``, categorical for ``categorical_crossentropy``, binary for
-    ``binary_crossentropy``, exact-match ``Accuracy`` otherwise.
+    ``"accuracy"``/``"acc"`` and ``"crossentropy"``/``"ce"`` (logged as ``accuracy`` and
+    ``crossentropy``, whichever alias is used) are resolved as Keras 3 does, from the
+    shapes of ``y_true`` and ``y_pred`` (one output's first batch), whatever the loss is: one score
+    per example (``y_pred`` of rank 1, or a last dimension of 1) is binary; labels of lower rank than
+    the predictions, or a last dimension of 1 against several scores, are sparse categorical; equal
+    shapes with several scores are categorical (one-hot), unless the loss is a binary cross entropy
+    (``nn.BCEWithLogitsLoss``, ``"binary_crossentropy"``, ...): multi-label binary, which shapes
+    alone cannot tell. Binary accuracy thresholds at 0 where the loss takes logits
+    (``nn.BCEWithLogitsLoss``, ``BinaryCrossentropy(from_logits=True)``), else at 0.5 (Keras');
+    categorical cross entropy takes logits (torch models end in logits), binary follows the loss.
+    Without shapes (no labels), the loss decides alone: sparse categorical for ``cross_entropy``
+    and ``nn.CrossEntropyLoss``, categorical for ``categorical_crossentropy``, binary for the binary
+    losses, exact-match ``Accuracy`` otherwise.
+
+    Example::
+
+        get("accuracy", loss, y_true=torch.tensor([3, 1]), y_pred=torch.randn(2, 10))  # sparse categorical
     """
     if isinstance(identifier, Metric):
         return identifier
     if not isinstance(identifier, str):
         raise TypeError(f"Cannot make a metric from {type(identifier).__name__}: pass a name or a Metric.")
     key = identifier.lower()
-    if key in ("accuracy", "acc"):
-        cls = _ACCURACY_FOR_LOSS.get(getattr(loss, "accuracy_kind", None), Accuracy)
-        return cls(name="accuracy")
+    if key in _RESOLVED:
+        kind = _kind(loss, y_true, y_pred)
+        logits = bool(getattr(loss, "from_logits", False)) if getattr(loss, "accuracy_kind", None) == "binary" else None
+        if key in ("accuracy", "acc"):
+            if kind == "binary":
+                return BinaryAccuracy(threshold=0.0 if logits else 0.5, name="accuracy")
+            return _ACCURACY_FOR_LOSS.get(kind, Accuracy)(name="accuracy")
+        if kind == "binary":
+            return BinaryCrossentropy(from_logits=bool(logits), name="crossentropy")
+        if kind == "categorical":
+            return CategoricalCrossentropy(name="crossentropy")
+        return SparseCategoricalCrossentropy(name="crossentropy")
     cls = _NAMES.get(key)
     if cls is None:
-        hint = did_you_mean(key, list(_NAMES) + ["accuracy"])
-        raise ValueError(f"Unknown metric {identifier!r}{hint}; known: {sorted(_NAMES) + ['accuracy']}.")
+        hint = did_you_mean(key, list(_NAMES) + list(_RESOLVED))
+        raise ValueError(f"Unknown metric {identifier!r}{hint}; known: {sorted(_NAMES) + list(_RESOLVED)}.")
     return cls(name=key)
+
+
+def _kind(loss, y_true, y_pred) -> str | None:
+    """``"binary"``, ``"sparse_categorical"``, ``"categorical"`` from the shapes (Keras 3's rule), the loss
+    deciding where they cannot; None when there is nothing to go by."""
+    by_loss = getattr(loss, "accuracy_kind", None)
+    if not isinstance(y_true, torch.Tensor) or not isinstance(y_pred, torch.Tensor) or y_pred.dim() == 0:
+        return by_loss
+    if y_pred.dim() == 1 or y_pred.shape[-1] == 1:
+        return "binary"
+    if y_true.dim() < y_pred.dim() or (y_true.dim() > 0 and y_true.shape[-1] == 1):
+        return "sparse_categorical"
+    return "binary" if by_loss == "binary" else "categorical"
+
+
+def resolved_by_shapes(identifier) -> bool:
+    """Whether ``identifier`` names a metric that the data's shapes resolve (``"accuracy"``, ...)."""
+    return isinstance(identifier, str) and identifier.lower() in _RESOLVED

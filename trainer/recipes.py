@@ -425,6 +425,11 @@ def _exception_line(error: BaseException) -> str:
 CLASSIFICATION_ONLY_METRICS = {
     "accuracy",
     "acc",
+    "crossentropy",
+    "ce",
+    "sparse_categorical_crossentropy",
+    "categorical_crossentropy",
+    "binary_crossentropy",
     "sparse_categorical_accuracy",
     "categorical_accuracy",
     "binary_accuracy",
@@ -590,7 +595,9 @@ def _blame(key: tuple, args: dict, message: str) -> tuple:
 
 def _check_metric(recipe, index, value):
     if isinstance(value, str) and value.lower() in ("accuracy", "acc"):
-        return ("accuracy", {})
+        return ("accuracy", {})  # resolved by the trainer from the data's shapes
+    if isinstance(value, str) and value.lower() in ("crossentropy", "ce"):
+        return ("crossentropy", {})
     return check_entry(recipe, ("metrics", index), value, "metric")
 
 
@@ -776,7 +783,7 @@ def build(recipe: Recipe, checked: dict | None = None, run_dir=None) -> Run:
     metric_names = [_entry_name(m) for m in data.get("metrics", []) or []]
     metrics = [
         factory
-        if factory == "accuracy"
+        if factory in ("accuracy", "crossentropy")
         else _built(recipe, ("metrics", i), "metric", factory, _named(args, factory, metric_names[i]))
         for i, (factory, args) in enumerate(checked["metrics"])
     ]

@@ -131,7 +131,8 @@ class Trainer:
       optimizer: a name (``"adam"``), a config dict or a ``replicafit.optimizers.Optimizer``.
       loss: a name, a callable ``(y_true, y_pred) -> per-example loss``, a torch loss
         module, or (multi-output models) a dict/list of them.
-      metrics: names (``"accuracy"`` follows the loss) or ``metrics.Metric`` objects.
+      metrics: names (``"accuracy"`` is resolved from the shapes of the first batch's labels and
+        predictions, per output) or ``metrics.Metric`` objects.
       seed: makes shuffling, dropout and the rest of the run reproducible; ``None``
         draws a fresh seed per ``fit``.
       precision: ``"32"`` (float32 throughout), ``"bf16-mixed"`` (each replica's forward
@@ -198,7 +199,9 @@ class Trainer:
             self._module.load_state_dict(state)
 
     # --- losses and metrics ----------------------------------------------------------------
-    def _prepare_metrics(self, outputs_structure) -> None:
+    def _prepare_metrics(self, outputs_structure, labels=None, outputs=None) -> None:
+        """The loss trackers and metrics, per output; ``labels``/``outputs``: one example's, for the shapes
+        that resolve ``"accuracy"`` (None when unknown: the loss decides)."""
         multi = isinstance(outputs_structure, (Mapping, tuple, list))
         names = self._output_names(outputs_structure) if multi else [None]
         self._loss_trackers = {"loss": metrics.Mean(name="loss")}
@@ -209,7 +212,11 @@ class Trainer:
         for spec in self._metric_specs:
             for name in names:
                 loss = self._loss_for(name)
-                metric = metrics.get(spec if not isinstance(spec, metrics.Metric) else spec, loss)
+                y_true, y_pred = labels, outputs
+                if name is not None:
+                    y_true = _part(labels, self._per_output, name)
+                    y_pred = _part(outputs, self._per_output, name)
+                metric = metrics.get(spec, loss, y_true=y_true, y_pred=y_pred)
                 if isinstance(spec, metrics.Metric) and multi:
                     metric = type(spec)()
                 if name is not None:
@@ -517,8 +524,10 @@ class Trainer:
         return history
 
     def _probes_outputs(self) -> bool:
-        """Whether the metrics need the model's outputs on a first batch (not when the loss names them)."""
-        return not isinstance(self.loss, (Mapping, list))
+        """Whether the metrics need the model's outputs on a first batch: to know the outputs (unless the
+        loss names them), or the shapes that resolve ``"accuracy"``."""
+        resolved = any(metrics.resolved_by_shapes(spec) for spec in self._metric_specs)
+        return resolved or not isinstance(self.loss, (Mapping, list))
 
     def _checked_validation(self, validation_data, batch_size):
         """``validation_data``, checked to yield a batch (a one-shot iterator comes back re-chained)."""
@@ -527,18 +536,20 @@ class Trainer:
         return checked if _one_shot(source) else validation_data
 
     def _first_batch_structure(self, first, dm) -> None:
-        """Builds the metrics, which need to know whether the model has several outputs.
+        """Builds the metrics, which need to know whether the model has several outputs, and the shapes of
+        each output's labels and predictions (``"accuracy"`` is resolved from them, as in Keras 3).
 
         The model (in eval mode, no gradients) is probed with one example of the first
-        batch ``first``, unless the loss is a dict or list, which names the outputs.
+        batch ``first``, unless the loss is a dict or list, which names the outputs, and no
+        metric needs shapes.
         """
-        structure = None
+        structure = output = labels = None
         if isinstance(self.loss, Mapping):
             structure = dict.fromkeys(self.loss)
         elif isinstance(self.loss, list):
             structure = [None] * len(self.loss)
-        elif first is not None:
-            x = _unpack(first)[0]
+        if first is not None and self._probes_outputs():
+            x, y, _ = _unpack(first)
             if x is not None and _rows(x) > 0:
                 was_training = dm.module.training
                 dm.module.eval()
@@ -547,8 +558,11 @@ class Trainer:
                         output = dm.module(nest.map_structure(lambda t: data_layer.sources._leaf_tensor(t)[:1], x))
                 finally:
                     dm.module.train(was_training)
-                structure = output if isinstance(output, (Mapping, tuple, list)) else None
-        self._prepare_metrics(structure)
+                if structure is None:
+                    structure = output if isinstance(output, (Mapping, tuple, list)) else None
+                if y is not None:
+                    labels = nest.map_structure(lambda t: data_layer.sources._leaf_tensor(t)[:1], y)
+        self._prepare_metrics(structure, labels, output)
 
     # --- evaluate / predict ----------------------------------------------------------------------
     def evaluate(
@@ -899,6 +913,14 @@ def _split_point(n: int, validation_split: float) -> int:
             "validation_data)."
         )
     return cut
+
+
+def _part(structure, per_output, name):
+    """One output's part of ``structure`` (None when it has none: the shapes are then unknown)."""
+    try:
+        return per_output(structure, name) if isinstance(structure, (Mapping, tuple, list)) else None
+    except (KeyError, IndexError, ValueError, TypeError):
+        return None
 
 
 def _first_batch(source, what: str, caller: str, want_batch: bool):
