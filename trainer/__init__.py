@@ -22,6 +22,7 @@ from .callbacks import (
     ReduceLROnPlateau,
     SwapEMAWeights,
     TerminateOnNaN,
+    TorchLRScheduler,
 )
 from .checkpoint import CheckpointError
 from .model_summary import ModelSummary, summary
@@ -45,6 +46,7 @@ __all__ = [
     "SwapEMAWeights",
     "TensorBoard",
     "TerminateOnNaN",
+    "TorchLRScheduler",
     "Trainer",
     "callbacks",
     "checkpoint",

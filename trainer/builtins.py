@@ -143,6 +143,7 @@ def _register_all() -> None:
         ("terminate_on_nan", callbacks.TerminateOnNaN),
         ("backup_and_restore", callbacks.BackupAndRestore),
         ("swap_ema_weights", callbacks.SwapEMAWeights),
+        ("torch_lr_scheduler", callbacks.TorchLRScheduler),
         ("tensorboard", TensorBoard),
     ):
         register("callback", name, cls)

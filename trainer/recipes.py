@@ -225,6 +225,8 @@ def _parameters(factory) -> tuple:
     except (TypeError, ValueError):
         return {}, True
     var_keyword = False
+    if getattr(factory, "_open_kwargs", False):  # its **kwargs go elsewhere (TorchLRScheduler: the scheduler)
+        return {n: p for n, p in signature.parameters.items() if n != "self" and p.kind is not p.VAR_KEYWORD}, True
     for name, param in signature.parameters.items():
         if name == "self" or param.kind is param.VAR_POSITIONAL:
             continue

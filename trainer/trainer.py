@@ -174,6 +174,8 @@ class Trainer:
         self._data_seed = seed
         self._resume = None
         self._cursor = None
+        self._callback_list = None  # the running (or last) fit's callbacks
+        self._loaded_callback_states = None  # callback states of a checkpoint loaded before a fit
 
     # --- the model ----------------------------------------------------------------------
     def _distribute(self, model: torch.nn.Module):
@@ -441,7 +443,12 @@ class Trainer:
         self.history, self.stop_training, self._resume = history, False, None
         self._cursor = cursor = _Cursor(source, distributed, repeat=steps_per_epoch is not None)
         self._first_batch_structure(first, dm)
+        self._callback_list = callback_list
+        if self._loaded_callback_states:  # a checkpoint loaded before this fit (load_checkpoint)
+            self._restore_callback_states(self._loaded_callback_states)
+            self._loaded_callback_states = None
         callback_list.call("on_train_begin", {})
+        callback_list.refresh()
         start_epoch, start_step = initial_epoch, 0
         resume = self._resume
         if resume is not None:
@@ -658,6 +665,7 @@ class Trainer:
             "epoch": self._epoch,
             "step": self._step,
             "rng": torch.get_rng_state(),
+            "callbacks": self._callback_states(),
         }
         return self._chief_write("save_checkpoint", lambda: checkpoint.save(state, path), os.fspath(path))
 
@@ -678,7 +686,21 @@ class Trainer:
         self._load_model_and_optimizer(state, path, "checkpoint")
         self._epoch, self._step = state["epoch"], state["step"]
         torch.set_rng_state(state["rng"])
+        self._loaded_callback_states = state.get("callbacks") or None  # for the next fit's callbacks
         return state
+
+    def _callback_states(self) -> dict:
+        """The states of the stateful callbacks of the running (or last) ``fit`` (``TorchLRScheduler``)."""
+        callback_list = self._callback_list
+        if callback_list is None:
+            return {}
+        return {key: cb.state_dict() for key, cb in callback_list.stateful().items()}
+
+    def _restore_callback_states(self, states: dict) -> None:
+        """Gives each stateful callback of this ``fit`` its saved state (same class, same rank)."""
+        for key, cb in self._callback_list.stateful().items():
+            if states.get(key):
+                cb.load_state_dict(states[key])
 
     def _load_model_and_optimizer(self, state: dict, path, kind: str) -> None:
         """Loads ``state["model"]`` and ``state["optimizer"]``, or neither.
@@ -733,6 +755,7 @@ class Trainer:
             "metric_replicas": self._metric_replica_states(),
             "history": _history_with(self.history, epoch_logs),
             "rng": torch.get_rng_state(),
+            "callbacks": self._callback_states(),
             **self._worker_rng_states(),
         }
 
@@ -773,6 +796,7 @@ class Trainer:
         """
         self._check_metric_states(state["metrics"], path)
         self._load_model_and_optimizer(state, path, "backup")
+        self._restore_callback_states(state.get("callbacks") or {})
         self.history.history = {k: list(v) for k, v in state["history"]["history"].items()}
         self.history.epoch = list(state["history"]["epoch"])
         self._data_seed = state["data_seed"]

@@ -1,0 +1,226 @@
+"""``TorchLRScheduler``: torch's own schedulers drive the learning rate exactly as in a plain torch loop
+(per step or per epoch, ReduceLROnPlateau from the logs), under Mirrored(2), for our optimizers and
+``from_torch``'s, through checkpoints and ``BackupAndRestore``, and in recipes."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+from conftest import InterruptAt, make_strategy
+from torch.optim import lr_scheduler as L
+
+from replicafit import optimizers
+from replicafit.trainer import BackupAndRestore, Callback, TorchLRScheduler, Trainer, recipes
+from replicafit.trainer.recipes import RecipeError
+
+pytestmark = pytest.mark.timeout(120)
+
+generator = torch.Generator().manual_seed(0)
+X = torch.randn(120, 6, generator=generator)
+Y = (X[:, 0] + X[:, 1] > 0).long()
+EPOCHS, BATCH = 4, 16
+STEPS = 6  # 96 training rows (validation_split=0.2) in batches of 16
+
+
+def warm_up_then_cosine(optimizer):
+    warm_up = L.LinearLR(optimizer, start_factor=0.1, total_iters=4)
+    return L.SequentialLR(optimizer, [warm_up, L.CosineAnnealingLR(optimizer, T_max=20)], milestones=[4])
+
+
+SCHEDULERS = {
+    "one_cycle_step": (functools.partial(L.OneCycleLR, max_lr=0.3, total_steps=EPOCHS * STEPS), "step"),
+    "cosine_epoch": (functools.partial(L.CosineAnnealingLR, T_max=EPOCHS), "epoch"),
+    "cosine_step": (functools.partial(L.CosineAnnealingLR, T_max=EPOCHS * STEPS), "step"),
+    "step_lr_epoch": (functools.partial(L.StepLR, step_size=1, gamma=0.5), "epoch"),
+    "lambda_step": (lambda optimizer: L.LambdaLR(optimizer, lambda step: 1 / (1 + step)), "step"),
+    "warm_up_chain_step": (warm_up_then_cosine, "step"),
+    "plateau_epoch": (functools.partial(L.ReduceLROnPlateau, factor=0.5, patience=0, threshold=0.5), "epoch"),
+}
+
+
+class Recorder(Callback):
+    """The learning rate (and SGD's momentum) each training step runs with."""
+
+    def __init__(self):
+        super().__init__()
+        self.rates, self.momenta = [], []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        optimizer = self.trainer.optimizer
+        self.rates.append(optimizer.learning_rate)
+        if hasattr(optimizer, "_torch_kwargs"):  # from_torch: every copy's torch optimizer (built at the first step)
+            groups = [g["momentum"] for o in optimizer._torch_optimizers for g in o.param_groups]
+            self.momenta.append(groups or [optimizer._torch_kwargs["momentum"]])
+        else:
+            self.momenta.append(getattr(optimizer, "momentum", None) or getattr(optimizer, "beta_1", None))
+
+
+def make_optimizer(kind):
+    if kind == "from_torch":
+        return optimizers.from_torch(torch.optim.SGD, lr=0.1, momentum=0.9)
+    return optimizers.SGD(0.1, momentum=0.9)
+
+
+def fit(factory, interval, kind="ours", callbacks=(), strategy="mirrored2", epochs=EPOCHS, **kwargs):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    trainer = Trainer(strategy=make_strategy(strategy), optimizer=make_optimizer(kind), seed=0)
+    recorder = Recorder()
+    scheduler = TorchLRScheduler(factory, interval=interval, **kwargs)
+    history = trainer.fit(
+        model,
+        (X, Y),
+        batch_size=BATCH,
+        epochs=epochs,
+        validation_split=0.2,
+        verbose=0,
+        shuffle=False,
+        callbacks=[scheduler, recorder, *callbacks],
+    )
+    return trainer, model, history.history, recorder
+
+
+def plain_torch(factory, interval, val_losses=None, epochs=EPOCHS):
+    """The learning rates (and momenta) of the same scheduler on a plain torch loop."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    scheduler = factory(optimizer)
+    rates, momenta = [], []
+    for epoch in range(epochs):
+        for _ in range(STEPS):
+            rates.append(optimizer.param_groups[0]["lr"])
+            momenta.append(optimizer.param_groups[0]["momentum"])
+            optimizer.step()
+            if interval == "step":
+                scheduler.step()
+        if interval == "epoch":
+            scheduler.step(val_losses[epoch]) if isinstance(scheduler, L.ReduceLROnPlateau) else scheduler.step()
+    return rates, momenta
+
+
+@pytest.mark.parametrize("kind", ["ours", "from_torch"])
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_the_learning_rate_follows_torch_exactly(name, kind):
+    factory, interval = SCHEDULERS[name]
+    _, _, history, recorder = fit(factory, interval, kind)
+    rates, momenta = plain_torch(factory, interval, history["val_loss"])
+    assert recorder.rates == rates
+    if kind == "ours":
+        assert recorder.momenta == momenta  # OneCycleLR cycles the momentum too
+    else:
+        assert [m[0] for m in recorder.momenta] == momenta and all(len(set(m)) == 1 for m in recorder.momenta)
+    if name == "plateau_epoch":
+        assert len(set(rates)) > 1  # it did reduce
+    # logged: the rate of each epoch's last step
+    assert history["learning_rate"] == [rates[(e + 1) * STEPS - 1] for e in range(EPOCHS)]
+
+
+def test_with_gradient_accumulation_the_step_interval_counts_updates():
+    torch.manual_seed(0)
+    optimizer = optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=4)  # 6 steps: windows of 4 and 2
+    trainer = Trainer(strategy=make_strategy("mirrored2"), optimizer=optimizer, seed=0)
+    recorder = Recorder()
+    scheduler = TorchLRScheduler(functools.partial(L.StepLR, step_size=1, gamma=0.5), interval="step")
+    model = torch.nn.Linear(6, 2)
+    trainer.fit(model, (X[:96], Y[:96]), batch_size=BATCH, epochs=2, verbose=0, callbacks=[scheduler, recorder])
+    assert recorder.rates == [0.1] * 4 + [0.05] * 2 + [0.025] * 4 + [0.0125] * 2
+
+
+@pytest.mark.parametrize("name", ["one_cycle_step", "plateau_epoch"])
+def test_a_resumed_run_continues_the_schedule_exactly(tmp_path, name):
+    factory, interval = SCHEDULERS[name]
+    backup = tmp_path / "backup"
+    _, model, history, recorder = fit(factory, interval)
+    with pytest.raises(KeyboardInterrupt):  # in the third epoch, after a mid-epoch backup
+        fit(factory, interval, callbacks=[BackupAndRestore(backup, save_freq=4), InterruptAt(15)])
+    _, resumed_model, resumed_history, resumed = fit(
+        factory, interval, callbacks=[BackupAndRestore(backup, save_freq=4)]
+    )
+    assert resumed.rates == recorder.rates[12:] and resumed.momenta == recorder.momenta[12:]
+    assert resumed_history == history
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
+
+
+def test_a_checkpoint_keeps_the_schedule(tmp_path):
+    factory, interval = SCHEDULERS["step_lr_epoch"]
+    _, _, _, recorder = fit(factory, interval)
+    trainer, model, _, _ = fit(factory, interval, epochs=2)
+    path = trainer.save_checkpoint(tmp_path / "ckpt.pt")
+    assert torch.load(path, weights_only=True)["callbacks"]["TorchLRScheduler_0"]["scheduler"]["last_epoch"] == 2
+    again = Trainer(strategy=make_strategy("mirrored2"), optimizer=make_optimizer("ours"), seed=0)
+    again.load_checkpoint(path, model=model)
+    later = Recorder()
+    again.fit(
+        model,
+        (X, Y),
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        initial_epoch=2,
+        validation_split=0.2,
+        verbose=0,
+        shuffle=False,
+        callbacks=[TorchLRScheduler(factory, interval=interval), later],
+    )
+    assert later.rates == recorder.rates[2 * STEPS :]
+
+
+def test_a_plateau_monitor_missing_from_the_logs_warns_once():
+    factory = functools.partial(L.ReduceLROnPlateau, patience=0)
+    with pytest.warns(UserWarning, match="'val_acc', which is not in the logs") as caught:
+        _, _, _, recorder = fit(factory, "epoch", monitor="val_acc")
+    assert len([w for w in caught if "val_acc" in str(w.message)]) == 1
+    assert set(recorder.rates) == {0.1}
+
+
+def test_only_a_per_step_plateau_reads_the_logs_every_step():
+    def wants(callback):
+        return callback._wants_logs("on_train_batch_end")
+
+    assert not wants(TorchLRScheduler(functools.partial(L.OneCycleLR, max_lr=0.1, total_steps=10), interval="step"))
+    assert wants(TorchLRScheduler("ReduceLROnPlateau", interval="step", monitor="loss"))
+    assert not wants(TorchLRScheduler("ReduceLROnPlateau", interval="epoch"))
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, message",
+    [
+        ((lambda o: None,), {"interval": "batch"}, ValueError, "'step' or 'epoch'"),
+        (("OneCycle",), {}, ValueError, "not a scheduler of torch.optim.lr_scheduler"),
+        ((lambda o: None,), {"max_lr": 0.1}, TypeError, "functools.partial"),
+        ((3,), {}, TypeError, "callable"),
+    ],
+)
+def test_bad_arguments_say_what_to_do(args, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        TorchLRScheduler(*args, **kwargs)
+
+
+def test_a_factory_that_returns_no_scheduler_and_a_scheduled_optimizer_are_refused():
+    with pytest.raises(TypeError, match="must return a torch.optim.lr_scheduler"):
+        fit(lambda optimizer: optimizer, "epoch")
+    trainer = Trainer(optimizer=optimizers.SGD(optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)))
+    with pytest.raises(ValueError, match="learning_rate is a schedule already"):
+        trainer.fit(
+            torch.nn.Linear(6, 2), (X, Y), batch_size=16, verbose=0, callbacks=[TorchLRScheduler("StepLR", step_size=1)]
+        )
+
+
+def test_in_a_recipe_one_cycle_fills_in_the_run_length():
+    entry = "{type: torch_lr_scheduler, factory: OneCycleLR, interval: step, max_lr: 0.01}"
+    recipe = recipes.load("digits_mlp", overrides=[f"callbacks=[{entry}]", "fit.epochs=2", "fit.verbose=0"])
+    run = recipes.build(recipe)
+    recorder = Recorder()
+    history = run.trainer.fit(run.model, run.train, callbacks=[*run.callbacks, recorder], **run.fit_kwargs)
+    steps = len(recorder.rates)
+    assert run.callbacks[0].scheduler.total_steps == steps == 2 * math.ceil(1437 / 64)
+    assert recorder.rates[0] == pytest.approx(0.01 / 25) and max(recorder.rates) == pytest.approx(0.01, rel=1e-3)
+    assert len(history.history["learning_rate"]) == 2
+
+
+def test_recipe_scheduler_arguments_are_checked():
+    recipe = recipes.load("digits_mlp", overrides=["callbacks=[{type: torch_lr_scheduler, factory: OneCyc}]"])
+    with pytest.raises(RecipeError, match="not a scheduler of torch.optim.lr_scheduler"):
+        recipes.build(recipe)
