@@ -654,7 +654,8 @@ class Trainer:
 
     # --- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, path) -> str:
-        """Writes model, optimizer (slots, iterations), epoch/step and RNG state, atomically.
+        """Writes model, optimizer (slots, iterations), epoch/step, RNG state and the state of callbacks that
+        keep one (``TorchLRScheduler``), atomically.
 
         Strategy-independent; loads with ``torch.load(path, weights_only=True)``.
         """

@@ -407,7 +407,7 @@ def test_verbose_1_draws_a_progress_bar(capsys):
     captured = capsys.readouterr()
     text = captured.out + captured.err
     assert "Epoch 1/2" in text and "Epoch 2/2" in text
-    assert "3/3" in text  # tqdm's counter reaching the 3 steps of an epoch
+    assert "3/3" in text  # the counter reaching the 3 steps of an epoch
     assert "loss" in text
 
 
