@@ -129,7 +129,7 @@ def test_with_gradient_accumulation_the_step_interval_counts_updates():
     assert recorder.rates == [0.1] * 4 + [0.05] * 2 + [0.025] * 4 + [0.0125] * 2
 
 
-@pytest.mark.parametrize("name", ["one_cycle_step", "plateau_epoch"])
+@pytest.mark.parametrize("name", list(SCHEDULERS))
 def test_a_resumed_run_continues_the_schedule_exactly(tmp_path, name):
     factory, interval = SCHEDULERS[name]
     backup = tmp_path / "backup"
