@@ -11,10 +11,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.timeout(120)
-def test_the_multiworker_example_trains_two_workers_to_95_percent():
+def run_example(name: str) -> subprocess.CompletedProcess:
+    """``python examples/<name>`` from the repository root, one intra-op thread; it must succeed."""
     done = subprocess.run(
-        [sys.executable, os.path.join("examples", "multiworker.py")],
+        [sys.executable, os.path.join("examples", name)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -22,21 +22,19 @@ def test_the_multiworker_example_trains_two_workers_to_95_percent():
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
     assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+@pytest.mark.timeout(120)
+def test_the_multiworker_example_trains_two_workers_to_95_percent():
+    done = run_example("multiworker.py")
     assert done.stdout.count("best validation accuracy") == 1  # the chief's line only
     assert "worker 0 of 2" in done.stdout
 
 
 @pytest.mark.timeout(120)
 def test_the_coming_from_pytorch_example_trains_the_users_own_module():
-    done = subprocess.run(
-        [sys.executable, os.path.join("examples", "from_pytorch.py")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=100,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = run_example("from_pytorch.py")
     last = float(done.stdout.split("last validation accuracy: ")[1].split()[0])
     own = float(done.stdout.split("your module on the validation rows: ")[1].split()[0])
     assert last >= 0.95 and own == last  # the user's module holds what fit validated
