@@ -1043,7 +1043,11 @@ class SwapEMAWeights(Callback):
                 self._optimizer()._swap_out_averages()
 
     def on_train_begin(self, logs=None):
-        self._optimizer()  # a missing use_ema is an error before the first epoch, not after it
+        optimizer = self._optimizer()  # a missing use_ema is an error before the first epoch, not after it
+        if optimizer._swapped is not None:  # left swapped in by a fit that failed between epochs
+            with _in_strategy(self.trainer):
+                optimizer._swap_out_averages()
+        self._mine = None
 
     def on_epoch_begin(self, epoch, logs=None):
         self._swap_out("epoch")

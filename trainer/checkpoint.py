@@ -189,6 +189,13 @@ def _problem(state: dict, kind: str) -> str | None:
         problem = check(state[key], key)
         if problem is not None:
             return problem
+    return _callbacks_problem(state.get("callbacks", {}), "callbacks")
+
+
+def _callbacks_problem(value, what: str) -> str | None:
+    # Optional (files written before callbacks kept state have none): {callback key: its state dict}.
+    if not isinstance(value, Mapping) or not all(isinstance(v, Mapping) for v in value.values()):
+        return f"{what} must be a dict of callback states (dicts), found {_brief(value)}"
     return None
 
 

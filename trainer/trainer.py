@@ -698,7 +698,11 @@ class Trainer:
         return {key: cb.state_dict() for key, cb in callback_list.stateful().items()}
 
     def _restore_callback_states(self, states: dict) -> None:
-        """Gives each stateful callback of this ``fit`` its saved state (same class, same rank)."""
+        """Gives each stateful callback of this ``fit`` its saved state (same class, same rank); outside a
+        fit, the states wait for the next one."""
+        if self._callback_list is None:
+            self._loaded_callback_states = dict(states) or None
+            return
         for key, cb in self._callback_list.stateful().items():
             if states.get(key):
                 cb.load_state_dict(states[key])

@@ -728,6 +728,7 @@ BACKUP_DAMAGE = {
         "does not fit this model",
     ),
     "epoch-a-float": (lambda s: s.update(epoch=2.0), "epoch must be an int"),
+    "callbacks-garbage": (lambda s: s.update(callbacks={"TorchLRScheduler_0": 3}), "callbacks must be a dict"),
 }
 
 
