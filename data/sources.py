@@ -51,9 +51,10 @@ def _leaf_tensor(leaf) -> torch.Tensor:
 
 
 def _check_batch_size(batch_size) -> int:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    """``batch_size`` as an int (a NumPy integer counts), or ``ValueError``."""
+    if isinstance(batch_size, (bool, np.bool_)) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}.")
-    return batch_size
+    return int(batch_size)
 
 
 class _Batched:

@@ -34,6 +34,7 @@ import os
 import random
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 import replicafit.data as data_layer
@@ -408,8 +409,19 @@ class Trainer:
         validation (both parts need at least one example).
 
         Training or validation data with no batch at all raises ``ValueError`` before any
-        callback runs (as ``predict`` does): an empty run has no loss to report.
+        callback runs (as ``predict`` does): an empty run has no loss to report. Arguments of
+        the wrong type are refused here, with the fix (Keras' ``fit(x, y)`` habit puts ``y``
+        into ``epochs``: pass ``fit(model, (x, y), ...)``).
         """
+        _check_arguments(
+            "fit",
+            epochs=(epochs, "count"),
+            batch_size=(batch_size, "size"),
+            validation_split=(validation_split, "fraction"),
+            steps_per_epoch=(steps_per_epoch, "size"),
+            initial_epoch=(initial_epoch, "count"),
+            shuffle=(shuffle, "flag"),
+        )
         if self.seed is not None:
             torch.manual_seed(self.seed)
         self._data_seed = self.seed if self.seed is not None else random.randrange(2**31)
@@ -588,6 +600,8 @@ class Trainer:
         Returns ``{"loss": ..., metric: ...}`` with ``return_dict``, else a list in that
         order (a float when there are no metrics). Data with no batch raises ``ValueError``.
         """
+        if not _fitting:
+            _check_arguments("evaluate", batch_size=(batch_size, "size"), steps=(steps, "size"))
         source = self._source(dataset, batch_size, False, None)
         if not _fitting:  # fit checked its validation data once, before training
             source, first = _first_batch(source, "evaluation data", "evaluate()", self._probes_outputs())
@@ -632,6 +646,7 @@ class Trainer:
         inputs = dataset
         if _batchable(dataset) and not isinstance(dataset, torch.utils.data.Dataset):
             inputs = dataset if isinstance(dataset, tuple) else (dataset,)
+        _check_arguments("predict", batch_size=(batch_size, "size"), steps=(steps, "size"))
         source = self._source(inputs, batch_size, False, None)
         dm = self._distribute(model)
         was_training = dm.training
@@ -942,6 +957,44 @@ def _split_point(n: int, validation_split: float) -> int:
             "validation_data)."
         )
     return cut
+
+
+def _is_array(value) -> bool:
+    return isinstance(value, (torch.Tensor, np.ndarray)) or (
+        isinstance(value, (list, tuple)) and len(value) > 1 and all(isinstance(v, (int, float)) for v in value)
+    )
+
+
+def _check_arguments(caller: str, **arguments) -> None:
+    """Checks the plain arguments of ``fit``/``evaluate``/``predict`` at the entry: ``name=(value, kind)``
+    with kind ``"count"`` (an int >= 0), ``"size"`` (None or an int >= 1), ``"fraction"`` (a number in
+    [0, 1)) or ``"flag"`` (a bool). An array where a number belongs is Keras' ``fit(x, y)`` habit."""
+    for name, (value, kind) in arguments.items():
+        if _is_array(value):
+            raise TypeError(
+                f"{caller}() got an array for `{name}`: this looks like Keras' {caller}(x, y, ...) call. Pass the "
+                f"data as one argument: {caller}(model, (x, y), batch_size=...) (or (x, y, sample_weight))."
+            )
+        if kind == "flag":
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"{caller}(): `{name}` must be True or False, got {value!r} ({type(value).__name__}).")
+            continue
+        if kind == "fraction":
+            number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+            if not number:
+                raise TypeError(
+                    f"{caller}(): `{name}` must be a number in [0, 1) (e.g. 0.2), got {value!r} "
+                    f"({type(value).__name__})."
+                )
+            continue
+        if value is None and kind == "size":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            want = "an int >= 0" if kind == "count" else "None or an int >= 1"
+            raise TypeError(f"{caller}(): `{name}` must be {want}, got {value!r} ({type(value).__name__}).")
+        if value < (0 if kind == "count" else 1):
+            want = "an int >= 0" if kind == "count" else "None or an int >= 1"
+            raise ValueError(f"{caller}(): `{name}` must be {want}, got {value!r}.")
 
 
 def _part(structure, per_output, name):
