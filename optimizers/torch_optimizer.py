@@ -49,8 +49,15 @@ class TorchOptimizer(Optimizer):
         name=None,
         **torch_kwargs,
     ):
+        if isinstance(optimizer_class, torch.optim.Optimizer):  # the torch habit: an optimizer of parameters
+            raise TypeError(
+                "from_torch() takes a torch optimizer class and its arguments, not an optimizer already made from "
+                f"parameters ({type(optimizer_class).__name__}): write optimizers.from_torch("
+                f"{_call_of(optimizer_class)}). The parameters are given at the first update (every replica's copy "
+                "gets its own torch optimizer)."
+            )
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise TypeError(f"from_torch() needs a torch.optim.Optimizer subclass, got {optimizer_class!r}.")
+            raise TypeError(f"from_torch() needs a torch.optim.Optimizer subclass, got {_brief(optimizer_class)}.")
         probe = optimizer_class([torch.zeros(1, requires_grad=True)], **torch_kwargs)  # validates the kwargs
         super().__init__(
             probe.param_groups[0].get("lr", 1e-3),
@@ -280,6 +287,23 @@ class TorchOptimizer(Optimizer):
             slots.discard(slot_taken, self._variables)
             if slots.done(len(self._variables)):
                 self._pending_slots = None
+
+
+def _call_of(optimizer: torch.optim.Optimizer) -> str:
+    """``torch.optim.SGD, lr=0.1, momentum=0.9``: the class and the arguments that differ from its defaults."""
+    cls = type(optimizer)
+    try:
+        defaults = cls([torch.zeros(1, requires_grad=True)]).defaults
+    except TypeError:  # a required argument (lr for some classes): show every argument
+        defaults = {}
+    changed = [f"{k}={v!r}" for k, v in optimizer.defaults.items() if k not in defaults or defaults[k] != v]
+    module = "torch.optim" if cls.__module__.startswith("torch.optim") else cls.__module__
+    return ", ".join([f"{module}.{cls.__name__}", *changed])
+
+
+def _brief(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 and "\n" not in text else f"a {type(value).__name__}"
 
 
 def _cloned(entry: Mapping) -> dict:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from replicafit import optimizers
 from replicafit.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(60)
@@ -57,3 +58,12 @@ def test_fit_arguments_of_the_wrong_type(kwargs, error, message):
 def test_numpy_integers_are_integers():
     history = Trainer().fit(torch.nn.Linear(4, 2), (X, Y), batch_size=np.int64(8), epochs=np.int32(2), verbose=0)
     assert len(history.history["loss"]) == 2
+
+
+def test_from_torch_given_an_optimizer_instance_shows_the_right_call():
+    instance = torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(TypeError) as info:
+        optimizers.from_torch(instance)
+    message = str(info.value)
+    assert "optimizers.from_torch(torch.optim.SGD, lr=0.1, momentum=0.9)" in message
+    assert "\n" not in message and len(message) < 300  # no repr of the instance
