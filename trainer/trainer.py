@@ -176,6 +176,7 @@ class Trainer:
         self._resume = None
         self._cursor = None
         self._callback_list = None  # the running (or last) fit's callbacks
+        self._float_dtype = torch.get_default_dtype()  # the model's: floating inputs are cast to it
         self._loaded_callback_states = None  # callback states of a checkpoint loaded before a fit
 
     # --- the model ----------------------------------------------------------------------
@@ -186,6 +187,9 @@ class Trainer:
         if self._module is not model or self._distributed is None:
             self._module = model
             self._distributed = self.strategy.distribute_module(model)
+            self._float_dtype = next(
+                (p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype()
+            )
         else:
             self._distributed.load_state_dict(model.state_dict())
         self.model = self._distributed
@@ -293,7 +297,7 @@ class Trainer:
         step's global batch size (``self.global_batch_size``); the optimizer sums the
         replicas' gradients.
         """
-        x, y, sample_weight = _unpack(data)
+        x, y, sample_weight = self._model_floats(*_unpack(data))
         variables = self._trainable
         if _rows(x) == 0:  # an empty replica: no forward pass, zero gradients
             grads = [torch.zeros_like(v.value()) for v in variables]
@@ -308,7 +312,7 @@ class Trainer:
 
     def test_step(self, data) -> None:
         """One replica's evaluation step: losses and metrics of its slice."""
-        x, y, sample_weight = _unpack(data)
+        x, y, sample_weight = self._model_floats(*_unpack(data))
         if _rows(x) == 0:
             return
         with torch.no_grad():
@@ -317,13 +321,20 @@ class Trainer:
 
     def predict_step(self, data):
         """One replica's prediction: the model's output on its slice."""
-        x, _, _ = _unpack(data)
+        x, _, _ = self._model_floats(*_unpack(data))
         with torch.no_grad():
             if self._autocast_dtype is None:
                 return self.model(x)
             with torch.autocast(_device_type(x), dtype=self._autocast_dtype):
                 y_pred = self.model(x)
         return nest.map_structure(_as_float32, y_pred)
+
+    def _model_floats(self, x, y, sample_weight) -> tuple:
+        """Floating inputs, targets and weights in the model's float type, as Keras casts NumPy's float64
+        to its float type (integer labels stay as they are). The built-in steps call it; a custom step
+        of one's own may too."""
+        dtype = self._float_dtype
+        return _as_dtype(x, dtype), _as_dtype(y, dtype), _as_dtype(sample_weight, dtype)
 
     def _forward(self, x, y, sample_weight):
         """The model's output and the per-example loss (float32) of a replica's slice, under the
@@ -407,6 +418,9 @@ class Trainer:
         ``DataLoader``/iterable of batches. ``steps_per_epoch`` repeats the data when it
         runs out. ``validation_split`` keeps the last fraction of arrays/datasets for
         validation (both parts need at least one example).
+
+        Floating inputs, targets and sample weights of another float type (NumPy's float64) are
+        cast to the model's float type, as Keras casts them to its own (integer labels are kept).
 
         Training or validation data with no batch at all raises ``ValueError`` before any
         callback runs (as ``predict`` does): an empty run has no loss to report. Arguments of
@@ -574,13 +588,15 @@ class Trainer:
                 dm.module.eval()
                 try:
                     with torch.no_grad():
-                        output = dm.module(nest.map_structure(lambda t: data_layer.sources._leaf_tensor(t)[:1], x))
+                        probe = nest.map_structure(lambda t: data_layer.sources._leaf_tensor(t)[:1], x)
+                        output = dm.module(_as_dtype(probe, self._float_dtype))
                 finally:
                     dm.module.train(was_training)
                 if structure is None:
                     structure = output if isinstance(output, (Mapping, tuple, list)) else None
                 if y is not None:
                     labels = nest.map_structure(lambda t: data_layer.sources._leaf_tensor(t)[:1], y)
+                    labels = _as_dtype(labels, self._float_dtype)
         self._prepare_metrics(structure, labels, output)
 
     # --- evaluate / predict ----------------------------------------------------------------------
@@ -957,6 +973,22 @@ def _split_point(n: int, validation_split: float) -> int:
             "validation_data)."
         )
     return cut
+
+
+def _as_dtype(structure, dtype):
+    """``structure`` with its floating tensors of another float type cast to ``dtype``."""
+    if structure is None:
+        return None
+    if type(structure) is torch.Tensor:  # the common case, without a walk of the structure
+        floating = structure.is_floating_point() and structure.dtype != dtype
+        return structure.to(dtype) if floating else structure
+
+    def cast(leaf):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dtype != dtype:
+            return leaf.to(dtype)
+        return leaf
+
+    return nest.map_structure(cast, structure)
 
 
 def _is_array(value) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import make_strategy
 
 from replicafit import optimizers
 from replicafit.trainer import Trainer
@@ -67,3 +68,24 @@ def test_from_torch_given_an_optimizer_instance_shows_the_right_call():
     message = str(info.value)
     assert "optimizers.from_torch(torch.optim.SGD, lr=0.1, momentum=0.9)" in message
     assert "\n" not in message and len(message) < 300  # no repr of the instance
+
+
+@pytest.mark.parametrize("strategy", ["default", "mirrored2"])
+def test_float64_inputs_train_as_the_models_float32(strategy):
+    x64 = np.random.default_rng(2).standard_normal((40, 4))  # NumPy's default float64
+    y64 = x64[:, :1] * 2.0 - 1.0  # float64 regression targets
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.tensor(x64), torch.tensor(y64)), 8)
+
+    def run(data, **kwargs):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        trainer = Trainer(strategy=make_strategy(strategy), loss="mse", metrics=["mae"], seed=0)
+        history = trainer.fit(model, data, epochs=2, verbose=0, shuffle=False, **kwargs)
+        prediction = trainer.predict(model, x64, batch_size=8)
+        return history.history, [p.detach().clone() for p in model.parameters()], prediction
+
+    expected = run((x64.astype(np.float32), y64.astype(np.float32)), batch_size=8)
+    for got in (run((x64, y64), batch_size=8), run(loader)):
+        assert got[0] == expected[0]
+        assert all(torch.equal(a, b) for a, b in zip(got[1], expected[1]))
+        assert got[2].dtype == torch.float32 and torch.equal(got[2], expected[2])
