@@ -151,6 +151,29 @@ class LossScaleOptimizer(Optimizer):
     def build(self, variables) -> None:
         self.inner_optimizer.build(variables)
 
+    # The inner optimizer keeps the exclusions and the averages: methods inherited from Optimizer would
+    # set their state on this wrapper instead (``__getattr__`` only forwards what is missing).
+    def exclude_from_weight_decay(self, var_list=None, var_names=None) -> None:
+        self.inner_optimizer.exclude_from_weight_decay(var_list, var_names)
+
+    def finalize_variable_values(self, var_list) -> None:
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def averaged_weights(self, var_list=None):
+        return self.inner_optimizer.averaged_weights(var_list)
+
+    def _swap_in_averages(self, var_list=None, caller: str = "averaged_weights()") -> None:
+        self.inner_optimizer._swap_in_averages(var_list, caller)
+
+    def _swap_out_averages(self) -> None:
+        self.inner_optimizer._swap_out_averages()
+
+    def _keep_averages(self) -> None:
+        self.inner_optimizer._keep_averages()
+
+    def _trained_values(self) -> dict:
+        return self.inner_optimizer._trained_values()
+
     @property
     def iterations(self):
         return self.inner_optimizer.iterations

@@ -797,6 +797,7 @@ class TorchLRScheduler(Callback):
         self._pending = None  # a restored state that waits for the scheduler
         self._updates = None  # the optimizer's updates at the last step (with gradient accumulation)
         self._used = None  # the learning rate of the last step
+        self._warned = False  # a missing monitor is said once
 
     # --- the scheduler and the optimizer it stands for -------------------------------------------
     def _optimizer(self):
@@ -845,7 +846,7 @@ class TorchLRScheduler(Callback):
         if isinstance(self.scheduler, _Plateau):
             current = (logs or {}).get(self.monitor)
             if current is None:
-                if not getattr(self, "_warned", False):
+                if not self._warned:
                     self._warned = True
                     available = ", ".join(sorted(logs or {})) or "none"
                     warnings.warn(

@@ -400,3 +400,15 @@ def test_config_round_trip_keeps_the_ema_arguments():
 def test_bad_ema_arguments_are_refused(kwargs, error):
     with pytest.raises(error, match="ema"):
         optimizers.SGD(0.1, **kwargs)
+
+
+def test_a_loss_scale_optimizer_gives_exclusions_and_swaps_to_its_inner_optimizer():
+    variables = make_variables(make_strategy("default"))
+    inner = optimizers.AdamW(0.05, weight_decay=0.2, use_ema=True)
+    wrapped = optimizers.LossScaleOptimizer(inner)
+    wrapped.exclude_from_weight_decay(var_names=["bias"])
+    train(make_strategy("default"), wrapped, variables, steps=2)
+    assert [v.name for v in variables if id(v) in inner._no_decay] == ["dense/bias"]
+    with wrapped.averaged_weights():
+        assert inner._swapped is not None and "_swapped" not in vars(wrapped)
+    assert inner._swapped is None
