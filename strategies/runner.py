@@ -998,6 +998,7 @@ class _StallMonitor:
         self._states: set = set()
         self._thread = None
         self._lock = threading.Lock()
+        self._wake = threading.Event()  # a new call: check at its threshold's pace from now, not after a sleep
 
     def watch(self, state) -> None:
         if not state.stall_after:
@@ -1007,6 +1008,7 @@ class _StallMonitor:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="replicafit-stall-monitor", daemon=True)
                 self._thread.start()
+        self._wake.set()
 
     def unwatch(self, state) -> None:
         self._states.discard(state)
@@ -1014,7 +1016,9 @@ class _StallMonitor:
     def _loop(self) -> None:
         idle_since = None
         while True:
-            time.sleep(min(1.0, max(0.01, _stall_warning_seconds / 4 or 1.0)))
+            # A sleep started under another (longer) threshold would let a short stall pass unseen.
+            self._wake.wait(min(1.0, max(0.01, _stall_warning_seconds / 4 or 1.0)))
+            self._wake.clear()
             states = list(self._states)
             for state in states:
                 with state.cond:

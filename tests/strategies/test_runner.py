@@ -955,6 +955,25 @@ def test_a_stalled_rendezvous_is_logged_once(stall_after, caplog, late, executio
 
 
 @pytest.mark.timeout(30)
+def test_a_monitor_sleeping_under_a_longer_threshold_still_sees_a_short_stall(stall_after, caplog):
+    assert ds.get_replica_execution() == "auto"  # taking turns: the monitor thread is the one that logs
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    stall_after(60)
+    strategy.run(lambda: ds.get_replica_context().all_reduce("SUM", torch.tensor(1.0)))  # the monitor sleeps 1 s
+    stall_after(0.2)
+
+    def fn():
+        ctx = ds.get_replica_context()
+        if ctx.replica_id_in_sync_group == 1:
+            time.sleep(0.6)
+        return ctx.all_reduce("MEAN", torch.tensor(2.0))
+
+    with caplog.at_level("WARNING", logger="replicafit.strategies.runner"):
+        strategy.run(fn)
+    assert len([r for r in caplog.records if "may be stalled" in r.getMessage()]) == 1
+
+
+@pytest.mark.timeout(30)
 def test_a_replica_late_to_finish_is_logged(stall_after, caplog, execution):
     stall_after(0.2)
     strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
