@@ -39,6 +39,7 @@ from .reduce_util import (
     VariableAggregation,
     VariableSynchronization,
 )
+from .rng import replica_seed, seed_replicas
 from .runner import (
     ReplicaContext,
     get_replica_execution,
@@ -99,6 +100,8 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "list_logical_devices",
+    "replica_seed",
+    "seed_replicas",
     "set_logical_cpu_count",
     "set_replica_execution",
     "set_stall_warning_seconds",

@@ -28,6 +28,7 @@ from . import context, nest
 from .cross_device_ops import CrossDeviceOps, ReductionToOneDevice, component_tensors, destination_devices
 from .devices import default_device, torch_device
 from .reduce_util import CommunicationOptions, ReduceOp, VariableSynchronization, as_reduce_op
+from .rng import ReplicaStreams
 from .runner import DefaultReplicaContext, ReplicaRunner, inline_call
 from .values import (
     DistributedValues,
@@ -245,6 +246,15 @@ class StrategyExtended:
         """``(this worker's replica devices, number of workers, this worker's index)`` for the data layer."""
         return self.worker_devices, 1, 0
 
+    @property
+    def _replica_streams(self) -> ReplicaStreams | None:
+        """This worker's replicas' random streams (``rng.py``); None for the default strategy, whose
+        one replica draws from torch's global generator as plain torch code does."""
+        streams = self.__dict__.get("_streams")
+        if streams is None:
+            streams = self.__dict__.setdefault("_streams", ReplicaStreams(self._torch_devices, self._replica_id_offset))
+        return streams
+
     # --- replicas --------------------------------------------------------------------
     def call_for_each_replica(self, fn, args=(), kwargs=None):
         """Runs ``fn`` once per replica (``strategy.run`` without the argument checks)."""
@@ -254,6 +264,9 @@ class StrategyExtended:
             return self._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
 
     def _call_for_each_replica(self, fn, args, kwargs, timeout=None):
+        streams = self._replica_streams
+        if streams is not None and not streams.seeded:
+            streams.ensure_seeded()
         if self._runner is None:
             if args:
                 args = select_replica(0, args)
@@ -822,6 +835,8 @@ def _tensor_of(value):
 class _DefaultExtended(StrategyExtended):
     def __init__(self, strategy):
         super().__init__(strategy, (default_device(),), (default_device(),))
+
+    _replica_streams = None  # the default strategy draws from torch's global generator
 
     @property
     def worker_devices(self) -> tuple:

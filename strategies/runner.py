@@ -381,6 +381,7 @@ class _RunState:
 
     def __init__(self, strategy, count: int, timeout: float | None, stall_after: float = 0.0):
         self.strategy = strategy
+        self.streams = strategy.extended._replica_streams  # the replicas' random streams (rng.py)
         self.count = count
         self.timeout = timeout
         self.stall_after = stall_after
@@ -890,9 +891,14 @@ def _switch_to(replica, state, task=None) -> None:
     guard = _put_in_force(wanted, current) if wanted != current else None
     hub_stack = context.swap_stack(replica.stack)
     state.resume_clock(replica.replica_id)
+    streams = state.streams
+    if streams is not None:
+        streams.put(replica.replica_id)
     try:
         out = replica.switch(task) if task is not None else replica.switch()
     finally:
+        if streams is not None:
+            streams.take(replica.replica_id)
         context.swap_stack(hub_stack)
         replica.torch_state = _snapshot()
         if guard is not None:
@@ -958,6 +964,7 @@ def _run_cooperatively(state, tasks, crew) -> bool:
     hub = _greenlet.getcurrent()
     state.hub = hub
     initial = _snapshot()
+    host_random = state.streams.host_state() if state.streams is not None else None
     stack = context.current_stack()
     for replica, task in zip(crew, tasks):
         replica.parent = hub
@@ -985,6 +992,8 @@ def _run_cooperatively(state, tasks, crew) -> bool:
         raise
     finally:
         _monitor.unwatch(state)
+        if host_random is not None:
+            state.streams.restore(host_random)
         for replica in crew:
             replica.stack = replica.torch_state = None
     return all(replica.task is None and not replica.dead for replica in crew)
@@ -1203,12 +1212,15 @@ class ReplicaRunner:
         idle = self._greenlets.__dict__.setdefault("idle", [])  # this thread's crews of greenlets
         crew = idle.pop() if idle else _new_crew(count)
         reusable = False
+        streams_before = state.streams.snapshot() if state.streams is not None else None
         try:
             reusable = _run_cooperatively(state, tasks, crew)
         finally:
             if reusable:
                 idle.append(crew)
         if state.rerun_on_threads and not state.errors:
+            if streams_before is not None:
+                state.streams.rewind(streams_before)  # the rerun draws what this attempt drew
             return None  # nothing merged yet: run() starts the call again with a thread per replica
         return state.outcome()
 
@@ -1251,8 +1263,12 @@ class _ReplicaTask:
             # The caller's thread is already in the wanted state; a worker checks its own.
             current = self.torch_state if self.on_caller_thread else capture_torch_state()
             nesting = None if self.on_caller_thread else _autocast_nesting()  # (the caller's: run() restores it)
+            streams = None if isinstance(state, _CoopState) else state.streams
             try:
-                if self.torch_state == current and self.device.type != "cuda":
+                if streams is not None:  # a replica on a thread of its own (taking turns: _switch_to swaps)
+                    with streams.on_thread(self.replica_id), torch_state(self.torch_state, self.device, current):
+                        output = self.fn(*self.args, **self.kwargs)
+                elif self.torch_state == current and self.device.type != "cuda":
                     output = self.fn(*self.args, **self.kwargs)
                 else:
                     with torch_state(self.torch_state, self.device, current):
@@ -1278,6 +1294,19 @@ class _ReplicaTask:
 def inline_call(strategy, fn, args, kwargs, device: torch.device):
     """Runs the single replica of ``strategy`` on the calling thread."""
     mode = context.Mode(strategy, ReplicaContext(strategy, 0, None))
+    streams = strategy.extended._replica_streams
+    if streams is None:
+        return _inline(mode, fn, args, kwargs, device)
+    host = streams.host_state()
+    streams.put(0)
+    try:
+        return _inline(mode, fn, args, kwargs, device)
+    finally:
+        streams.take(0)
+        streams.restore(host)
+
+
+def _inline(mode, fn, args, kwargs, device: torch.device):
     with context.entered(mode):
         if device.type == "cuda":
             with torch.cuda.device(device):

@@ -1,0 +1,269 @@
+"""Per-replica random streams: what torch draws inside a replica comes from that replica's own stream.
+
+Every replica of a strategy (``OneDeviceStrategy``, ``MirroredStrategy``, ``CentralStorageStrategy``,
+``MultiWorkerMirroredStrategy``) owns a random stream: a state of torch's CPU generator, and of its
+GPU's generator when the replica runs on one. While the replica's code runs (``strategy.run``, the
+``merge_call`` functions it calls, its backward pass), its stream is the one in force: dropout,
+``torch.rand*``, ``Tensor.uniform_``, random augmentations in the step all draw from it, and it
+advances only by what that replica draws. So results do not depend on the order in which replicas
+run, and a replica's draws are the same whether the replicas of its worker take turns on one thread
+or run on threads of their own, and whether the run was resumed from a backup.
+
+The streams are derived from ``(seed, global replica id)`` (NumPy's ``SeedSequence`` spawn rule):
+``seed_replicas(strategy, seed)`` sets them (``Trainer(seed=...)`` does at the start of ``fit``); until
+then a strategy seeds them at its first ``run`` from one draw of torch's global generator, so
+``torch.manual_seed`` before the run makes it reproducible too. Global ids make the streams of a
+multi-worker run those of ``MirroredStrategy`` with as many replicas in one process, and keep the
+workers' dropout masks apart (the same seed in every process would correlate them).
+
+Outside replicas (the default strategy, code between ``run`` calls, data loading) torch's global
+generator is used as usual. A ``DataLoader``'s own worker processes seed themselves from it: pass
+``generator=torch.Generator().manual_seed(s)`` (its shuffle and the workers' base seed) and, for
+per-worker libraries such as NumPy, a ``worker_init_fn`` (torch's "Randomness in multi-process
+data loading" notes).
+
+Where the replicas of one worker run on threads side by side (replicas on distinct GPUs, or with a
+``CommunicationOptions`` timeout), each GPU's generator is still the replica's own; draws on the CPU
+are routed to the replica's stream for torch's random functions (``torch.rand*``, ``bernoulli``,
+``multinomial``, ``normal``, ``randperm``, the in-place ``Tensor`` samplers, the dropout family,
+``rrelu``, ``scaled_dot_product_attention``). A random draw deep inside another torch function
+(an ``nn.LSTM``'s inter-layer dropout on the CPU) would come from the generator the threads
+share; taking turns (the default for replicas that share a device) has no such gap.
+
+Difference from TensorFlow: TensorFlow's stateful random ops under ``MirroredStrategy`` share one
+op-level seed and a ``tf.random.Generator`` created in a strategy's scope splits per replica; here
+every replica has its stream without creating anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numpy as np
+import torch
+
+__all__ = ["seed_replicas", "replica_seed"]
+
+_MAX_SEED = 2**64 - 1
+
+
+def replica_seed(seed: int, global_replica_id: int, *salt: int) -> int:
+    """The seed of global replica ``global_replica_id``'s stream when the run's seed is ``seed``
+    (``salt``: further non-negative ints that select another family of streams).
+
+    Example::
+
+        >>> replica_seed(0, 0) != replica_seed(0, 1)
+        True
+    """
+    sequence = np.random.SeedSequence(int(seed), spawn_key=(int(global_replica_id), *map(int, salt)))
+    return int(sequence.generate_state(1, np.uint64)[0])
+
+
+def seed_replicas(strategy, seed: int) -> None:
+    """Seeds every replica's random stream of ``strategy`` from ``(seed, global replica id)``.
+
+    Each process of a multi-worker run calls it with the same ``seed``; the replicas still get
+    distinct streams (their global ids differ). ``Trainer(seed=...)`` calls it at the start of ``fit``.
+
+    Example::
+
+        strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+        ds.seed_replicas(strategy, 0)
+        masks = strategy.run(lambda: torch.rand(3))   # two different draws, the same every run
+    """
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) <= _MAX_SEED:
+        raise ValueError(f"seed_replicas() takes an integer seed in [0, 2**64 - 1], got {seed!r}.")
+    streams = strategy.extended._replica_streams
+    if streams is not None:
+        streams.seed(int(seed))
+
+
+def _accelerator_generator(device: torch.device):
+    """The default generator of ``device`` when it has its own (a CUDA GPU), else None."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    return None
+
+
+class ReplicaStreams:
+    """The random streams of one worker's replicas (``strategy.extended._replica_streams``).
+
+    Holds per local replica a CPU generator state and, for a replica on a GPU, that GPU's
+    generator state. ``put(r)`` makes replica ``r``'s stream the one in force, ``take(r)`` keeps
+    what it advanced to; the runner calls them around every stretch of a replica's code.
+    """
+
+    def __init__(self, torch_devices: tuple, first_global_id: int):
+        self._devices = tuple(torch_devices)
+        self._first = first_global_id
+        self._accelerators = [_accelerator_generator(d) for d in self._devices]
+        self._route_cpu = all(g is None for g in self._accelerators)
+        self.base_seed = None
+        self._cpu: list | None = None  # per local replica: a torch CPU generator state
+        self._gpu: list | None = None  # per local replica: its GPU generator's state (or None)
+        self._lock = threading.Lock()
+
+    @property
+    def seeded(self) -> bool:
+        return self._cpu is not None
+
+    def seed(self, seed: int, salt: tuple = ()) -> None:
+        cpu, gpu = [], []
+        for r, generator in enumerate(self._accelerators):
+            value = replica_seed(seed, self._first + r, *salt)
+            cpu.append(torch.Generator().manual_seed(value).get_state())
+            if generator is None:
+                gpu.append(None)
+            else:
+                saved = generator.get_state()
+                generator.manual_seed(value)
+                gpu.append(generator.get_state())
+                generator.set_state(saved)
+        self._cpu, self._gpu, self.base_seed = cpu, gpu, seed
+
+    def ensure_seeded(self) -> None:
+        """Seeds the streams from one draw of torch's global generator, the first time only."""
+        if self._cpu is None:
+            with self._lock:
+                if self._cpu is None:
+                    generator = torch.default_generator
+                    self.seed(int(torch.randint(0, 2**62, (), device="cpu", generator=generator)))
+
+    # --- switching ------------------------------------------------------------------------
+    def put(self, r: int) -> None:
+        """Makes replica ``r``'s stream the one in force on the CPU (and its GPU)."""
+        torch.default_generator.set_state(self._cpu[r])
+        generator = self._accelerators[r]
+        if generator is not None:
+            generator.set_state(self._gpu[r])
+
+    def take(self, r: int) -> None:
+        """Keeps the state replica ``r``'s stream has advanced to (it is no longer in force)."""
+        self._cpu[r] = torch.default_generator.get_state()
+        generator = self._accelerators[r]
+        if generator is not None:
+            self._gpu[r] = generator.get_state()
+
+    def host_state(self) -> tuple:
+        """The generator states in force outside the replicas, to give back with ``restore``."""
+        gpu = tuple(None if g is None else g.get_state() for g in self._accelerators)
+        return torch.default_generator.get_state(), gpu
+
+    def restore(self, host: tuple) -> None:
+        cpu, gpu = host
+        torch.default_generator.set_state(cpu)
+        for generator, saved in zip(self._accelerators, gpu):
+            if generator is not None:
+                generator.set_state(saved)
+
+    def snapshot(self) -> tuple:
+        """The streams as they are now, for ``rewind`` (states are replaced, never changed in place)."""
+        return list(self._cpu), list(self._gpu)
+
+    def rewind(self, snapshot: tuple) -> None:
+        self._cpu, self._gpu = list(snapshot[0]), list(snapshot[1])
+
+    # --- threads --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def on_thread(self, r: int):
+        """Replica ``r``'s stream in force on a thread of its own, replicas running side by side: its
+        GPU's generator is its own; CPU draws are routed to its stream (``routed``) when every replica
+        is on the CPU (replicas on GPUs draw on the CPU from the generator the threads share)."""
+        generator = self._accelerators[r]
+        if generator is not None:
+            generator.set_state(self._gpu[r])
+        try:
+            if self._route_cpu:
+                with _RoutedDraws(self, r):
+                    yield
+            else:
+                yield
+        finally:
+            if generator is not None:
+                self._gpu[r] = generator.get_state()
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """``{"seed": base seed, "cpu": [state per local replica], "gpu": [...]}`` (CPU tensors)."""
+        self.ensure_seeded()
+        return {
+            "seed": self.base_seed,
+            "cpu": [s.clone() for s in self._cpu],
+            "gpu": [None if s is None else s.clone() for s in self._gpu],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores ``state_dict()`` output of as many replicas (a GPU state only onto a GPU replica)."""
+        if len(state["cpu"]) != len(self._devices):
+            raise ValueError(
+                f"The saved random streams are of {len(state['cpu'])} replicas; this worker has {len(self._devices)}."
+            )
+        self._cpu = [s.clone() for s in state["cpu"]]
+        saved_gpu = state.get("gpu") or [None] * len(self._devices)
+        gpu = []
+        for r, generator in enumerate(self._accelerators):
+            if generator is None:
+                gpu.append(None)
+            elif saved_gpu[r] is not None:
+                gpu.append(saved_gpu[r].clone())
+            else:  # saved from a CPU replica: a GPU stream of its own from the same seed
+                saved = generator.get_state()
+                generator.manual_seed(replica_seed(int(state["seed"]), self._first + r))
+                gpu.append(generator.get_state())
+                generator.set_state(saved)
+        self._gpu = gpu
+        self.base_seed = state["seed"]
+
+
+def _random_functions() -> frozenset:
+    """torch's functions that draw from the CPU generator when given CPU tensors (see the module docstring)."""
+    F = torch.nn.functional
+    names = [
+        (torch, "rand"), (torch, "rand_like"), (torch, "randn"), (torch, "randn_like"), (torch, "randint"),
+        (torch, "randint_like"), (torch, "randperm"), (torch, "bernoulli"), (torch, "multinomial"),
+        (torch, "normal"), (torch, "poisson"), (torch, "binomial"), (torch, "dropout"), (torch, "alpha_dropout"),
+        (torch, "feature_dropout"), (torch, "feature_alpha_dropout"), (torch, "rrelu"), (torch, "rrelu_"),
+        (F, "dropout"), (F, "dropout1d"), (F, "dropout2d"), (F, "dropout3d"), (F, "alpha_dropout"),
+        (F, "feature_alpha_dropout"), (F, "rrelu"), (F, "gumbel_softmax"), (F, "scaled_dot_product_attention"),
+        (F, "multi_head_attention_forward"),
+        (torch.Tensor, "uniform_"), (torch.Tensor, "normal_"), (torch.Tensor, "bernoulli_"),
+        (torch.Tensor, "bernoulli"), (torch.Tensor, "random_"), (torch.Tensor, "exponential_"),
+        (torch.Tensor, "geometric_"), (torch.Tensor, "log_normal_"), (torch.Tensor, "cauchy_"),
+        (torch.Tensor, "multinomial"),
+    ]  # fmt: skip
+    found = set()
+    for owner, name in names:
+        function = getattr(owner, name, None)
+        if function is not None:
+            found.add(function)
+    return frozenset(found)
+
+
+_RANDOM = None
+_draw_lock = threading.Lock()  # one CPU draw at a time across replica threads
+
+
+class _RoutedDraws(torch.overrides.TorchFunctionMode):
+    def __init__(self, streams: ReplicaStreams, replica: int):
+        super().__init__()
+        global _RANDOM
+        if _RANDOM is None:
+            _RANDOM = _random_functions()
+        self._streams, self._replica = streams, replica
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _RANDOM:
+            return func(*args, **kwargs)
+        with _draw_lock:
+            streams, r = self._streams, self._replica
+            outer = torch.default_generator.get_state()
+            torch.default_generator.set_state(streams._cpu[r])
+            try:
+                return func(*args, **kwargs)
+            finally:
+                streams._cpu[r] = torch.default_generator.get_state()
+                torch.default_generator.set_state(outer)
