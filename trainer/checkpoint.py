@@ -189,7 +189,30 @@ def _problem(state: dict, kind: str) -> str | None:
         problem = check(state[key], key)
         if problem is not None:
             return problem
+    if "replica_rng" in state:  # optional: files of the default strategy, or written before replicas had streams
+        problem = _replica_rng_problem(state["replica_rng"], "replica_rng")
+        if problem is not None:
+            return problem
     return _callbacks_problem(state.get("callbacks", {}), "callbacks")
+
+
+def _replica_rng_problem(value, what: str) -> str | None:
+    # {"seed": int, "cpu": [torch CPU state per replica], "gpu": [GPU generator state or None per replica]}
+    if not isinstance(value, Mapping) or not isinstance(value.get("cpu"), list) or not value["cpu"]:
+        return f"{what} must be {{'seed': int, 'cpu': [states], 'gpu': [states]}}, found {_brief(value)}"
+    problem = _seed_problem(value.get("seed"), f"{what}['seed']")
+    if problem is not None:
+        return problem
+    for r, cpu in enumerate(value["cpu"]):
+        problem = _rng_problem(cpu, f"{what}['cpu'][{r}]")
+        if problem is not None:
+            return problem
+    gpu = value.get("gpu")
+    if not isinstance(gpu, list) or len(gpu) != len(value["cpu"]):
+        return f"{what}['gpu'] must be a list of {len(value['cpu'])} states (or None), found {_brief(gpu)}"
+    if not all(g is None or (isinstance(g, torch.Tensor) and g.dtype == torch.uint8) for g in gpu):
+        return f"{what}['gpu'] must hold uint8 tensors or None, found {_brief(gpu)}"
+    return None
 
 
 def _callbacks_problem(value, what: str) -> str | None:

@@ -178,6 +178,7 @@ class Trainer:
         self._callback_list = None  # the running (or last) fit's callbacks
         self._float_dtype = torch.get_default_dtype()  # the model's: floating inputs are cast to it
         self._loaded_callback_states = None  # callback states of a checkpoint loaded before a fit
+        self._replica_rng_loaded = False  # a checkpoint loaded before a fit gave the replicas' streams
 
     # --- the model ----------------------------------------------------------------------
     def _distribute(self, model: torch.nn.Module):
@@ -445,6 +446,12 @@ class Trainer:
             # torch's generator too (a DataLoader's shuffle draws from it): the chief's on every
             # worker, as a seed would make it.
             torch.set_rng_state(self.strategy.extended._broadcast_object(torch.get_rng_state()))
+        # Each replica's own random stream (dropout...), from (seed, global replica id); a checkpoint
+        # loaded before a seedless fit keeps the streams it held, as it keeps torch's generator.
+        streams = self.strategy.extended._replica_streams
+        if streams is not None and (self.seed is not None or not self._replica_rng_loaded):
+            streams.seed(self._data_seed)
+        self._replica_rng_loaded = False
         train_data, split_validation = self._split(dataset, validation_split)
         validation_data = validation_data if validation_data is not None else split_validation
         source = self._source(train_data, batch_size, shuffle, self._data_seed)
@@ -697,6 +704,7 @@ class Trainer:
             "epoch": self._epoch,
             "step": self._step,
             "rng": torch.get_rng_state(),
+            **self._replica_rng_states(),
             "callbacks": self._callback_states(),
         }
         return self._chief_write("save_checkpoint", lambda: checkpoint.save(state, path), os.fspath(path))
@@ -718,6 +726,7 @@ class Trainer:
         self._load_model_and_optimizer(state, path, "checkpoint")
         self._epoch, self._step = state["epoch"], state["step"]
         torch.set_rng_state(state["rng"])
+        self._replica_rng_loaded = self._restore_replica_rng(state, (state["epoch"], state["step"]))
         self._loaded_callback_states = state.get("callbacks") or None  # for the next fit's callbacks
         return state
 
@@ -791,6 +800,7 @@ class Trainer:
             "metric_replicas": self._metric_replica_states(),
             "history": _history_with(self.history, epoch_logs),
             "rng": torch.get_rng_state(),
+            **self._replica_rng_states(),
             "callbacks": self._callback_states(),
             **self._worker_rng_states(),
         }
@@ -824,6 +834,39 @@ class Trainer:
             return {}
         return {"worker_rng": extended._all_gather_object(torch.get_rng_state())}
 
+    def _replica_rng_states(self) -> dict:
+        """``{"replica_rng": {"seed", "cpu": [...], "gpu": [...]}}``: every replica's random stream in global
+        replica order (gathered across workers); ``{}`` under the default strategy (torch's generator is in "rng")."""
+        extended = self.strategy.extended
+        streams = extended._replica_streams
+        if streams is None:
+            return {}
+        own = streams.state_dict()
+        if extended._num_workers > 1:
+            parts = extended._all_gather_object(own)
+            own = {
+                "seed": parts[0]["seed"],
+                "cpu": [s for part in parts for s in part["cpu"]],
+                "gpu": [s for part in parts for s in part["gpu"]],
+            }
+        return {"replica_rng": own}
+
+    def _restore_replica_rng(self, state: dict, position: tuple) -> bool:
+        """Puts the saved streams of this worker's replicas back (True), when the file has them. Saved by a
+        strategy with another number of replicas, they cannot continue: the streams are seeded anew from
+        the saved seed and ``position`` (epoch, step), so they do not repeat the start of the run."""
+        extended = self.strategy.extended
+        streams, saved = extended._replica_streams, state.get("replica_rng")
+        if streams is None or not saved:
+            return False
+        first, local = extended._replica_id_offset, extended._num_local_replicas
+        if len(saved["cpu"]) == self.strategy.num_replicas_in_sync:
+            part = slice(first, first + local)
+            streams.load_state_dict({"seed": saved["seed"], "cpu": saved["cpu"][part], "gpu": saved["gpu"][part]})
+        else:
+            streams.seed(int(saved["seed"]), salt=tuple(int(p) for p in position))
+        return True
+
     def _restore_training_state(self, state: dict, path) -> None:
         """Restores a backup read by ``checkpoint.load(path, kind="backup")`` (its structure is checked there).
 
@@ -840,6 +883,7 @@ class Trainer:
         if hasattr(source, "seed"):
             source.seed = self._data_seed
         torch.set_rng_state(_own_rng_state(state, self.strategy.extended))
+        self._restore_replica_rng(state, (state["epoch"], state["step"]))
         self._resume = {
             "epoch": state["epoch"],
             "step": state["step"],

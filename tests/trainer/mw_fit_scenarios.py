@@ -35,11 +35,13 @@ def fit_run(
     epochs=3,
     optimizer=None,
     precision="32",
+    dropout=0.0,
     **fit_kwargs,
 ):
     """A small fit (partial last batch: 120 training rows in batches of 32, then 30 for validation)."""
     torch.manual_seed(init_seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    middle = [torch.nn.Dropout(dropout)] if dropout else []
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), *middle, torch.nn.Linear(16, 3))
     optimizer = optimizer or optimizers.SGD(0.1, momentum=0.9)
     trainer = Trainer(strategy=strategy, optimizer=optimizer, loss="cross_entropy", seed=seed, precision=precision)
     if data_seed is not None:  # the reference run takes the seed the workers agreed on
@@ -129,6 +131,13 @@ def ema(rank, num_workers, port):
     return fit_run(strategy_for(rank, num_workers, port), **ema_settings())
 
 
+def dropout(rank, num_workers, port, seed=None):
+    """Dropout: each worker's replica draws its masks from the stream of its global replica id."""
+    random.seed(1000 + rank)
+    torch.manual_seed(rank)  # each process's own generator state: the masks must not depend on it
+    return fit_run(strategy_for(rank, num_workers, port), init_seed=100, seed=seed, dropout=0.3)
+
+
 def fit(rank, num_workers, port, seed=None):
     random.seed(1000 + rank)  # each process would draw another data seed: the chief's must win
     return fit_run(strategy_for(rank, num_workers, port), init_seed=100 + rank, seed=seed)
@@ -191,7 +200,7 @@ def resumed(rank, num_workers, port, outdir, kill_step=None, seed=None):
     cbs = [callbacks.BackupAndRestore(os.path.join(outdir, "backup"), save_freq=1)]
     if kill_step is not None:
         cbs.append(KillAt(1, kill_step, os.path.join(outdir, "killed")))
-    return fit_run(strategy, init_seed=7, seed=seed, extra_callbacks=cbs, epochs=3)
+    return fit_run(strategy, init_seed=7, seed=seed, extra_callbacks=cbs, epochs=3, dropout=0.3)
 
 
 def uneven_shards(rank, num_workers, port):

@@ -512,7 +512,7 @@ SCRIPT = textwrap.dedent(
     x = torch.randn(36, 4, generator=generator)
     y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
     torch.manual_seed(1 if mode != "resume" else 99)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(8, 2))
     strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
     trainer = Trainer(strategy=strategy, optimizer=optimizers.Adam(0.01), metrics=["accuracy"], seed=0)
     callbacks = [] if mode == "plain" else [BackupAndRestore(backup_dir, save_freq=3)]
@@ -539,7 +539,7 @@ def run_script(script: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.timeout(120)
-def test_backup_resumes_a_process_killed_with_sigkill(tmp_path):
+def test_backup_resumes_a_process_killed_with_sigkill_dropout_included(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     backup = tmp_path / "backup"

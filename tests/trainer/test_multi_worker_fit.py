@@ -42,6 +42,24 @@ def test_fit_on_two_workers_equals_mirrored_two(seed):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("seed", [None, 5])
+def test_dropout_on_two_workers_equals_mirrored_two(seed):
+    """Global replica ids: worker w's replica draws the masks of Mirrored(2)'s replica w (not the same masks
+    on both workers, as one seed per process would give)."""
+    workers = results(run_workers(SCENARIOS, "dropout", 2, timeout=90, kwargs={"seed": seed}))
+    import replicafit.trainer.trainer as trainer_module
+
+    draw = trainer_module.random.randrange
+    trainer_module.random.randrange = lambda n: workers[0]["data_seed"]
+    try:
+        expected = scenarios.fit_run(ds.MirroredStrategy(["cpu:0", "cpu:1"]), init_seed=100, seed=seed, dropout=0.3)
+    finally:
+        trainer_module.random.randrange = draw
+    for worker, got in enumerate(workers):
+        _same_run(expected, got, f"worker {worker}")
+
+
+@pytest.mark.timeout(120)
 def test_accumulation_on_two_workers_equals_mirrored_two_with_no_traffic_between_window_ends():
     workers = results(run_workers(SCENARIOS, "accumulated", 2, timeout=90))
     expected = scenarios.fit_run(ds.MirroredStrategy(["cpu:0", "cpu:1"]), **scenarios.accumulated_settings())
@@ -101,7 +119,7 @@ def test_only_the_chief_writes_and_every_worker_sees_the_files(tmp_path):
 
 
 @pytest.mark.timeout(150)
-def test_a_killed_worker_resumes_from_the_backup_bit_exactly(tmp_path):
+def test_a_killed_worker_resumes_from_the_backup_bit_exactly_dropout_included(tmp_path):
     straight = results(run_workers(SCENARIOS, "resumed", 2, timeout=90, kwargs={"outdir": str(tmp_path / "a")}))
     os.makedirs(tmp_path / "b")
     first = run_workers(SCENARIOS, "resumed", 2, timeout=90, kwargs={"outdir": str(tmp_path / "b"), "kill_step": 6})
