@@ -22,13 +22,15 @@ generator is used as usual. A ``DataLoader``'s own worker processes seed themsel
 per-worker libraries such as NumPy, a ``worker_init_fn`` (torch's "Randomness in multi-process
 data loading" notes).
 
-Where the replicas of one worker run on threads side by side (replicas on distinct GPUs, or with a
-``CommunicationOptions`` timeout), each GPU's generator is still the replica's own; draws on the CPU
-are routed to the replica's stream for torch's random functions (``torch.rand*``, ``bernoulli``,
-``multinomial``, ``normal``, ``randperm``, the in-place ``Tensor`` samplers, the dropout family,
-``rrelu``, ``scaled_dot_product_attention``). A random draw deep inside another torch function
-(an ``nn.LSTM``'s inter-layer dropout on the CPU) would come from the generator the threads
-share; taking turns (the default for replicas that share a device) has no such gap.
+Where the replicas of one worker run on threads side by side (replicas on distinct GPUs; or on
+the CPU with a ``CommunicationOptions`` timeout, ``set_replica_execution("threads")``, or a
+differentiable collective), each GPU's generator is still the replica's own. Replicas on the CPU
+have their CPU draws routed to their stream for torch's random functions (``torch.rand*``,
+``bernoulli``, ``multinomial``, ``normal``, ``randperm``, the in-place ``Tensor`` samplers, the
+dropout family, ``rrelu``, ``gumbel_softmax``, ``scaled_dot_product_attention``): the same draws as
+taking turns, at some cost per torch call. Two gaps remain on threads, both outside the defaults: a
+random draw deep inside another torch function (an ``nn.LSTM``'s inter-layer dropout on the CPU),
+and CPU draws of replicas that run on GPUs, come from the CPU generator the threads share.
 
 Difference from TensorFlow: TensorFlow's stateful random ops under ``MirroredStrategy`` share one
 op-level seed and a ``tf.random.Generator`` created in a strategy's scope splits per replica; here
