@@ -17,10 +17,10 @@ multi-worker run those of ``MirroredStrategy`` with as many replicas in one proc
 workers' dropout masks apart (the same seed in every process would correlate them).
 
 Outside replicas (the default strategy, code between ``run`` calls, data loading) torch's global
-generator is used as usual. A ``DataLoader``'s own worker processes seed themselves from it: pass
-``generator=torch.Generator().manual_seed(s)`` (its shuffle and the workers' base seed) and, for
-per-worker libraries such as NumPy, a ``worker_init_fn`` (torch's "Randomness in multi-process
-data loading" notes).
+generator is used as usual. A ``DataLoader``'s worker processes draw their base seed at each epoch
+from the loader's ``generator=`` (else from torch's global generator) and seed torch, ``random`` and
+NumPy in each worker from it; other libraries need a ``worker_init_fn`` (torch's "Randomness in
+multi-process data loading" notes).
 
 Where the replicas of one worker run on threads side by side (replicas on distinct GPUs; or on
 the CPU with a ``CommunicationOptions`` timeout, ``set_replica_execution("threads")``, or a
