@@ -31,6 +31,7 @@ import torch
 from replicafit.strategies import context
 
 from . import checkpoint
+from .registry import did_you_mean
 
 __all__ = [
     "Callback",
@@ -412,13 +413,46 @@ def _monitor_mode(monitor: str, mode: str) -> str:
     return "max" if any(k in name for k in ("acc", "auc", "precision", "recall")) else "min"
 
 
+def _missing_monitor_message(who: str, monitor: str, available, consequence: str, per_step: str = "") -> str:
+    """What a callback says when the logs it reads lack ``monitor``: the names they have, a close one, and why a
+    ``val_`` name is missing (no validation, or the logs of a step; ``per_step``: the setting that reads the
+    epoch's logs instead, e.g. ``"interval='epoch'"``)."""
+    names = [str(name) for name in available]
+    hint = did_you_mean(monitor, names)
+    if monitor.startswith("val_") and not any(name.startswith("val_") for name in names):
+        training = monitor.removeprefix("val_")
+        instead = f", or monitor {training!r}" if training in names else ""
+        hint = (
+            f" (a step's logs have no val_ values, validation runs at each epoch's end: set {per_step}{instead})"
+            if per_step
+            else f" (no validation ran: pass validation_data or validation_split to fit{instead})"
+        )
+    return (
+        f"{who} monitors {monitor!r}, which is not in the logs{hint}; available: {', '.join(names) or 'none'}. "
+        f"{consequence}"
+    )
+
+
+def _warn_missing_monitor(callback: Callback, who: str, logs, consequence: str, per_step: str = "") -> None:
+    """Warns once per ``fit`` (on the chief of a multi-worker run) that ``callback.monitor`` is not in ``logs``,
+    as Keras' callbacks do; the callback then leaves that epoch (or step) alone, as before."""
+    if callback._monitor_warned:
+        return
+    callback._monitor_warned = True
+    if callback._is_chief:
+        message = _missing_monitor_message(who, callback.monitor, logs or {}, consequence, per_step)
+        warnings.warn(message, UserWarning, stacklevel=2)  # the callback's line
+
+
 class ModelCheckpoint(_Periodic):
     """Saves a checkpoint after every epoch (or every ``save_freq`` steps).
 
     ``filepath`` may name ``{epoch}`` and any log key (``"ckpt-{epoch:02d}-{val_loss:.3f}.pt"``).
     ``save_best_only`` keeps only improvements of ``monitor`` (``mode`` min/max/auto).
     ``save_weights_only`` writes the model's state dict alone; otherwise a full trainer
-    checkpoint (model, optimizer, epoch, RNG). Files are written atomically.
+    checkpoint (model, optimizer, epoch, RNG). Files are written atomically. With ``save_best_only``, a
+    ``monitor`` missing from the logs is a ``UserWarning`` once per fit (the logged names and a close one,
+    as Keras warns), and nothing is saved while it is missing.
     """
 
     _decides_from_logs = True
@@ -440,6 +474,10 @@ class ModelCheckpoint(_Periodic):
         self.save_best_only, self.save_weights_only = save_best_only, save_weights_only
         self.mode = _monitor_mode(monitor, mode)
         self.best = initial_value_threshold
+        self._monitor_warned = False  # a missing monitor is said once per fit
+
+    def on_train_begin(self, logs=None):
+        self._monitor_warned = False
 
     def _on_step(self, epoch, batch, logs):
         self._save(epoch, logs, batch=batch)
@@ -452,6 +490,13 @@ class ModelCheckpoint(_Periodic):
         if self.save_best_only:
             current = logs.get(self.monitor)
             if current is None:
+                _warn_missing_monitor(
+                    self,
+                    "ModelCheckpoint(save_best_only=True)",
+                    logs,
+                    "No checkpoint is saved while it is missing.",
+                    per_step="save_freq='epoch'" if batch is not None else "",
+                )
                 return
             better = self.best is None or (current < self.best if self.mode == "min" else current > self.best)
             if not better:
@@ -470,7 +515,9 @@ class EarlyStopping(Callback):
     """Stops training when ``monitor`` has not improved by ``min_delta`` for ``patience`` epochs.
 
     Keras 3's rules: ``mode`` min/max/auto, ``baseline``, ``start_from_epoch``, and
-    ``restore_best_weights`` (the best epoch's weights are put back at the end).
+    ``restore_best_weights`` (the best epoch's weights are put back at the end). A ``monitor`` missing
+    from the logs is a ``UserWarning`` once per fit, at the end of the first epoch without it (Keras warns
+    every epoch), naming the logged values and a close one (``val_acc``: did you mean ``val_accuracy``?).
     """
 
     _decides_from_logs = True
@@ -495,8 +542,10 @@ class EarlyStopping(Callback):
             restore_best_weights,
             start_from_epoch,
         )
+        self._monitor_warned = False  # a missing monitor is said once per fit
 
     def on_train_begin(self, logs=None):
+        self._monitor_warned = False
         self.wait = 0
         self.stopped_epoch = 0
         self.best = math.inf if self.mode == "min" else -math.inf
@@ -510,7 +559,10 @@ class EarlyStopping(Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         current = (logs or {}).get(self.monitor)
-        if current is None or epoch < self.start_from_epoch:
+        if current is None:
+            _warn_missing_monitor(self, "EarlyStopping", logs, "Training does not stop early while it is missing.")
+            return
+        if epoch < self.start_from_epoch:
             return
         if self.restore_best_weights and self.best_weights is None:
             self.best_weights = copy.deepcopy(self.trainer.model_state_dict())
@@ -562,7 +614,11 @@ class LearningRateScheduler(Callback):
 
 
 class ReduceLROnPlateau(Callback):
-    """Multiplies the learning rate by ``factor`` when ``monitor`` stops improving (Keras 3's rules)."""
+    """Multiplies the learning rate by ``factor`` when ``monitor`` stops improving (Keras 3's rules).
+
+    Logs ``learning_rate`` at each epoch's end. A ``monitor`` missing from the logs is a ``UserWarning``
+    once per fit (as ``EarlyStopping``'s), and the learning rate is left alone while it is missing.
+    """
 
     _decides_from_logs = True
 
@@ -583,8 +639,10 @@ class ReduceLROnPlateau(Callback):
         self.monitor, self.factor, self.patience, self.verbose = monitor, factor, patience, verbose
         self.mode = _monitor_mode(monitor, mode)
         self.min_delta, self.cooldown, self.min_lr = min_delta, cooldown, min_lr
+        self._monitor_warned = False  # a missing monitor is said once per fit
 
     def on_train_begin(self, logs=None):
+        self._monitor_warned = False
         self.wait = 0
         self.cooldown_counter = 0
         self.best = math.inf if self.mode == "min" else -math.inf
@@ -598,6 +656,9 @@ class ReduceLROnPlateau(Callback):
         logs["learning_rate"] = float(optimizer.learning_rate)
         current = logs.get(self.monitor)
         if current is None:
+            _warn_missing_monitor(
+                self, "ReduceLROnPlateau", logs, "The learning rate is left alone while it is missing."
+            )
             return
         if self.cooldown_counter > 0:
             self.cooldown_counter -= 1
@@ -749,7 +810,8 @@ class TorchLRScheduler(Callback):
       interval: ``"step"`` (after every update, Lightning's ``interval: step``) or ``"epoch"``
         (after every epoch, the default).
       monitor: the log ``ReduceLROnPlateau`` reads (``"val_loss"`` by default; per step, a batch
-        log such as ``"loss"``). Other schedulers ignore it.
+        log such as ``"loss"``). Other schedulers ignore it. Missing from the logs, it is a
+        ``UserWarning`` once per fit (as ``EarlyStopping``'s) and the rate is left alone.
 
     The optimizer the factory receives stands for the trainer's optimizer, ours or
     ``from_torch``'s: one param group whose ``lr`` (and ``momentum`` or ``betas``, which
@@ -797,7 +859,7 @@ class TorchLRScheduler(Callback):
         self._pending = None  # a restored state that waits for the scheduler
         self._updates = None  # the optimizer's updates at the last step (with gradient accumulation)
         self._used = None  # the learning rate of the last step
-        self._warned = False  # a missing monitor is said once
+        self._monitor_warned = False  # a missing monitor is said once per fit
 
     # --- the scheduler and the optimizer it stands for -------------------------------------------
     def _optimizer(self):
@@ -846,14 +908,13 @@ class TorchLRScheduler(Callback):
         if isinstance(self.scheduler, _Plateau):
             current = (logs or {}).get(self.monitor)
             if current is None:
-                if not self._warned:
-                    self._warned = True
-                    available = ", ".join(sorted(logs or {})) or "none"
-                    warnings.warn(
-                        f"TorchLRScheduler: ReduceLROnPlateau monitors {self.monitor!r}, which is not in the logs "
-                        f"(available: {available}); the learning rate is left alone.",
-                        stacklevel=2,
-                    )
+                _warn_missing_monitor(
+                    self,
+                    "TorchLRScheduler(ReduceLROnPlateau)",
+                    logs,
+                    "The learning rate is left alone while it is missing.",
+                    per_step="interval='epoch'" if self.interval == "step" else "",
+                )
                 return
             self.scheduler.step(float(current))
         else:
@@ -876,6 +937,7 @@ class TorchLRScheduler(Callback):
     def on_train_begin(self, logs=None):
         self._make()
         self._updates = None
+        self._monitor_warned = False
         if self._pending is not None:
             state, self._pending = self._pending, None
             self._load(state)
