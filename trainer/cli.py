@@ -21,6 +21,22 @@ multi-worker one (``strategy: multi_worker_mirrored``)::
 
 Under ``torchrun`` the same command runs unchanged without ``--workers``.
 
+``fit`` writes RUN_DIR/recipe.yaml, history.csv, checkpoints/best.pt (best ``val_loss``, or
+``loss`` without validation), checkpoints/last.pt (the weights the model holds at the end),
+metrics.json and, with matplotlib, history.png. When ``EarlyStopping(restore_best_weights=True)``
+put an earlier epoch's weights back, last.pt holds those: the console reports the last epoch and
+the restored best epoch, each named, and metrics.json says which weights last.pt holds::
+
+    {"recipe": "digits_mlp", "final": {...the last epoch's logs...}, "final_epoch": 20, "epochs": 20,
+     "checkpoint": "RUN_DIR/checkpoints/last.pt",
+     "checkpoint_weights": {"epoch": 16, "restored_best": true, "monitor": "val_accuracy",
+                            "moving_averages": false, "metrics": {...epoch 16's logs...}},
+     "best": {"monitor": "val_accuracy", "mode": "max", "epoch": 16, "value": 0.9749}}
+
+Epochs count from 1 there, as the console prints them (history.csv's ``epoch`` column counts from
+0, as Keras' ``CSVLogger`` does). ``predict`` writes RUN_DIR/predictions.npy for a checkpoint in
+RUN_DIR/checkpoints/ (``--output`` chooses another file).
+
 A bad recipe prints one line ``file:line: key.path: problem`` and exits with status 2;
 Ctrl-C prints ``interrupted`` and exits with status 130 (128 + SIGINT, as shells report it); a
 worker of a multi-worker run whose peer died or stopped arriving prints one line
@@ -32,6 +48,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import sys
 import time
@@ -88,8 +105,11 @@ def _parser() -> argparse.ArgumentParser:
     evaluate = recipe_command("evaluate", "evaluate a checkpoint on the recipe's validation data")
     evaluate.add_argument("--checkpoint", required=True, help="a checkpoint written by `replicafit fit`")
     predict = recipe_command("predict", "write predictions of a checkpoint for the recipe's validation data")
-    predict.add_argument("--checkpoint", required=True)
-    predict.add_argument("--output", default="predictions.npy", help="where to write the outputs (.npy)")
+    predict.add_argument("--checkpoint", required=True, help="a checkpoint written by `replicafit fit`")
+    predict.add_argument(
+        "--output",
+        help="where to write the outputs (.npy; default: predictions.npy in the checkpoint's run directory)",
+    )
     recipe_command("validate", "check a recipe without running it")
     listing = commands.add_parser("list", help="list the registered names")
     listing.add_argument(
@@ -286,18 +306,142 @@ def _fit(args) -> int:
     final = run.trainer.save_checkpoint(os.path.join(run_dir, "checkpoints", "last.pt"))
     if not chief:
         return 0
-    results = {key: values[-1] for key, values in history.history.items() if values}
+    use_ema = bool(getattr(run.trainer.optimizer, "use_ema", False))
+    report = _fit_report(history, callbacks, "val_loss" if validating else "loss", use_ema)
     with open(os.path.join(run_dir, "metrics.json"), "w") as file:
-        json.dump({"final": results, "epochs": len(history.epoch), "checkpoint": final}, file, indent=2)
-    drawn = _draw(run_dir, quiet=True)
-    summary = [f"{k} {v:.4f}" for k, v in results.items() if k.startswith("val_")] or [
-        f"{k} {v:.4f}" for k, v in results.items()
-    ]
-    print("final: " + ", ".join(summary))
-    if "val_accuracy" in results:
-        print(f"validation accuracy: {results['val_accuracy']:.4f}")
+        json.dump({"recipe": recipe.name, **report, "checkpoint": final}, file, indent=2)
+    drawn = _draw(run_dir)
+    for line in _report_lines(report, os.path.basename(final)):
+        print(line)
     print(f"run directory: {run_dir}" + ("" if drawn else " (pip install 'replicafit[plot]' for history.png)"))
     return 0
+
+
+def _fit_report(history, callbacks, checkpoint_monitor: str, use_ema: bool = False) -> dict:
+    """What metrics.json holds besides the recipe and the checkpoint's path: the last epoch's logs,
+    which weights last.pt holds (``checkpoint_weights``) and the best epoch of the monitored metric
+    (``best``: the EarlyStopping's monitor, else ``checkpoint_monitor``). Epochs count from 1."""
+    return {
+        "final": {key: values[-1] for key, values in history.history.items() if values},
+        "final_epoch": history.epoch[-1] + 1 if history.epoch else None,
+        "epochs": len(history.epoch),
+        "checkpoint_weights": _checkpoint_weights(history, callbacks, use_ema),
+        "best": _best_epoch(history, callbacks, checkpoint_monitor),
+    }
+
+
+def _epoch_logs(history, epoch: int) -> dict:
+    """The logs of ``epoch`` (0-based, as ``History.epoch`` counts); {} for an epoch this fit did not run."""
+    if epoch not in history.epoch:
+        return {}
+    index = history.epoch.index(epoch)
+    return {key: values[index] for key, values in history.history.items() if len(values) == len(history.epoch)}
+
+
+_NOTES = {  # (val_ values measured with the averages, checkpoint holds the averages) -> the mismatch, said
+    (True, False): "the val_ values were measured with the optimizer's moving averages, the checkpoint holds the "
+    "trained weights (SwapEMAWeights(swap_on_epoch=True) first in the callbacks keeps the averages)",
+    (False, True): "the val_ values were measured with the trained weights, the checkpoint holds the optimizer's "
+    "moving averages (fit ends with them, as Keras' does; SwapEMAWeights validates with them)",
+}
+
+
+def _checkpoint_weights(history, callbacks, use_ema: bool) -> dict | None:
+    """Which weights the model holds after ``fit`` (what last.pt saves): the last epoch's, or the best
+    epoch's that an ``EarlyStopping(restore_best_weights=True)`` put back (the last such callback in the
+    list restores last). With ``use_ema`` fit ends with the optimizer's moving averages in the model; a
+    restored epoch's weights are the averages when a ``SwapEMAWeights(swap_on_epoch=True)`` comes before
+    the EarlyStopping (it swaps them in at each epoch's end, before the EarlyStopping keeps a copy)."""
+    from .callbacks import EarlyStopping, SwapEMAWeights
+
+    if not history.epoch:
+        return None
+    stoppers = [c for c in callbacks if isinstance(c, EarlyStopping) and c.restore_best_weights]
+    stopper = next((c for c in reversed(stoppers) if c.best_weights is not None), None)
+    if stopper is None:
+        epoch, averaged = history.epoch[-1], use_ema
+    else:
+        before = callbacks[: next(i for i, c in enumerate(callbacks) if c is stopper)]
+        epoch, averaged = stopper.best_epoch, any(isinstance(c, SwapEMAWeights) and c.swap_on_epoch for c in before)
+    weights = {
+        "epoch": epoch + 1,
+        "restored_best": stopper is not None,
+        "monitor": stopper.monitor if stopper is not None else None,
+        "moving_averages": averaged,
+        "metrics": _epoch_logs(history, epoch),
+    }
+    measured = any(isinstance(c, SwapEMAWeights) for c in callbacks)  # validation ran with the averages
+    if (measured, averaged) in _NOTES:
+        weights["note"] = _NOTES[measured, averaged]
+    return weights
+
+
+def _best_epoch(history, callbacks, checkpoint_monitor: str) -> dict | None:
+    """The best epoch of the monitored metric: the EarlyStopping's own (its ``min_delta``,
+    ``start_from_epoch``), else the first minimum of ``checkpoint_monitor`` (what best.pt keeps)."""
+    from .callbacks import EarlyStopping
+
+    stoppers = [c for c in callbacks if isinstance(c, EarlyStopping) and math.isfinite(getattr(c, "best", math.inf))]
+    stopper = next((c for c in reversed(stoppers) if c.restore_best_weights), stoppers[-1] if stoppers else None)
+    if stopper is not None:
+        best = stopper.best_epoch + 1
+        return {"monitor": stopper.monitor, "mode": stopper.mode, "epoch": best, "value": stopper.best}
+    return _first_best([e + 1 for e in history.epoch], checkpoint_monitor, history.history.get(checkpoint_monitor))
+
+
+def _first_best(epochs, monitor: str, values, mode: str = "min") -> dict | None:
+    """``{"monitor", "mode", "epoch", "value"}`` of the first best finite value (None without one)."""
+    if not values or len(values) != len(epochs):
+        return None
+    finite = [(v, e) for e, v in zip(epochs, values) if isinstance(v, (int, float)) and math.isfinite(v)]
+    if not finite:
+        return None
+    best = min(finite, key=lambda p: p[0]) if mode == "min" else max(finite, key=lambda p: p[0])
+    return {"monitor": monitor, "mode": mode, "epoch": best[1], "value": best[0]}
+
+
+def _format_number(value) -> str:
+    """4 decimals, or 4 significant digits below 1e-3 (a learning rate of 3e-5 is not 0.0000): the
+    progress bar's format."""
+    from .callbacks import _format_value
+
+    return _format_value(float(value)) if isinstance(value, (int, float)) else str(value)
+
+
+def _report_lines(report: dict, checkpoint: str = "last.pt") -> list:
+    """The end of ``replicafit fit``'s output: the last epoch's values and, when EarlyStopping restored an
+    earlier epoch's weights into the checkpoint, that epoch's, each line saying whose values they are;
+    the validation accuracy on one line of its own (both values, named, when they differ)."""
+    final, last, weights = report["final"], report["final_epoch"], report["checkpoint_weights"]
+    if weights is None:
+        return ["final: no epoch ran"]
+
+    def values(logs) -> str:
+        keys = [k for k in logs if k.startswith("val_")] or list(logs)
+        shown = ", ".join(f"{k} {_format_number(logs[k])}" for k in keys if k != "val_accuracy")
+        return f": {shown}" if shown else ""
+
+    saved = f"saved in {checkpoint}" + (" as the optimizer's moving averages" if weights["moving_averages"] else "")
+    if weights["epoch"] == last:
+        best = f", the best by {weights['monitor']}" if weights["restored_best"] else ""
+        lines = [f"final (epoch {last}{best}, {saved}){values(final)}"]
+    else:
+        best = f"best epoch ({weights['epoch']}) by {weights['monitor']}, restored and {saved}"
+        lines = [f"last epoch ({last}){values(final)}", f"{best}{values(weights['metrics'])}"]
+    if "note" in weights:
+        lines.append(f"note: {weights['note']}")
+    if "val_accuracy" in final:
+        accuracy = f"validation accuracy: {_format_number(final['val_accuracy'])}"
+        restored = weights["metrics"].get("val_accuracy")
+        if weights["epoch"] != last and restored is not None:
+            accuracy = (
+                f"validation accuracy: {_format_number(restored)} in {checkpoint} (best epoch {weights['epoch']}), "
+                f"{_format_number(final['val_accuracy'])} at the last epoch ({last})"
+            )
+        elif weights["epoch"] != last:
+            accuracy += f" at the last epoch ({last})"
+        lines.append(accuracy)
+    return lines
 
 
 def _example_input(train):
@@ -321,11 +465,67 @@ def _checkpointed_run(args):
     except CheckpointError as error:
         raise _UsageError(str(error)) from None
     except (RuntimeError, ValueError) as error:  # the checkpoint does not fit this recipe's model
-        raise _UsageError(
-            f"{args.checkpoint} does not match the recipe's model: {str(error).splitlines()[0]}"
-        ) from None
+        raise _UsageError(_mismatch_message(args, run.model, error)) from None
     data = run.validation if run.validation is not None else run.train
     return run, data
+
+
+def _checkpoint_run_dir(checkpoint) -> str | None:
+    """RUN_DIR for a checkpoint at RUN_DIR/checkpoints/NAME.pt, where `replicafit fit` saves (a folder
+    with the run's recipe.yaml); None for a checkpoint anywhere else."""
+    folder = os.path.dirname(os.fspath(checkpoint)) or os.curdir
+    run_dir = os.path.normpath(os.path.join(folder, os.pardir))
+    if os.path.basename(os.path.abspath(folder)) == "checkpoints" and os.path.isfile(
+        os.path.join(run_dir, "recipe.yaml")
+    ):
+        return run_dir
+    return None
+
+
+def _named(keys, most: int = 6) -> str:
+    shown = ", ".join(keys[:most])
+    return shown + (f" and {len(keys) - most} more" if len(keys) > most else "")
+
+
+def _mismatch_message(args, model, error) -> str:
+    """A checkpoint whose model state does not fit the recipe's model: which keys and shapes differ,
+    and what to pass instead, in the command's terms (the Python API's own hint, strict=False, is not
+    an option of the command)."""
+    from .checkpoint import CheckpointError, load
+
+    try:
+        saved = load(args.checkpoint, kind="checkpoint")["model"]
+    except (CheckpointError, KeyError, TypeError):
+        saved = {}
+    expected = model.state_dict()
+    differences = []
+    only_saved = [k for k in saved if k not in expected]
+    only_model = [k for k in expected if k not in saved]
+    reshaped = [
+        f"{k} {tuple(saved[k].shape)} vs {tuple(expected[k].shape)}"
+        for k in saved
+        if k in expected and hasattr(saved[k], "shape") and tuple(saved[k].shape) != tuple(expected[k].shape)
+    ]
+    if only_saved:
+        differences.append(f"only in the checkpoint: {_named(only_saved)}")
+    if only_model:
+        differences.append(f"only in the recipe's model: {_named(only_model)}")
+    if reshaped:
+        differences.append(f"shapes differ, checkpoint vs model: {_named(reshaped, 3)}")
+    if not differences:  # not a key or shape mismatch: torch's own first line, less the Python API's hint
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        differences.append(first.split(" Pass strict=False")[0])
+    run_dir = _checkpoint_run_dir(args.checkpoint)
+    fix = "pass the recipe it was trained with"
+    if run_dir is not None:
+        recipe = os.path.join(run_dir, "recipe.yaml")
+        fix += f", the run's own: `replicafit {args.command} {recipe} --checkpoint {args.checkpoint}`"
+    if args.overrides:
+        fix += ", without --set overrides that change the model"
+    return (
+        f"{args.checkpoint} does not match the recipe's model: it was saved from a different model "
+        f"({'; '.join(differences)}). To use it, {fix}."
+    )
 
 
 def _evaluate(args) -> int:
@@ -346,23 +546,86 @@ def _predict(args) -> int:
     inputs = data[0] if isinstance(data, tuple) else data
     batch = run.evaluate_kwargs.get("batch_size") or run.fit_kwargs.get("batch_size")
     outputs = run.trainer.predict(run.model, inputs, batch_size=batch, verbose=0)
-    if run.strategy.extended.should_checkpoint:  # across workers every worker predicts; the chief writes
-        np.save(args.output, outputs.numpy())
-        print(f"wrote {tuple(outputs.shape)} predictions to {args.output}")
+    if not run.strategy.extended.should_checkpoint:  # across workers every worker predicts; the chief writes
+        return 0
+    output, where = args.output, ""
+    if output is None:
+        run_dir = _checkpoint_run_dir(args.checkpoint)
+        output = os.path.join(run_dir, "predictions.npy") if run_dir is not None else "predictions.npy"
+        if run_dir is None:
+            where = (
+                f" (in the current directory: {args.checkpoint} is not in a run directory's checkpoints/ folder; "
+                "--output FILE.npy chooses the file)"
+            )
+    np.save(output, outputs.numpy())
+    print(f"wrote {tuple(outputs.shape)} predictions to {output}{where}")
     return 0
 
 
 def _plot(args) -> int:
     if not os.path.exists(os.path.join(args.run_dir, "history.csv")):
         raise _UsageError(f"{args.run_dir} has no history.csv: is it a run directory of `replicafit fit`?")
-    if not _draw(args.run_dir, quiet=False):
+    if _plot_spec(args.run_dir) is None:
+        raise _UsageError(f"{os.path.join(args.run_dir, 'history.csv')} holds no epoch yet: nothing to draw")
+    if not _draw(args.run_dir):
         raise _UsageError("plotting needs matplotlib: pip install 'replicafit[plot]'")
     print(f"wrote {os.path.join(args.run_dir, 'history.png')}")
     return 0
 
 
-def _draw(run_dir: str, quiet: bool) -> bool:
-    """history.png: loss and each metric per epoch, train and validation. False without matplotlib."""
+def _column(rows, name: str) -> list:
+    return [float(r[name]) if r.get(name) not in (None, "") else math.nan for r in rows]
+
+
+def _plot_spec(run_dir: str) -> dict | None:
+    """What history.png shows (None for a history without epochs): a title (the recipe's name and the
+    run directory's), one panel per quantity (loss and each metric, train and validation values per
+    epoch, axis labels) and the best epoch of the monitored metric, marked on its panel: metrics.json's
+    ``best`` (the EarlyStopping's monitor, else val_loss or loss, what best.pt keeps), or for a run
+    directory without one, the first minimum of val_loss (loss without validation)."""
+    with open(os.path.join(run_dir, "history.csv"), newline="") as file:
+        rows = list(csv.DictReader(file))
+    if not rows:
+        return None
+    try:
+        with open(os.path.join(run_dir, "metrics.json")) as file:
+            metrics = json.load(file)
+    except (OSError, ValueError):
+        metrics = {}
+    epochs = [int(r["epoch"]) + 1 for r in rows]
+    names = [k for k in rows[0] if k not in ("epoch", "learning_rate") and not k.startswith("val_")]
+    names.sort(key=lambda name: name != "loss")  # the loss first (history.csv orders its columns by name)
+    panels = []
+    for name in names:
+        series = {"train": _column(rows, name)}
+        if f"val_{name}" in rows[0]:
+            series["validation"] = _column(rows, f"val_{name}")
+        panels.append({"name": name, "xlabel": "epoch", "ylabel": name, "series": series})
+    best = metrics.get("best") if isinstance(metrics.get("best"), dict) else None
+    if best is None:
+        monitor = "val_loss" if "val_loss" in rows[0] else "loss"
+        best = _first_best(epochs, monitor, _column(rows, monitor)) if monitor in rows[0] else None
+    mark = None
+    if best is not None and best["monitor"].removeprefix("val_") in names:
+        mark = {
+            "panel": best["monitor"].removeprefix("val_"),
+            "series": "validation" if best["monitor"].startswith("val_") else "train",
+            "epoch": best["epoch"],
+            "value": best["value"],
+            "label": f"best {best['monitor']}: {_format_number(best['value'])} (epoch {best['epoch']})",
+        }
+    run_name = os.path.basename(os.path.normpath(os.path.abspath(run_dir)))
+    recipe = metrics.get("recipe")
+    return {
+        "title": f"recipe {recipe}, run {run_name}" if recipe else f"run {run_name}",
+        "epochs": epochs,
+        "panels": panels,
+        "best": mark,
+    }
+
+
+def _draw(run_dir: str) -> bool:
+    """history.png from ``_plot_spec``. False without matplotlib (or without an epoch to draw)."""
     try:
         import matplotlib
 
@@ -370,22 +633,22 @@ def _draw(run_dir: str, quiet: bool) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    with open(os.path.join(run_dir, "history.csv"), newline="") as file:
-        rows = list(csv.DictReader(file))
-    if not rows:
+    spec = _plot_spec(run_dir)
+    if spec is None:
         return False
-    epochs = [int(r["epoch"]) + 1 for r in rows]
-    names = [k for k in rows[0] if k not in ("epoch", "learning_rate") and not k.startswith("val_")]
-    figure, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.5), squeeze=False)
-    for axis, name in zip(axes[0], names):
-        axis.plot(epochs, [float(r[name]) for r in rows], label="train")
-        if f"val_{name}" in rows[0]:
-            axis.plot(epochs, [float(r[f"val_{name}"]) for r in rows], label="validation")
-        axis.set_title(name)
-        axis.set_xlabel("epoch")
+    panels, mark = spec["panels"], spec["best"]
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False, layout="constrained")
+    figure.suptitle(spec["title"])
+    for axis, panel in zip(axes[0], panels):
+        for label, values in panel["series"].items():
+            axis.plot(spec["epochs"], values, label=label)
+        if mark is not None and mark["panel"] == panel["name"]:
+            axis.axvline(mark["epoch"], color="gray", linestyle=":", linewidth=1)
+            axis.plot([mark["epoch"]], [mark["value"]], "r*", markersize=12, label=mark["label"])
+        axis.set_xlabel(panel["xlabel"])
+        axis.set_ylabel(panel["ylabel"])
         axis.xaxis.get_major_locator().set_params(integer=True)
         axis.legend()
-    figure.tight_layout()
     figure.savefig(os.path.join(run_dir, "history.png"), dpi=100)
     plt.close(figure)
     return True
