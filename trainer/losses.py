@@ -7,8 +7,10 @@ Names: ``"cross_entropy"`` / ``"sparse_categorical_crossentropy"`` (integer labe
 logits), ``"categorical_crossentropy"`` (one-hot labels, logits),
 ``"binary_crossentropy"`` (probabilities; ``BinaryCrossentropy(from_logits=True)`` for
 logits), ``"mse"``, ``"mae"``, ``"huber"``. Any callable ``(y_true, y_pred) -> tensor``
-works, and so does a torch loss module (``torch.nn.CrossEntropyLoss()``, called as
-torch calls it, ``module(y_pred, y_true)``, with ``reduction="none"``).
+works, and so do a torch loss module (``torch.nn.CrossEntropyLoss()``) and torch's functional
+losses (``torch.nn.functional.cross_entropy``), called as torch calls them, ``fn(y_pred, y_true)``,
+with ``reduction="none"``. Labels out of range for a class-index loss are a ``ValueError`` that
+says how many classes the model outputs and which label was seen.
 
 Example::
 
@@ -21,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 
 import torch
@@ -85,10 +88,30 @@ class SparseCategoricalCrossentropy(Loss):
         target = y_true.long()
         if target.dim() == y_pred.dim():  # (batch, 1) labels, as Keras allows
             target = target.squeeze(-1)
-        if self.from_logits:
-            return F.cross_entropy(_classes_second(y_pred), target, reduction="none")
-        log_probs = torch.log(y_pred.clamp_min(1e-7))
-        return F.nll_loss(_classes_second(log_probs), target, reduction="none")
+        try:
+            if self.from_logits:
+                return F.cross_entropy(_classes_second(y_pred), target, reduction="none")
+            log_probs = torch.log(y_pred.clamp_min(1e-7))
+            return F.nll_loss(_classes_second(log_probs), target, reduction="none")
+        except IndexError:
+            raise labels_out_of_range(self.name, target, y_pred.shape[-1]) from None
+
+
+def labels_out_of_range(name: str, labels: torch.Tensor, classes: int, ignore_index=None) -> ValueError:
+    """The error for class-index labels outside ``0..classes-1`` (``ignore_index`` allowed)."""
+    labels = labels.detach().reshape(-1).cpu()
+    outside = (labels < 0) | (labels >= classes)
+    if ignore_index is not None:
+        outside &= labels != ignore_index
+    bad = labels[outside]
+    seen = f"the label {int(bad[0])}" if bad.numel() else "a label outside that range"
+    low, high = (int(labels.min()), int(labels.max())) if labels.numel() else (0, 0)
+    shift = " (1-based labels? subtract 1)" if bad.numel() and low >= 1 and high == classes else ""
+    return ValueError(
+        f"Labels out of range for the loss {name}: the model outputs {classes} classes, so labels must be "
+        f"0..{classes - 1}; found {seen} (labels from {low} to {high}){shift}. Fix the labels, or give the "
+        f"model's last layer as many outputs as there are classes (the largest label + 1)."
+    )
 
 
 def _classes_second(scores):
@@ -208,7 +231,62 @@ class _TorchModule(Loss):
         self.module.reduction = "none"  # per-example values; the trainer does the reduction
 
     def call(self, y_true, y_pred):
-        return self.module(y_pred, y_true)
+        try:
+            return self.module(y_pred, y_true)
+        except IndexError:
+            if self.accuracy_kind != "sparse_categorical":
+                raise
+            ignore = getattr(self.module, "ignore_index", None)
+            raise labels_out_of_range(self.name, y_true, y_pred.shape[1], ignore) from None
+
+
+def class_count(loss, y_pred: torch.Tensor):
+    """The number of classes ``loss`` reads from ``y_pred`` when it takes class-index labels, else None."""
+    if loss.accuracy_kind != "sparse_categorical" or y_pred.dim() < 2:
+        return None
+    ours = isinstance(loss, SparseCategoricalCrossentropy)  # Keras' layout: classes last
+    return int(y_pred.shape[-1] if ours else y_pred.shape[1])
+
+
+def ignore_index(loss):
+    """The label a class-index loss skips (torch's ``ignore_index``, -100 by default), or None."""
+    if isinstance(loss, _TorchModule):
+        return getattr(loss.module, "ignore_index", None)
+    if isinstance(loss, _TorchFunctional):
+        return -100
+    return None
+
+
+def is_torch_functional_loss(fn) -> bool:
+    """Whether ``fn`` is one of torch's functional losses (``F.cross_entropy``, ``F.mse_loss``...): torch's
+    ``(input, target, ..., reduction=...)`` signature."""
+    if getattr(fn, "__module__", None) != "torch.nn.functional":
+        return False
+    try:
+        parameters = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    return parameters[:2] == ["input", "target"] and "reduction" in parameters
+
+
+class _TorchFunctional(Loss):
+    """One of torch's functional losses, called as torch calls it: ``fn(y_pred, y_true, reduction="none")``."""
+
+    def __init__(self, fn):
+        super().__init__(fn.__name__)
+        self.fn = fn
+        self.accuracy_kind, self.from_logits = _torch_kind(fn)
+
+    def call(self, y_true, y_pred):
+        try:
+            return self.fn(y_pred, y_true, reduction="none")
+        except IndexError:
+            if self.accuracy_kind != "sparse_categorical":
+                raise
+            raise labels_out_of_range(self.name, y_true, y_pred.shape[1], -100) from None
+
+    def __repr__(self) -> str:
+        return f"Loss(torch.nn.functional.{self.name})"
 
 
 _NAMES = {
@@ -241,6 +319,8 @@ def get(identifier) -> Loss:
         return cls()
     if isinstance(identifier, torch.nn.modules.loss._Loss):
         return _TorchModule(identifier)
+    if is_torch_functional_loss(identifier):
+        return _TorchFunctional(identifier)
     if callable(identifier):
         return _Callable(identifier)
     raise TypeError(f"Cannot make a loss from {type(identifier).__name__}: pass a name, a callable or a torch loss.")

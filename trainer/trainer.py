@@ -475,7 +475,7 @@ class Trainer:
         )
         self.history, self.stop_training, self._resume = history, False, None
         self._cursor = cursor = _Cursor(source, distributed, repeat=steps_per_epoch is not None)
-        self._first_batch_structure(first, dm)
+        self._first_batch_structure(first, dm, "fit()", _in_memory_labels(train_data))
         self._callback_list = callback_list
         if self._loaded_callback_states:  # a checkpoint loaded before this fit (load_checkpoint)
             self._restore_callback_states(self._loaded_callback_states)
@@ -575,7 +575,7 @@ class Trainer:
         checked, _ = _first_batch(source, "validation data", "fit()", False)
         return checked if _one_shot(source) else validation_data
 
-    def _first_batch_structure(self, first, dm) -> None:
+    def _first_batch_structure(self, first, dm, caller: str = "fit()", all_labels=None) -> None:
         """Builds the metrics, which need to know whether the model has several outputs, and the shapes of
         each output's labels and predictions (``"accuracy"`` is resolved from them, as in Keras 3).
 
@@ -588,6 +588,9 @@ class Trainer:
             structure = dict.fromkeys(self.loss)
         elif isinstance(self.loss, list):
             structure = [None] * len(self.loss)
+        built_in = self._built_in_loss_step(caller)
+        if first is not None and built_in:
+            self._check_labels_present(first, caller)
         if first is not None and self._probes_outputs():
             x, y, _ = _unpack(first)
             if x is not None and _rows(x) > 0:
@@ -597,6 +600,13 @@ class Trainer:
                     with torch.no_grad():
                         probe = nest.map_structure(lambda t: data_layer.sources._leaf_tensor(t)[:1], x)
                         output = dm.module(_as_dtype(probe, self._float_dtype))
+                except (TypeError, AttributeError) as error:
+                    if not isinstance(x, Mapping):
+                        raise
+                    raise TypeError(
+                        f"The model cannot take the inputs of the first batch of {caller}: {_describe(x)} "
+                        f"({type(error).__name__}: {error}). {_structures(caller)}"
+                    ) from None
                 finally:
                     dm.module.train(was_training)
                 if structure is None:
@@ -604,7 +614,62 @@ class Trainer:
                 if y is not None:
                     labels = nest.map_structure(lambda t: data_layer.sources._leaf_tensor(t)[:1], y)
                     labels = _as_dtype(labels, self._float_dtype)
+                    if built_in and structure is None:
+                        whole = all_labels if all_labels is not None else y
+                        self._check_loss_on_first_batch(whole, labels, output, caller)
         self._prepare_metrics(structure, labels, output)
+
+    def _built_in_loss_step(self, caller: str) -> bool:
+        """Whether the step that ``caller`` runs is the built-in one with the built-in ``compute_loss`` (only
+        then do batches have to be ``x``, ``(x, y)`` or ``(x, y, sample_weight)`` and meet ``loss``)."""
+        step = "test_step" if caller.startswith("evaluate") else "train_step"
+        cls = type(self)
+        return getattr(cls, step) is getattr(Trainer, step) and cls.compute_loss is Trainer.compute_loss
+
+    def _check_labels_present(self, first, caller: str) -> None:
+        """A loss that needs labels, batches without: say which structures are understood and what arrived."""
+        _, y, _ = _unpack(first)
+        if y is not None or not _needs_labels(self.loss):
+            return
+        named = [k for k in first if str(k).lower() in _LABEL_KEYS] if isinstance(first, Mapping) else []
+        hint = (
+            f" The labels look like they are in the dict under {named[0]!r}: yield (inputs, batch[{named[0]!r}])."
+            if named
+            else ""
+        )
+        raise ValueError(
+            f"{caller} got batches without labels: the first batch is {_describe(first)}, which is taken as the "
+            f"model's inputs x alone, and the loss {_loss_name(self.loss)} needs labels.{hint} {_structures(caller)}"
+        )
+
+    def _check_loss_on_first_batch(self, y, labels, output, caller: str) -> None:
+        """The loss on one example of the first batch, before any replica runs: labels out of range for a
+        class-index loss (``y``: every label of in-memory data, else the first batch's), and a callable in
+        torch's ``(input, target)`` order, are said here with the fix."""
+        loss = self.loss
+        if not isinstance(output, torch.Tensor) or not isinstance(labels, torch.Tensor):
+            return
+        classes = losses.class_count(loss, output)
+        if classes is not None:
+            target = data_layer.sources._leaf_tensor(y) if not isinstance(y, (Mapping, tuple, list)) else None
+            if target is not None and not target.is_floating_point() and target.numel():
+                ignore = losses.ignore_index(loss)
+                outside = ((target < 0) | (target >= classes)) & (target != ignore)
+                if bool(outside.any()):
+                    raise losses.labels_out_of_range(_loss_name(loss), target, classes, ignore)
+        try:
+            loss(labels, output)
+        except Exception as error:  # noqa: BLE001 - diagnosed below, else raised as it is
+            fn = getattr(loss, "fn", None)
+            if fn is None or not _works(fn, output, labels):
+                raise
+            raise ValueError(
+                f"The loss {_loss_name(loss)} takes its arguments in torch's order (input, target): replicafit "
+                f"calls loss(y_true, y_pred), as Keras does, and it failed on the first batch of {caller} "
+                f"({type(error).__name__}: {error}). Pass loss=lambda y_true, y_pred: {_call_name(fn)}"
+                f"(y_pred, y_true), or a torch loss module (torch.nn.CrossEntropyLoss()), which is called in "
+                "torch's order."
+            ) from None
 
     # --- evaluate / predict ----------------------------------------------------------------------
     def evaluate(
@@ -630,7 +695,7 @@ class Trainer:
             source, first = _first_batch(source, "evaluation data", "evaluate()", self._probes_outputs())
         dm = self._distribute(model) if not _fitting else self._distributed
         if not _fitting:
-            self._first_batch_structure(first, dm)
+            self._first_batch_structure(first, dm, "evaluate()", _in_memory_labels(dataset))
         saved = None
         if _fitting:  # validation must not disturb the training accumulators
             saved = {m.name: m.state_dict() for m in self._all_metrics()}
@@ -1079,6 +1144,66 @@ def _part(structure, per_output, name):
         return per_output(structure, name) if isinstance(structure, (Mapping, tuple, list)) else None
     except (KeyError, IndexError, ValueError, TypeError):
         return None
+
+
+def _structures(caller: str) -> str:
+    """Which batch structures the built-in steps understand, and the fix, for ``caller`` ("fit()")."""
+    return (
+        "Batches are understood as x, (x, y) or (x, y, sample_weight) (tuples or lists); a dict is the "
+        "model's inputs x, as in Keras (its keys are the model's input names): pass "
+        f"{caller.removesuffix('()')}(model, (x, y)), or a DataLoader that yields (inputs, labels)."
+    )
+
+
+_LABEL_KEYS = {"y", "label", "labels", "target", "targets"}
+
+
+def _describe(value) -> str:
+    """What a batch (or part) is, briefly: "a Tensor of shape [64, 8]", "a dict with keys ['a', 'b']"."""
+    if isinstance(value, Mapping):
+        return f"a dict with keys {list(value)}"
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        parts = ", ".join(_describe(v).removeprefix("a ").removeprefix("an ") for v in value)
+        return f"a {type(value).__name__} of {len(value)} ({parts})"
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return f"a {type(value).__name__} of shape {list(shape)}"
+    return f"a {type(value).__name__}"
+
+
+def _loss_name(loss) -> str:
+    if isinstance(loss, (Mapping, list)):
+        return "given per output"
+    return getattr(loss, "name", type(loss).__name__)
+
+
+def _in_memory_labels(data):
+    """The labels of ``(x, y[, w])`` arrays or tensors (checked whole at the entry), else None."""
+    if isinstance(data, (tuple, list)) and len(data) in (2, 3) and isinstance(data[1], (np.ndarray, torch.Tensor)):
+        return data[1]
+    return None
+
+
+def _call_name(fn) -> str:
+    name = getattr(fn, "__name__", "")
+    return name if name.isidentifier() else "your_loss"
+
+
+def _needs_labels(loss) -> bool:
+    """Whether ``loss`` certainly needs labels (a built-in or torch loss; a callable of one's own may not)."""
+    if isinstance(loss, Mapping):
+        return any(_needs_labels(v) for v in loss.values())
+    if isinstance(loss, list):
+        return any(_needs_labels(v) for v in loss)
+    return not isinstance(loss, losses._Callable)
+
+
+def _works(fn, *args) -> bool:
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - only whether it works is asked
+        return False
+    return True
 
 
 def _first_batch(source, what: str, caller: str, want_batch: bool):

@@ -189,7 +189,7 @@ def test_fit_run_directory(tmp_path, capsys, monkeypatch):
     )
     assert status == 0, err
     assert "Traceback" not in err
-    assert sorted(p.name for p in run_dir.iterdir()) >= ["checkpoints", "history.csv", "metrics.json", "recipe.yaml"]
+    assert {p.name for p in run_dir.iterdir()} >= {"checkpoints", "history.csv", "metrics.json", "recipe.yaml"}
 
     saved = yaml.safe_load((run_dir / "recipe.yaml").read_text())
     assert saved["fit"] == {"epochs": 2, "verbose": 0}
@@ -406,7 +406,8 @@ def test_predict_default_output(trained, tmp_path, capsys, monkeypatch):
         capsys, "predict", RECIPES / "digits_onedevice.yaml", "--checkpoint", trained / "checkpoints" / "last.pt"
     )
     assert status == 0, err
-    assert np.load(tmp_path / "predictions.npy").shape == (359, 10)
+    assert np.load(trained / "predictions.npy").shape == (359, 10)  # the checkpoint's run directory
+    assert not (tmp_path / "predictions.npy").exists()
 
 
 # --- plot ---------------------------------------------------------------------------------------

@@ -89,3 +89,138 @@ def test_float64_inputs_train_as_the_models_float32(strategy):
         assert got[0] == expected[0]
         assert all(torch.equal(a, b) for a, b in zip(got[1], expected[1]))
         assert got[2].dtype == torch.float32 and torch.equal(got[2], expected[2])
+
+
+# --- the first batch meets the loss: checked once, at the entry ---------------------------------------------------
+
+STRUCTURES = r"Batches are understood as x, \(x, y\) or \(x, y, sample_weight\)"
+
+
+@pytest.mark.parametrize("strategy", ["default", "mirrored2"], indirect=True)
+@pytest.mark.parametrize("method", ["fit", "evaluate"])
+def test_batches_without_labels_say_which_structures_are_understood(strategy, method):
+    trainer = Trainer(strategy=strategy, loss="cross_entropy")
+    call = getattr(trainer, method)
+    with pytest.raises(
+        ValueError,
+        match=rf"{method}\(\) got batches without labels: the first batch is a Tensor of "
+        rf"shape \[8, 4\].*{STRUCTURES}.*pass {method}\(model, \(x, y\)\)",
+    ) as info:
+        call(torch.nn.Linear(4, 2), X, batch_size=8, verbose=0)
+    assert no_replica_frames(info)
+
+
+def test_a_dataloader_of_dicts_is_told_where_its_labels_are():
+    rows = [{"image": torch.randn(4), "label": int(Y[i])} for i in range(16)]
+    loader = torch.utils.data.DataLoader(rows, batch_size=8)
+    with pytest.raises(
+        ValueError,
+        match=r"a dict with keys \['image', 'label'\].*under 'label': yield "
+        r"\(inputs, batch\['label'\]\)",
+    ) as info:
+        Trainer(strategy=make_strategy("mirrored2")).fit(torch.nn.Linear(4, 2), loader, verbose=0)
+    assert no_replica_frames(info)
+
+
+class _DictModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+
+    def forward(self, inputs):
+        return self.a(inputs["a"]) + self.b(inputs["b"])
+
+
+def test_a_dict_of_inputs_with_labels_trains_and_a_model_that_cannot_take_it_is_told_why():
+    history = Trainer(loss="cross_entropy").fit(_DictModel(), ({"a": X, "b": X}, Y), batch_size=8, verbose=0)
+    assert len(history.history["loss"]) == 1
+    with pytest.raises(
+        TypeError,
+        match=r"The model cannot take the inputs of the first batch of fit\(\): a dict "
+        rf"with keys \['a', 'b'\].*{STRUCTURES}",
+    ) as info:
+        Trainer().fit(torch.nn.Linear(4, 2), ({"a": X, "b": X}, Y), batch_size=8, verbose=0)
+    assert no_replica_frames(info)
+
+
+def test_a_loss_of_ones_own_may_go_without_labels():
+    # a callable may ignore y (an autoencoder's or a regulariser's loss): no labels is no error there
+    history = Trainer(loss=lambda y, p: p.pow(2).mean(dim=1), optimizer="sgd").fit(
+        torch.nn.Linear(4, 2), X, batch_size=8, verbose=0
+    )
+    assert history.history["loss"][0] > 0
+
+
+def _torch_order_loss(input, target):
+    return torch.nn.functional.cross_entropy(input, target, reduction="none")
+
+
+@pytest.mark.parametrize("strategy", ["default", "mirrored2"], indirect=True)
+def test_a_callable_loss_in_torchs_order_is_detected_on_the_first_batch(strategy):
+    with pytest.raises(
+        ValueError,
+        match=r"The loss _torch_order_loss takes its arguments in torch's order "
+        r"\(input, target\).*Pass loss=lambda y_true, y_pred: _torch_order_loss\(y_pred, y_true\)",
+    ) as info:
+        Trainer(strategy=strategy, loss=_torch_order_loss).fit(torch.nn.Linear(4, 2), (X, Y), batch_size=8, verbose=0)
+    assert no_replica_frames(info)
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [torch.nn.functional.cross_entropy, torch.nn.CrossEntropyLoss(), "cross_entropy"],
+    ids=["F.cross_entropy", "nn.CrossEntropyLoss", "built-in"],
+)
+def test_torchs_functional_losses_are_called_in_torchs_order(loss):
+    def run(loss):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        return Trainer(loss=loss, optimizer="sgd", seed=0).fit(model, (X, Y), batch_size=8, epochs=2, verbose=0)
+
+    assert run(loss).history == run("cross_entropy").history
+
+
+@pytest.mark.parametrize("strategy", ["default", "mirrored2"], indirect=True)
+@pytest.mark.parametrize(
+    "loss, found",
+    [
+        ("cross_entropy", r"found the label 2 \(labels from 0 to 2\)"),
+        (torch.nn.CrossEntropyLoss(), r"found the label 2"),
+        (torch.nn.functional.cross_entropy, r"found the label 2"),
+    ],
+    ids=["built-in", "nn.CrossEntropyLoss", "F.cross_entropy"],
+)
+def test_labels_out_of_range_say_the_classes_and_the_label(strategy, loss, found):
+    labels = Y.copy()
+    labels[3] = 2  # a model of 2 classes
+    name = r"\w+"
+    with pytest.raises(
+        ValueError,
+        match=rf"Labels out of range for the loss {name}: the model outputs 2 classes, so "
+        rf"labels must be 0..1; {found}",
+    ) as info:
+        Trainer(strategy=strategy, loss=loss).fit(torch.nn.Linear(4, 2), (X, labels), batch_size=8, verbose=0)
+    assert no_replica_frames(info)
+
+
+def test_one_based_labels_get_the_hint_and_later_batches_are_caught_too():
+    with pytest.raises(ValueError, match=r"found the label 2 \(labels from 1 to 2\) \(1-based labels\? subtract 1\)"):
+        Trainer().fit(torch.nn.Linear(4, 2), (X, Y + 1), batch_size=8, verbose=0)
+    labels = Y.copy()
+    labels[-1] = 7  # in the last batch only: arrays are checked whole at the entry
+    with pytest.raises(
+        ValueError, match=r"the model outputs 2 classes, so labels must be 0..1; found the label 7"
+    ) as info:
+        Trainer(strategy=make_strategy("mirrored2")).fit(torch.nn.Linear(4, 2), (X, labels), batch_size=8, verbose=0)
+    assert no_replica_frames(info)
+    # a DataLoader's later batch: the loss says it when it meets it (inside the step)
+    loader = torch.utils.data.DataLoader(list(zip(torch.from_numpy(X), torch.from_numpy(labels))), batch_size=8)
+    with pytest.raises(ValueError, match=r"the model outputs 2 classes, so labels must be 0..1; found the label 7"):
+        Trainer(strategy=make_strategy("mirrored2")).fit(torch.nn.Linear(4, 2), loader, verbose=0)
+
+
+def test_torchs_ignore_index_is_not_out_of_range():
+    labels = Y.copy()
+    labels[0] = -100
+    history = Trainer(loss=torch.nn.CrossEntropyLoss()).fit(torch.nn.Linear(4, 2), (X, labels), batch_size=8, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
