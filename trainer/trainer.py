@@ -654,7 +654,9 @@ class Trainer:
             target = data_layer.sources._leaf_tensor(y) if not isinstance(y, (Mapping, tuple, list)) else None
             if target is not None and not target.is_floating_point() and target.numel():
                 ignore = losses.ignore_index(loss)
-                outside = ((target < 0) | (target >= classes)) & (target != ignore)
+                outside = (target < 0) | (target >= classes)
+                if ignore is not None:
+                    outside &= target != ignore
                 if bool(outside.any()):
                     raise losses.labels_out_of_range(_loss_name(loss), target, classes, ignore)
         try:
