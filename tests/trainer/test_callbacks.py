@@ -325,7 +325,8 @@ def test_model_checkpoint_save_best_only_single_file_holds_best_epoch(tmp_path):
 def test_model_checkpoint_missing_monitor_saves_nothing(tmp_path):
     x, y = make_data(16)
     checkpoint = ModelCheckpoint(str(tmp_path / "c-{epoch}.pt"), monitor="val_loss", save_best_only=True)
-    make_trainer().fit(make_model(), (x, y), batch_size=8, epochs=2, callbacks=[checkpoint], verbose=0)
+    with pytest.warns(UserWarning, match="monitors 'val_loss', which is not in the logs"):
+        make_trainer().fit(make_model(), (x, y), batch_size=8, epochs=2, callbacks=[checkpoint], verbose=0)
     assert os.listdir(tmp_path) == []
 
 
