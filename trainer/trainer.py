@@ -662,7 +662,7 @@ class Trainer:
         try:
             loss(labels, output)
         except Exception as error:  # noqa: BLE001 - diagnosed below, else raised as it is
-            fn = getattr(loss, "fn", None)
+            fn = loss.fn if isinstance(loss, losses._Callable) else None  # a callable of one's own
             if fn is None or not _works(fn, output, labels):
                 raise
             raise ValueError(
