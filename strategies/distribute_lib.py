@@ -265,8 +265,8 @@ class StrategyExtended:
 
     def _call_for_each_replica(self, fn, args, kwargs, timeout=None):
         streams = self._replica_streams
-        if streams is not None and not streams.seeded:
-            streams.ensure_seeded()
+        if streams is not None:
+            streams.ensure_seeded()  # the first call only
         if self._runner is None:
             if args:
                 args = select_replica(0, args)

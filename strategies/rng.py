@@ -90,6 +90,16 @@ def _accelerator_generator(device: torch.device):
     return None
 
 
+def _seeded_state(generator, value: int) -> torch.Tensor:
+    """The state ``generator`` (a GPU's default one) would have if seeded with ``value``; it is left as it was."""
+    saved = generator.get_state()
+    try:
+        generator.manual_seed(value)
+        return generator.get_state()
+    finally:
+        generator.set_state(saved)
+
+
 class ReplicaStreams:
     """The random streams of one worker's replicas (``strategy.extended._replica_streams``).
 
@@ -108,22 +118,12 @@ class ReplicaStreams:
         self._gpu: list | None = None  # per local replica: its GPU generator's state (or None)
         self._lock = threading.Lock()
 
-    @property
-    def seeded(self) -> bool:
-        return self._cpu is not None
-
     def seed(self, seed: int, salt: tuple = ()) -> None:
         cpu, gpu = [], []
         for r, generator in enumerate(self._accelerators):
             value = replica_seed(seed, self._first + r, *salt)
             cpu.append(torch.Generator().manual_seed(value).get_state())
-            if generator is None:
-                gpu.append(None)
-            else:
-                saved = generator.get_state()
-                generator.manual_seed(value)
-                gpu.append(generator.get_state())
-                generator.set_state(saved)
+            gpu.append(None if generator is None else _seeded_state(generator, value))
         self._cpu, self._gpu, self.base_seed = cpu, gpu, seed
 
     def ensure_seeded(self) -> None:
@@ -212,10 +212,7 @@ class ReplicaStreams:
             elif saved_gpu[r] is not None:
                 gpu.append(saved_gpu[r].clone())
             else:  # saved from a CPU replica: a GPU stream of its own from the same seed
-                saved = generator.get_state()
-                generator.manual_seed(replica_seed(int(state["seed"]), self._first + r))
-                gpu.append(generator.get_state())
-                generator.set_state(saved)
+                gpu.append(_seeded_state(generator, replica_seed(int(state["seed"]), self._first + r)))
         self._gpu = gpu
         self.base_seed = state["seed"]
 

@@ -23,20 +23,24 @@ def _same_run(expected: dict, got: dict, what: str) -> None:
     assert got["iterations"] == expected["iterations"], what
 
 
+def _mirrored_with_data_seed(data_seed, **settings) -> dict:
+    """``fit_run`` under Mirrored(2), its seedless data seed the one the workers agreed on."""
+    import replicafit.trainer.trainer as trainer_module
+
+    draw = trainer_module.random.randrange
+    trainer_module.random.randrange = lambda n: data_seed
+    try:
+        return scenarios.fit_run(ds.MirroredStrategy(["cpu:0", "cpu:1"]), **settings)
+    finally:
+        trainer_module.random.randrange = draw
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("seed", [None, 5])
 def test_fit_on_two_workers_equals_mirrored_two(seed):
     workers = results(run_workers(SCENARIOS, "fit", 2, timeout=90, kwargs={"seed": seed}))
     assert workers[0]["data_seed"] == workers[1]["data_seed"]  # drawn by the chief when seed is None
-    mirrored = ds.MirroredStrategy(["cpu:0", "cpu:1"])
-    import replicafit.trainer.trainer as trainer_module
-
-    draw = trainer_module.random.randrange
-    trainer_module.random.randrange = lambda n: workers[0]["data_seed"]
-    try:
-        expected = scenarios.fit_run(mirrored, init_seed=100, seed=seed)  # worker 0's initial weights
-    finally:
-        trainer_module.random.randrange = draw
+    expected = _mirrored_with_data_seed(workers[0]["data_seed"], init_seed=100, seed=seed)  # worker 0's weights
     for worker, got in enumerate(workers):
         _same_run(expected, got, f"worker {worker}")
 
@@ -47,14 +51,7 @@ def test_dropout_on_two_workers_equals_mirrored_two(seed):
     """Global replica ids: worker w's replica draws the masks of Mirrored(2)'s replica w (not the same masks
     on both workers, as one seed per process would give)."""
     workers = results(run_workers(SCENARIOS, "dropout", 2, timeout=90, kwargs={"seed": seed}))
-    import replicafit.trainer.trainer as trainer_module
-
-    draw = trainer_module.random.randrange
-    trainer_module.random.randrange = lambda n: workers[0]["data_seed"]
-    try:
-        expected = scenarios.fit_run(ds.MirroredStrategy(["cpu:0", "cpu:1"]), init_seed=100, seed=seed, dropout=0.3)
-    finally:
-        trainer_module.random.randrange = draw
+    expected = _mirrored_with_data_seed(workers[0]["data_seed"], init_seed=100, seed=seed, dropout=0.3)
     for worker, got in enumerate(workers):
         _same_run(expected, got, f"worker {worker}")
 
