@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -292,6 +293,13 @@ def _free_port() -> int:
 def launch(args, argv) -> list:
     """Starts the 2 workers (fresh interpreters), waits at most ``--timeout`` s, ends any left by pid."""
     port, outdir = _free_port(), tempfile.mkdtemp(prefix="rf-bench-mw-")
+    try:
+        return _launch_in(outdir, port, args, argv)
+    finally:
+        shutil.rmtree(outdir, ignore_errors=True)
+
+
+def _launch_in(outdir, port, args, argv) -> list:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen(

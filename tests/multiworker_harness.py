@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,6 +40,13 @@ def run_workers(path, name, num_workers, *, timeout=60.0, kwargs=None, grace=5.0
     """Each worker's outcome (see the module docstring); raises ``TimeoutError`` past ``timeout``."""
     port = free_port()
     outdir = tempfile.mkdtemp(prefix="rf-mw-")
+    try:
+        return _run_in(outdir, path, name, num_workers, port, timeout, kwargs, grace, env)
+    finally:
+        shutil.rmtree(outdir, ignore_errors=True)  # the specs and outcomes are read: leave nothing behind
+
+
+def _run_in(outdir, path, name, num_workers, port, timeout, kwargs, grace, env) -> list:
     procs = []
     child_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     for rank in range(num_workers):

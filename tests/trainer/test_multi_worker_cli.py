@@ -102,7 +102,8 @@ def test_without_restarts_a_killed_worker_fails_the_launch(tmp_path):
 @pytest.mark.timeout(180)
 def test_the_same_recipe_runs_unchanged_under_torchrun(two_workers, tmp_path):
     run_dir = tmp_path / "torchrun"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # TMPDIR: torchrun's agent leaves a torchelastic_* log folder in the temporary folder; keep it in tmp_path.
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
         + ["-m", "replicafit", "fit", "digits_mlp", *SHORT, *MULTI, "--run-dir", str(run_dir)],
