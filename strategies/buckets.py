@@ -13,9 +13,12 @@ order** (bucket *i* only after *i - 1*). ``reduce`` (called by ``batch_reduce_to
 
 1. starts, from the gradients it is given, every bucket that backward did not start (an unused
    parameter, an empty replica that ran no backward), in bucket order; the last bucket always
-   starts here and carries one more element: whether this worker was given, for a bucket started
-   during backward, anything other than the gradients that backward produced (a gradient the
-   user transformed, in place or not);
+   starts here. With several buckets every worker also says whether it was given, for a bucket
+   started during backward, anything other than the gradients that backward produced (a gradient
+   the user transformed, in place or not): on CPU buckets that flag is one more element of the last
+   bucket (read back for free); on an accelerator reading it back would make the host wait for the
+   device every step, so the flags are summed on the host (the control group, started before the
+   buckets are waited for: one small gloo all-reduce per step, no device synchronisation);
 2. waits for every bucket, in order;
 3. if any worker set that flag, every worker reduces every bucket again from the given values
    (so the collective sequence is the same on every worker whatever ran locally);
@@ -41,6 +44,12 @@ __all__ = ["GradientBuckets"]
 
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket: small, so communication starts early
 DEFAULT_BUCKET_BYTES = 25 << 20  # DDP's bucket_cap_mb
+
+
+def reading_back_waits(device: torch.device) -> bool:
+    """Whether reading a value on ``device`` from the host makes the host wait for the device's queued
+    work (every device but the CPU): such values are not read back in a step."""
+    return device.type != "cpu"
 
 
 class _Bucket:
@@ -69,6 +78,10 @@ class GradientBuckets:
         buckets.remove()
     """
 
+    #: Where the "transformed" flags are summed: ``None`` picks by device (in the last bucket on CPU,
+    #: on the host elsewhere); ``True`` forces the host (the tests exercise that path on CPU).
+    flag_on_host: bool | None = None
+
     def __init__(self, collective, variables, local_count: int, bucket_bytes: int = 0):
         self._collective = collective
         self.variables = list(variables)
@@ -92,9 +105,12 @@ class GradientBuckets:
             current.members.append(index)
             size += nbytes
         last = len(self._buckets) - 1
+        host = self.flag_on_host if self.flag_on_host is not None else reading_back_waits(self._buckets[-1].device)
+        # With one bucket nothing starts during backward: there is nothing to agree on.
+        self._flag = None if last == 0 else "host" if host else "bucket"
         for number, bucket in enumerate(self._buckets):
             numels = [self._tensors[i][0].numel() for i in bucket.members]
-            extra = 1 if number == last else 0  # the last bucket carries the "transformed" flag
+            extra = 1 if number == last and self._flag == "bucket" else 0  # the "transformed" flag
             bucket.buffer = torch.zeros(sum(numels) + extra, dtype=bucket.dtype, device=bucket.device)
             pieces = bucket.buffer.split(numels + ([1] if extra else []))
             bucket.views = [p.view(self._tensors[i][0].shape) for p, i in zip(pieces, bucket.members)]
@@ -202,18 +218,26 @@ class GradientBuckets:
                         g = given[index][replica]
                         if g is not self._grads[replica][index] or g._version != self._versions[replica][index]:
                             transformed = 1
+            agreed = None
+            if self._flag == "host":
+                agreed = self._collective.start_sum_ints(
+                    [transformed], "gradient buckets (agreeing on transformed gradients)", group="control"
+                )
             last = len(self._buckets) - 1
             for number in range(self._next, len(self._buckets)):
                 bucket = self._buckets[number]
                 self._fill(bucket, [[given[i][r] for i in bucket.members] for r in range(self._count)])
-                if number == last:
+                if number == last and self._flag == "bucket":
                     bucket.buffer[-1] = transformed
                 bucket.work = self._collective.start_all_reduce(bucket.buffer, f"gradient bucket {number}")
             self._next = len(self._buckets)
         for number, bucket in enumerate(self._buckets):
             self._collective.wait_work(bucket.work, f"gradient bucket {number}")
             bucket.work = None
-        self.redone = len(self._buckets) > 1 and float(self._buckets[-1].buffer[-1]) > 0
+        if self._flag == "bucket":
+            self.redone = float(self._buckets[-1].buffer[-1]) > 0  # a CPU buffer: no synchronisation
+        else:
+            self.redone = agreed is not None and agreed()[0] > 0
         if self.redone:
             # Some worker was given other gradients than backward produced: every worker reduces
             # every bucket again from the given values (the same sequence everywhere).

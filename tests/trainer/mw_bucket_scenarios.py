@@ -54,7 +54,8 @@ def _counting():
     return started
 
 
-def fit(rank, num_workers, port, overlap=True, bytes_per_pack=2048, unused=False, local=1):
+def fit(rank, num_workers, port, overlap=True, bytes_per_pack=2048, unused=False, local=1, flag_on_host=None):
+    GradientBuckets.flag_on_host = flag_on_host
     started = _counting()
     strategy = strategy_for(rank, num_workers, port, local, bytes_per_pack, overlap)
     torch.manual_seed(0)
@@ -69,8 +70,9 @@ def fit(rank, num_workers, port, overlap=True, bytes_per_pack=2048, unused=False
     }
 
 
-def transformed(rank, num_workers, port, overlap=True, scale_on=(1,)):
+def transformed(rank, num_workers, port, overlap=True, scale_on=(1,), flag_on_host=None):
     """A step that changes its gradients after backward (in place, on some workers only)."""
+    GradientBuckets.flag_on_host = flag_on_host
     strategy = strategy_for(rank, num_workers, port, 1, 2048, overlap)
     torch.manual_seed(0)
     model = Branchy(False)
@@ -93,5 +95,8 @@ def transformed(rank, num_workers, port, overlap=True, scale_on=(1,)):
         with strategy.extended._overlap_gradients(variables):
             strategy.run(step)
         redone.append(strategy.extended._grad_buckets.redone)
+    buckets = strategy.extended._grad_buckets
+    reduced = sum(b.buffer.numel() for b in buckets._buckets)  # with the flag element when it rides in a bucket
     strategy.extended._release_gradient_buckets()
-    return {"weights": {k: v.clone() for k, v in model.state_dict().items()}, "redone": redone}
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    return {"weights": weights, "redone": redone, "extra": reduced - sum(w.numel() for w in weights.values())}

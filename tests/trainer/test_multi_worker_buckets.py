@@ -8,6 +8,8 @@ import pytest
 import torch
 from multiworker_harness import results, run_workers
 
+from replicafit.strategies.buckets import reading_back_waits
+
 SCENARIOS = scenarios.__file__
 
 
@@ -25,6 +27,7 @@ def _same(a: dict, b: dict, what: str) -> None:
         (3, {}),
         (2, {"unused": True}),  # a parameter without gradient: its bucket starts in batch_reduce_to
         (2, {"local": 2}),  # two replicas per worker, summed in replica order into each bucket
+        (2, {"flag_on_host": True}),  # the accelerators' way of agreeing on transformed gradients
     ],
 )
 def test_buckets_started_during_backward_equal_reducing_after_backward(workers, kwargs):
@@ -45,11 +48,13 @@ def test_buckets_started_during_backward_equal_reducing_after_backward(workers, 
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("flag_on_host", [False, True], ids=["flag-in-bucket", "flag-on-host"])
 @pytest.mark.parametrize("scale_on", [(1,), (0, 1), ()])
-def test_gradients_changed_after_backward_are_the_ones_reduced(scale_on):
-    overlapped = results(
-        run_workers(SCENARIOS, "transformed", 2, timeout=90, kwargs={"overlap": True, "scale_on": scale_on})
-    )
+def test_gradients_changed_after_backward_are_the_ones_reduced(scale_on, flag_on_host):
+    # flag-on-host: how buckets on an accelerator agree (summing the flags on the host instead of
+    # reading a device buffer back, which would make the host wait for the device every step).
+    kwargs = {"overlap": True, "scale_on": scale_on, "flag_on_host": flag_on_host}
+    overlapped = results(run_workers(SCENARIOS, "transformed", 2, timeout=90, kwargs=kwargs))
     after = results(
         run_workers(SCENARIOS, "transformed", 2, timeout=90, kwargs={"overlap": False, "scale_on": scale_on})
     )
@@ -58,3 +63,10 @@ def test_gradients_changed_after_backward_are_the_ones_reduced(scale_on):
             assert torch.equal(overlapped[rank]["weights"][key], value), key
         # one worker changing its gradients makes every worker reduce again (the same collectives)
         assert overlapped[rank]["redone"] == [bool(scale_on)] * 3
+        assert overlapped[rank]["extra"] == (0 if flag_on_host else 1)  # the flag element, only in a CPU bucket
+
+
+def test_buckets_on_an_accelerator_agree_on_the_host():
+    # Reading the flag back from a CUDA bucket would make the host wait for the GPU every step.
+    assert reading_back_waits(torch.device("cuda", 0)) and reading_back_waits(torch.device("mps"))
+    assert not reading_back_waits(torch.device("cpu"))
