@@ -187,6 +187,7 @@ class Optimizer:
         self._slot_names: dict = {}  # id(container) -> [slot names]
         self._pending: state_format.PendingState | None = None  # loaded, for variables not built yet
         self._plans: dict = {}  # multi-tensor plans per variable list
+        self._known_updates: tuple | None = None  # the host's copy of ``iterations`` (``_updates_so_far``)
         self._wrapped: dict = {}  # id(raw tensor) -> (tensor, LocalVariable) for plain parameters
         self._last_resolved = None  # (the variables last given to apply_gradients, their containers)
         self._window: GradientWindow | None = None  # the open accumulation window
@@ -217,7 +218,7 @@ class Optimizer:
     def _current_learning_rate(self) -> float:
         rate = self._learning_rate
         if callable(rate):
-            step = int(self.iterations)
+            step = self._updates_so_far()
             return state_format.check_learning_rate(float(rate(step)), f"learning_rate (the schedule at step {step})")
         return rate
 
@@ -597,7 +598,7 @@ class Optimizer:
         primaries = grads if plain else [_first_tensor(g) for g in grads]
         prepared = self._prepared(primaries, divisor)
         if prepared is None:  # a loss-scaled step with infinities or NaNs: skipped, but counted
-            _count_update(self.iterations)
+            self._count()
             return self.iterations
         transformed = self._transform(prepared, variables)
         if transformed is not primaries:  # one value per variable now: each copy gets it below
@@ -623,14 +624,34 @@ class Optimizer:
                     args=(grad, learning_rate, None if id(variable) in no_decay else decay, ema),
                     group=False,
                 )
-        _count_update(self.iterations)
+        self._count()
         return self.iterations
+
+    def _updates_so_far(self) -> int:
+        """``int(self.iterations)`` without reading the counter back every step (on an accelerator each
+        read would make the host wait for the device): a host copy kept current by ``_count``, valid while
+        the counter's tensors are the ones it saw at the version it left them; any other write
+        (``assign``, ``load_state_dict``) is read back once."""
+        key = _counter_key(self.iterations)
+        known = self._known_updates
+        if known is not None and known[1] == key[1]:
+            return known[2]
+        count = int(self.iterations)
+        self._known_updates = (*key, count)
+        return count
+
+    def _count(self) -> None:
+        """``iterations += 1`` for one update (or a skipped loss-scaled step), the host copy too."""
+        known = self._known_updates
+        current = known is not None and known[1] == _counter_key(self.iterations)[1]
+        _count_update(self.iterations)
+        self._known_updates = (*_counter_key(self.iterations), known[2] + 1) if current else None
 
     def _ema_step(self) -> tuple | None:
         """``(momentum, overwrite)`` of this update's moving averages (Keras 3's rule), or None without EMA."""
         if not self.use_ema:
             return None
-        step = int(self.iterations)  # before this update counts
+        step = self._updates_so_far()  # before this update counts
         momentum = self.ema_momentum if step else 0.0  # the first update: average = variable
         frequency = self.ema_overwrite_frequency
         return momentum, bool(frequency) and (step + 1) % frequency == 0
@@ -1007,6 +1028,13 @@ class _no_grad:  # noqa: N801 - torch.no_grad without its decorator machinery (a
 
     def __exit__(self, *exc):
         torch._C._set_grad_enabled(self.previous)
+
+
+def _counter_key(iterations) -> tuple:
+    """``(tensors, (id, version) of each)``: changes with any write to the counter's tensors (and holding
+    them keeps their ids from being reused)."""
+    tensors = iterations._component_tensors()
+    return tensors, tuple((id(t), t._version) for t in tensors)
 
 
 def _count_update(iterations) -> None:

@@ -107,7 +107,7 @@ class TorchOptimizer(Optimizer):
         primaries = [g if type(g) is torch.Tensor else local_results(g)[0] for g in grads]
         prepared = self._prepared(primaries, divisor)
         if prepared is None:  # a loss-scaled step with infinities or NaNs: skipped, but counted
-            self.iterations.assign_add(1)
+            self._count()
             return self.iterations
         transformed = self._transform(prepared, variables)
         grads = [strategy.extended.broadcast_to(g, v) for g, v in zip(transformed, variables)]
@@ -132,7 +132,7 @@ class TorchOptimizer(Optimizer):
             if ema is not None:
                 self._update_averages(variables, ema)
         strategy.extended._after_direct_update(variables)
-        self.iterations.assign_add(1)
+        self._count()
         return self.iterations
 
     def _update_averages(self, variables, ema) -> None:

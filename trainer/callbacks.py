@@ -797,6 +797,12 @@ class BackupAndRestore(_Periodic):
             os.unlink(self.path)
 
 
+def _updates(optimizer) -> int:
+    """The optimizer's update count, from its host copy where it keeps one (no read from the device)."""
+    count = getattr(optimizer, "_updates_so_far", None)
+    return count() if count is not None else int(optimizer.iterations)
+
+
 class TorchLRScheduler(Callback):
     """Drives the learning rate with any ``torch.optim.lr_scheduler`` scheduler, per step or per epoch.
 
@@ -947,7 +953,7 @@ class TorchLRScheduler(Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._accumulating():  # only a step that completes a window is an update
-            self._updates = int(self._optimizer().iterations)
+            self._updates = _updates(self._optimizer())
 
     def on_train_batch_end(self, batch, logs=None):
         if self.interval != "step":
@@ -955,7 +961,7 @@ class TorchLRScheduler(Callback):
         optimizer = self._optimizer()
         self._used = float(optimizer.learning_rate)
         if self._accumulating():
-            updates = int(optimizer.iterations)
+            updates = _updates(optimizer)
             if updates == self._updates:
                 return
             self._updates = updates
@@ -966,8 +972,8 @@ class TorchLRScheduler(Callback):
         if self.interval == "epoch":
             self._used = float(optimizer.learning_rate)
             self._step(logs)
-        elif self._accumulating() and self._updates is not None and int(optimizer.iterations) != self._updates:
-            self._updates = int(optimizer.iterations)  # the epoch's partial window was one more update
+        elif self._accumulating() and self._updates is not None and _updates(optimizer) != self._updates:
+            self._updates = _updates(optimizer)  # the epoch's partial window was one more update
             self._step(logs)
         if logs is not None and self._used is not None:
             logs["learning_rate"] = self._used
