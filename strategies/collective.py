@@ -36,6 +36,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from replicafit._lifeline import watch_launcher
+
 __all__ = ["Collective", "WorkerFailedError"]
 
 
@@ -94,6 +96,7 @@ class Collective:
         # torch aborts it ("terminate called without an active exception"), so they are drained
         # after a failure and at exit.
         self._pending: list = []
+        watch_launcher()
         backend = backend_for(self.device)
         with self._guard("joining the cluster (init_process_group)"):
             if dist.is_initialized():
@@ -246,11 +249,11 @@ class Collective:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=getattr(self, f"{group}_group"))
             return tensor.tolist()
 
-    def start_sum_ints(self, values: list, what: str):
-        """``sum_ints`` on the input group, started now; returns ``finish() -> list``."""
+    def start_sum_ints(self, values: list, what: str, group: str = "input"):
+        """``sum_ints`` started now (on the input group unless told); returns ``finish() -> list``."""
         with self._guard(what):
             tensor = torch.tensor(values, dtype=torch.int64)
-            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.input_group, async_op=True)
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=getattr(self, f"{group}_group"), async_op=True)
             self._pending.append(work)
 
         def finish() -> list:

@@ -130,6 +130,9 @@ def main(argv=None) -> int:
 
 
 def _main(argv) -> int:
+    from replicafit._lifeline import watch_launcher
+
+    watch_launcher()  # a launched worker: from the start, not only once it joins its cluster
     from .recipes import RecipeError
 
     args = _parser().parse_args(argv)

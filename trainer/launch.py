@@ -19,8 +19,11 @@ environment that ``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 - **Cleanup**: every child runs in a process group of its own, and every group the launcher
   started is signalled and every child reaped before it returns, also on Ctrl-C (SIGINT is
   forwarded to the workers, then ``KeyboardInterrupt`` re-raised) and on SIGTERM/SIGHUP to the
-  launcher (forwarded likewise, then ``SystemExit(128 + signal)``). Every wait is bounded; the
-  launcher uses no threads (one ``selectors`` loop reads the pipes). POSIX only.
+  launcher (forwarded likewise, then ``SystemExit(128 + signal)``). A launcher that cannot
+  clean up (``SIGKILL``, the OOM killer) leaves no worker behind either: each worker holds a
+  pipe whose other end only the launcher holds, and ends itself and its group when that end
+  closes (``replicafit._lifeline.watch_launcher``; torchrun's workers do not). Every wait is
+  bounded; the launcher uses no threads (one ``selectors`` loop reads the pipes). POSIX only.
 
 **Environment variables.** They are read by the recipe loader and the cluster resolvers
 (``replicafit.strategies.cluster_resolver``) only: ``launched_worker()`` asks
@@ -51,6 +54,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+
+from replicafit._lifeline import LIFELINE_ENV
 
 __all__ = ["launch_local", "launched_worker", "free_port", "TAIL_LINES"]
 
@@ -135,6 +140,18 @@ def launch_local(
         raise ValueError(f"grace_seconds must be >= 0 and poll_seconds > 0, got {grace_seconds!r}, {poll_seconds!r}.")
     base = dict(os.environ if env is None else env)
     cores = cpu_count if cpu_count is not None else _usable_cores()
+    # The lifeline: the workers watch the read end; its write end closes when this process exits,
+    # however it exits, and a worker seeing that ends itself (replicafit._lifeline.watch_launcher).
+    lifeline, held = os.pipe()
+    base[LIFELINE_ENV] = str(lifeline)
+    try:
+        return _attempts(command, num_workers, max_restarts, base, cores, log_all_workers, grace_seconds, poll_seconds)
+    finally:
+        os.close(lifeline)
+        os.close(held)
+
+
+def _attempts(command, num_workers, max_restarts, base, cores, log_all_workers, grace_seconds, poll_seconds) -> int:
     with _forwarding_signals():
         for attempt in range(max_restarts + 1):
             if attempt:
@@ -251,6 +268,7 @@ class _Attempt:
                     self.command,
                     env=self._env(rank, port),
                     start_new_session=True,  # a group of its own: killed with its children, spared the terminal's ^C
+                    pass_fds=(int(self.base_env[LIFELINE_ENV]),),
                     stdin=subprocess.DEVNULL,
                     stdout=None if chief else subprocess.PIPE if self.log_all_workers else subprocess.DEVNULL,
                     stderr=None if chief else subprocess.PIPE,

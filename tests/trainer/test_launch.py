@@ -7,8 +7,10 @@ stopped, restarts, Ctrl-C, and no process left behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -224,6 +226,55 @@ time.sleep(60)
         launch_local(worker(body, tmp_path), 2, grace_seconds=5.0)
     assert (tmp_path / "sigint0").exists() and (tmp_path / "sigint1").exists()
     assert [p.returncode for p in started.procs] == [130, 130]
+
+
+@pytest.mark.timeout(60)
+def test_workers_end_themselves_and_their_children_when_the_launcher_is_killed(tmp_path):
+    # SIGKILL (or the OOM killer) gives the launcher no chance to stop its workers: they watch it.
+    body = """
+from replicafit._lifeline import watch_launcher
+assert watch_launcher() and not watch_launcher()  # one watch per process
+assert "REPLICAFIT_LAUNCHER_FD" not in os.environ  # the worker's own children do not watch
+import subprocess
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+touch(f"pids{rank}", f"{os.getpid()} {child.pid}")
+time.sleep(60)
+"""
+    code = "import sys; from replicafit.trainer.launch import launch_local; launch_local(sys.argv[1:], 2)"
+    launcher = subprocess.Popen(
+        [PY, "-c", code, *worker(body, tmp_path)], start_new_session=True, stderr=subprocess.PIPE, text=True
+    )
+    pids = []
+    try:
+        deadline = time.monotonic() + 40
+        while not all((tmp_path / f"pids{rank}").exists() for rank in (0, 1)):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the workers did not start"
+            time.sleep(0.02)
+        pids = [int(pid) for rank in (0, 1) for pid in (tmp_path / f"pids{rank}").read_text().split()]
+        launcher.kill()
+        assert [pid for pid in pids if not gone(pid, seconds=10)] == []
+        _, err = launcher.communicate(timeout=10)  # EOF: nothing holds the chief's stderr any more
+        assert "replicafit: worker 0: the launcher is gone; ending this worker" in err
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=10)
+
+
+def test_watching_the_launcher_needs_the_launchers_pipe(monkeypatch, tmp_path):
+    from replicafit import _lifeline
+
+    monkeypatch.setattr(_lifeline, "_lifeline_watched", False)
+    monkeypatch.delenv(_lifeline.LIFELINE_ENV, raising=False)
+    assert not _lifeline.watch_launcher()  # not a launched worker
+    with open(tmp_path / "file", "w") as file:  # a descriptor that is not a pipe (say, reused)
+        monkeypatch.setenv(_lifeline.LIFELINE_ENV, str(file.fileno()))
+        assert not _lifeline.watch_launcher()
+    monkeypatch.setenv(_lifeline.LIFELINE_ENV, "not a number")
+    assert not _lifeline.watch_launcher() and not _lifeline._lifeline_watched
 
 
 @pytest.mark.timeout(10)
