@@ -26,7 +26,8 @@ before replicas that share a device took turns on one thread), for the before/af
 
 Every measurement runs in a fresh interpreter, and the repeats are paired (A B A B, the order
 reversed every repeat), so drifts of this shared machine hit both sides alike: a process that has
-run replica threads keeps them (and their OpenMP state), which slows later work in it.
+run replica threads keeps them (and their OpenMP state), which slows later work in it. Each
+measurement collects garbage before it starts (see ``child``).
 
 Run: python benchmarks/bench_fit.py [--repeats 5] [--examples 8192] [--epochs 5] [--batches 64 8]
      python benchmarks/bench_fit.py --rows bf16 16-mixed accumulation    (issue 13's costs)
@@ -36,6 +37,7 @@ Run: python benchmarks/bench_fit.py [--repeats 5] [--examples 8192] [--epochs 5]
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import subprocess
@@ -137,6 +139,11 @@ def child(variant: str, batch: int, examples: int, epochs: int, execution: str) 
     """One measurement in this (fresh) process: prints the steps per second over epochs 2..N."""
     ds.set_replica_execution(execution)
     x, y = datasets.make_classification(examples, 64, n_classes=10, seed=0)
+    # The imports leave a full garbage collection due (~75 ms over torch's objects). Left alone it
+    # runs at whichever step first allocates enough: early in the hand loop (whose steps allocate
+    # hundreds of tracked objects), inside the timed epochs of fit (whose steps allocate almost
+    # none), which read as +15-20% per step at batch 64. Collected here, it runs before either.
+    gc.collect()
     times = VARIANTS[variant](x, y, batch, epochs)
     steps = -(-examples // batch)
     print(steps * (len(times) - 1) / sum(times[1:]))
