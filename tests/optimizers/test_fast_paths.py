@@ -11,14 +11,16 @@ from replicafit import optimizers
 from replicafit.optimizers import base
 
 
-def _train(name: str, fast: bool, steps: int = 5):
+def _setup(name: str, make_optimizer):
+    """``(strategy, optimizer, variables, step)``: a small model under ``name``, one batch, and the
+    replica step that applies its gradients (``strategy.run(step)``)."""
     strategy = make_strategy(name)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     dmodel = strategy.distribute_module(model)
     variables = list(dmodel.trainable_variables)
     with strategy.scope():
-        optimizer = optimizers.SGD(0.1, momentum=0.9)
+        optimizer = make_optimizer()
     x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
     y = torch.tensor([0, 1, 1, 0, 1, 0])
 
@@ -27,6 +29,11 @@ def _train(name: str, fast: bool, steps: int = 5):
         grads = torch.autograd.grad(loss, [v.value() for v in variables])
         optimizer.apply_gradients(zip(grads, variables))
 
+    return strategy, optimizer, variables, step
+
+
+def _train(name: str, fast: bool, steps: int = 5):
+    strategy, optimizer, variables, step = _setup(name, lambda: optimizers.SGD(0.1, momentum=0.9))
     counted = base._count_update
     if not fast:
         base._count_update = lambda iterations: iterations.assign_add(1)
@@ -68,22 +75,11 @@ def test_plain_parameters_resolve_once_and_the_same_each_time():
 
 
 def _adam_with_schedule(name: str):
-    strategy = make_strategy(name)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    dmodel = strategy.distribute_module(model)
-    variables = list(dmodel.trainable_variables)
-    with strategy.scope():
+    def make():
         schedule = optimizers.schedules.ExponentialDecay(0.1, decay_steps=2, decay_rate=0.5)
-        optimizer = optimizers.Adam(schedule, use_ema=True)
-    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
-    y = torch.tensor([0, 1, 1, 0, 1, 0])
+        return optimizers.Adam(schedule, use_ema=True)
 
-    def step():
-        loss = torch.nn.functional.cross_entropy(dmodel(x), y)
-        grads = torch.autograd.grad(loss, [v.value() for v in variables])
-        optimizer.apply_gradients(zip(grads, variables))
-
+    strategy, optimizer, variables, step = _setup(name, make)
     return strategy, optimizer, variables, lambda: strategy.run(step)
 
 
