@@ -26,7 +26,13 @@ from .context import (
     in_cross_replica_context,
 )
 from .cross_device_ops import CollectiveAllReduce, CrossDeviceOps, NcclAllReduce, ReductionToOneDevice
-from .devices import get_logical_cpu_count, list_logical_devices, set_logical_cpu_count
+from .devices import (
+    get_logical_cpu_count,
+    get_logical_device_configuration,
+    list_logical_devices,
+    set_logical_cpu_count,
+    set_logical_device_configuration,
+)
 from .distribute_lib import Strategy, StrategyExtended, ValueContext
 from .mirrored import MirroredStrategy
 from .module import DistributedModule
@@ -93,6 +99,7 @@ __all__ = [
     "experimental_set_strategy",
     "get_cross_replica_context",
     "get_logical_cpu_count",
+    "get_logical_device_configuration",
     "get_replica_context",
     "get_replica_execution",
     "get_stall_warning_seconds",
@@ -103,6 +110,7 @@ __all__ = [
     "replica_seed",
     "seed_replicas",
     "set_logical_cpu_count",
+    "set_logical_device_configuration",
     "set_replica_execution",
     "set_stall_warning_seconds",
 ]

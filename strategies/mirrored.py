@@ -5,14 +5,15 @@ from __future__ import annotations
 import torch
 
 from .cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice, destination_devices
-from .devices import canonicalize_list
+from .devices import canonicalize_list, list_logical_devices, torch_device
 from .distribute_lib import Strategy, StrategyExtended
 
 __all__ = ["MirroredStrategy"]
 
 
 def local_gpus() -> list[str]:
-    return [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    """Every GPU device of this process (its logical GPUs where one is split)."""
+    return [d for d in list_logical_devices() if d.startswith("cuda:")]
 
 
 def _nccl_available() -> bool:
@@ -24,8 +25,8 @@ def _nccl_available() -> bool:
 
 
 def _default_cross_device_ops(devices) -> CrossDeviceOps:
-    gpus = [d for d in devices if d.startswith("cuda")]
-    if len(gpus) == len(devices) > 1 and _nccl_available():
+    gpus = {torch_device(d) for d in devices if d.startswith("cuda")}
+    if len(gpus) == len(devices) > 1 and _nccl_available():  # distinct physical GPUs only
         return NcclAllReduce()
     return ReductionToOneDevice()
 
@@ -49,7 +50,8 @@ class MirroredStrategy(Strategy):
         TensorFlow spellings too). ``None`` uses every visible GPU, or ``["cpu:0"]``
         when there is none. ``"cpu:N"`` are logical CPU devices.
       cross_device_ops: a ``CrossDeviceOps``; by default ``NcclAllReduce`` on several
-        GPUs, else ``ReductionToOneDevice``.
+        distinct GPUs, else ``ReductionToOneDevice`` (logical GPUs that share a physical one,
+        ``set_logical_device_configuration``, are reduced on it).
 
     Each replica runs on its own thread (replica 0 on the caller's); variables created
     in ``scope()`` are ``MirroredVariable``s (``SyncOnReadVariable`` for

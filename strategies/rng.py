@@ -113,6 +113,8 @@ class ReplicaStreams:
         self._first = first_global_id
         self._accelerators = [_accelerator_generator(d) for d in self._devices]
         self._route_cpu = all(g is None for g in self._accelerators)
+        # Logical GPUs on one physical GPU share its generator: on threads their draws are routed too.
+        self._shared = [d.type != "cpu" and self._devices.count(d) > 1 for d in self._devices]
         self.base_seed = None
         self._cpu: list | None = None  # per local replica: a torch CPU generator state
         self._gpu: list | None = None  # per local replica: its GPU generator's state (or None)
@@ -172,14 +174,16 @@ class ReplicaStreams:
     @contextlib.contextmanager
     def on_thread(self, r: int):
         """Replica ``r``'s stream in force on a thread of its own, replicas running side by side: its
-        GPU's generator is its own; CPU draws are routed to its stream (``routed``) when every replica
-        is on the CPU (replicas on GPUs draw on the CPU from the generator the threads share)."""
-        generator = self._accelerators[r]
+        GPU's generator is its own (draws routed to its stream when logical GPUs share the physical
+        one); CPU draws are routed to its stream when every replica is on the CPU (replicas on GPUs
+        draw on the CPU from the generator the threads share)."""
+        generator = None if self._shared[r] else self._accelerators[r]
         if generator is not None:
             generator.set_state(self._gpu[r])
         try:
-            if self._route_cpu:
-                with _RoutedDraws(self, r):
+            if self._route_cpu or self._shared[r]:
+                shared = self._accelerators[r] if self._shared[r] else None
+                with _RoutedDraws(self, r, cpu=self._route_cpu, gpu=shared):
                     yield
             else:
                 yield
@@ -246,23 +250,34 @@ _draw_lock = threading.Lock()  # one CPU draw at a time across replica threads
 
 
 class _RoutedDraws(torch.overrides.TorchFunctionMode):
-    def __init__(self, streams: ReplicaStreams, replica: int):
+    """Swaps replica ``replica``'s stream into the generators the threads share (the CPU's with
+    ``cpu``, the GPU generator ``gpu``) around each of torch's random functions, one draw at a time."""
+
+    def __init__(self, streams: ReplicaStreams, replica: int, cpu: bool = True, gpu=None):
         super().__init__()
         global _RANDOM
         if _RANDOM is None:
             _RANDOM = _random_functions()
-        self._streams, self._replica = streams, replica
+        self._streams, self._replica, self._cpu, self._gpu = streams, replica, cpu, gpu
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func not in _RANDOM:
             return func(*args, **kwargs)
         with _draw_lock:
-            streams, r = self._streams, self._replica
-            outer = torch.default_generator.get_state()
-            torch.default_generator.set_state(streams._cpu[r])
+            streams, r, gpu = self._streams, self._replica, self._gpu
+            outer = torch.default_generator.get_state() if self._cpu else None
+            outer_gpu = gpu.get_state() if gpu is not None else None
+            if self._cpu:
+                torch.default_generator.set_state(streams._cpu[r])
+            if gpu is not None:
+                gpu.set_state(streams._gpu[r])
             try:
                 return func(*args, **kwargs)
             finally:
-                streams._cpu[r] = torch.default_generator.get_state()
-                torch.default_generator.set_state(outer)
+                if self._cpu:
+                    streams._cpu[r] = torch.default_generator.get_state()
+                    torch.default_generator.set_state(outer)
+                if gpu is not None:
+                    streams._gpu[r] = gpu.get_state()
+                    gpu.set_state(outer_gpu)

@@ -181,3 +181,73 @@ def test_set_logical_cpu_count_validation(restore_cpu_count, count):
     with pytest.raises(ValueError):
         ds.set_logical_cpu_count(count)
     assert ds.get_logical_cpu_count() == restore_cpu_count
+
+
+# --- logical GPUs (set_logical_device_configuration), the naming checked without a GPU ---------------
+
+
+@pytest.fixture
+def two_physical_gpus(monkeypatch):
+    """Names as a two-GPU machine would have them (only names and placements: nothing runs on them)."""
+    from replicafit.strategies import devices
+
+    monkeypatch.setattr(devices, "_cuda_count", lambda: 2)
+    devices._clear_caches()
+    yield devices
+    devices._gpu_split.clear()
+    devices._clear_caches()
+    monkeypatch.undo()
+    devices._clear_caches()
+
+
+def test_a_split_gpu_gives_logical_gpus_numbered_as_tensorflow_numbers_them(two_physical_gpus):
+    assert [d for d in ds.list_logical_devices() if d.startswith("cuda")] == ["cuda:0", "cuda:1"]
+    ds.set_logical_device_configuration("GPU:0", 2)
+    assert ds.get_logical_device_configuration("cuda:0") == 2
+    assert ds.get_logical_device_configuration("/gpu:1") == 1
+    assert [d for d in ds.list_logical_devices() if d.startswith("cuda")] == ["cuda:0", "cuda:1", "cuda:2"]
+    assert [torch_device(f"cuda:{i}") for i in range(3)] == [
+        torch.device("cuda", 0),
+        torch.device("cuda", 0),
+        torch.device("cuda", 1),
+    ]
+    assert canonicalize("GPU:2") == "cuda:2"
+    assert canonicalize(torch.device("cuda", 1)) == "cuda:2"  # a torch.device is a physical GPU
+    assert canonicalize(torch.device("cuda", 0)) == "cuda:0"
+    with pytest.raises(ValueError, match="cuda:3") as info:
+        canonicalize("cuda:3")
+    assert "logical GPUs on 2 physical" in str(info.value)
+    assert canonicalize_list(["cuda:0", "cuda:1"]) == ("cuda:0", "cuda:1")  # two devices, one GPU
+    ds.set_logical_device_configuration("cuda:0", 1)  # undone
+    assert [torch_device(f"cuda:{i}") for i in range(2)] == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    with pytest.raises(ValueError, match="cuda:2"):
+        canonicalize("cuda:2")
+
+
+def test_logical_gpus_sharing_a_gpu_are_reduced_on_it_not_by_nccl(two_physical_gpus, monkeypatch):
+    from replicafit.strategies import mirrored
+
+    monkeypatch.setattr(mirrored, "_nccl_available", lambda: True)
+    assert isinstance(mirrored._default_cross_device_ops(("cuda:0", "cuda:1")), ds.NcclAllReduce)
+    ds.set_logical_device_configuration("cuda:0", 2)
+    assert isinstance(mirrored._default_cross_device_ops(("cuda:0", "cuda:1")), ds.ReductionToOneDevice)
+    assert isinstance(mirrored._default_cross_device_ops(("cuda:1", "cuda:2")), ds.NcclAllReduce)
+    assert mirrored.local_gpus() == ["cuda:0", "cuda:1", "cuda:2"]  # MirroredStrategy()'s default devices
+
+
+def test_logical_device_configuration_errors(two_physical_gpus, restore_cpu_count):
+    for count in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="positive int"):
+            ds.set_logical_device_configuration("cuda:0", count)
+    with pytest.raises(ValueError, match="cuda:0 ... cuda:1"):
+        ds.set_logical_device_configuration("cuda:2", 2)
+    with pytest.raises(ValueError, match="physical 'cpu' or 'cuda:N'"):
+        ds.set_logical_device_configuration("tpu:0", 2)
+    ds.set_logical_device_configuration("CPU:0", 3)  # the CPU: the number of logical CPUs
+    assert ds.get_logical_cpu_count() == 3 == ds.get_logical_device_configuration("cpu")
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the error raised when there is no GPU")
+def test_splitting_a_gpu_without_one_says_so():
+    with pytest.raises(ValueError, match="no CUDA device"):
+        ds.set_logical_device_configuration("cuda:0", 2)
