@@ -2,8 +2,9 @@
 
 One ``Collective`` per process owns the process groups of a ``MultiWorkerMirroredStrategy``:
 
-* the **data** group (gloo on CPU, NCCL on CUDA) carries reductions, gathers and
-  broadcasts of tensors: one flat buffer per pack, started together and waited in order;
+* the **data** group (gloo on CPU, NCCL on CUDA; gloo on CUDA too with
+  ``CommunicationImplementation.RING``) carries reductions, gathers and broadcasts of tensors:
+  one flat buffer per pack, started together and waited in order;
 * the **control** group (always gloo) carries small host-side agreements: object
   broadcasts, flags, counts and barriers;
 * the **input** group (gloo) carries the per-step input agreement, which may run on the
@@ -62,15 +63,35 @@ class WorkerFailedError(RuntimeError):
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 
 
-def backend_for(device: torch.device) -> str:
-    """The process-group backend for replicas on ``device``: gloo for CPU, NCCL for CUDA."""
-    try:
-        return _BACKENDS[device.type]
-    except KeyError:
+def backend_for(device: torch.device, implementation: str = "AUTO") -> str:
+    """The process-group backend for replicas on ``device``: gloo for CPU, NCCL for CUDA.
+
+    ``implementation`` is a ``CommunicationImplementation`` value: ``"RING"`` asks for gloo on
+    CUDA devices too (what several processes on one GPU need: NCCL refuses two ranks on one
+    device), ``"NCCL"`` for NCCL (CUDA devices only).
+
+    Example::
+
+        >>> backend_for(torch.device("cpu"))
+        'gloo'
+        >>> backend_for(torch.device("cuda", 0), "RING")
+        'gloo'
+    """
+    if device.type not in _BACKENDS:
         raise ValueError(
             f"MultiWorkerMirroredStrategy has no collective backend for {device.type!r} devices "
             "(gloo serves CPU devices, NCCL CUDA devices)."
-        ) from None
+        )
+    if implementation == "RING":
+        return "gloo"
+    if implementation == "NCCL" and device.type != "cuda":
+        raise ValueError(f"CommunicationImplementation.NCCL needs CUDA devices; this worker's are on {device}.")
+    return _BACKENDS[device.type]
+
+
+# torch 2.13 renamed the single-tensor gather (all_gather_into_tensor -> all_gather_single) and
+# deprecates the old name; torch 2.11 has only the old one.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class Collective:
@@ -84,7 +105,9 @@ class Collective:
     _instance: Collective | None = None
     _instance_lock = threading.Lock()
 
-    def __init__(self, rank: int, world_size: int, address: str, port: int, device, timeout_seconds):
+    def __init__(
+        self, rank: int, world_size: int, address: str, port: int, device, timeout_seconds, implementation="AUTO"
+    ):
         self.rank = rank
         self.world_size = world_size
         self.device = torch.device(device)
@@ -97,7 +120,10 @@ class Collective:
         # after a failure and at exit.
         self._pending: list = []
         watch_launcher()
-        backend = backend_for(self.device)
+        self.backend = backend = backend_for(self.device, implementation)
+        # gloo reduces and broadcasts CUDA tensors itself (through the host); other collectives of
+        # CUDA tensors on gloo go through host memory here.
+        self._staged = backend == "gloo" and self.device.type == "cuda"
         with self._guard("joining the cluster (init_process_group)"):
             if dist.is_initialized():
                 if dist.get_rank() != rank or dist.get_world_size() != world_size:
@@ -125,7 +151,7 @@ class Collective:
         self.operations = 0  # data collectives issued (benchmarks count them)
 
     @classmethod
-    def get(cls, rank, world_size, address, port, device, timeout_seconds) -> Collective:
+    def get(cls, rank, world_size, address, port, device, timeout_seconds, implementation="AUTO") -> Collective:
         """The process's collective for this cluster (created on first use)."""
         with cls._instance_lock:
             current = cls._instance
@@ -136,7 +162,7 @@ class Collective:
                         "a process can be a worker of one cluster only."
                     )
                 return current
-            cls._instance = cls(rank, world_size, address, port, device, timeout_seconds)
+            cls._instance = cls(rank, world_size, address, port, device, timeout_seconds, implementation)
             return cls._instance
 
     # --- failure handling ----------------------------------------------------------------
@@ -208,12 +234,15 @@ class Collective:
             self._wait(work)
 
     def all_gather(self, tensor: torch.Tensor, what: str) -> list:
-        """Every worker's ``tensor`` (same shape on all), in worker order."""
+        """Every worker's ``tensor`` (same shape on all), in worker order: one collective into one buffer."""
         with self._guard(what):
-            out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-            dist.all_gather(out, tensor.contiguous())
+            source = tensor.detach().contiguous()
+            if self._staged:
+                source = source.cpu()
+            out = source.new_empty((self.world_size, *source.shape))
+            _all_gather_single(out.reshape(-1), source.reshape(-1))
             self.operations += 1
-            return out
+            return [part.to(tensor.device) for part in out.unbind(0)]
 
     def broadcast(self, tensor: torch.Tensor, what: str) -> None:
         """Worker 0's ``tensor`` into ``tensor`` on every worker, in place."""

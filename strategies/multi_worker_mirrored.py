@@ -67,6 +67,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
                 resolver.master_port,
                 torch_device(devices[0]),
                 options.timeout_seconds,
+                options.implementation.value,
             )
             counts = self._collective.all_gather_object(len(devices), "checking each worker's replica count")
             if len(set(counts)) > 1:
@@ -262,8 +263,10 @@ class MultiWorkerMirroredStrategy(Strategy):
       communication_options: a ``CommunicationOptions``: ``bytes_per_pack`` for the packs
         that cross processes, ``timeout_seconds`` for every wait (local rendezvous and the
         process group: a worker that stops arriving is a ``WorkerFailedError`` after it;
-        ``None``: torch's default, 30 minutes), ``implementation`` (``AUTO``; ``RING`` means
-        gloo, ``NCCL`` needs CUDA devices).
+        ``None``: torch's default, 30 minutes), ``implementation`` (``AUTO``: gloo for CPU
+        devices, NCCL for CUDA devices; ``RING`` means gloo, for CUDA devices too, which is how
+        several worker processes share one GPU (NCCL refuses two ranks on one device);
+        ``NCCL`` needs CUDA devices).
       cluster_resolver: a ``ClusterResolver``; ``None`` detects the environment:
         ``torchrun``'s variables, then ``TF_CONFIG``, else one local worker.
 

@@ -186,3 +186,18 @@ def test_a_survivor_exits_with_its_status_not_an_abort_when_collectives_were_pen
                 p.kill()
                 p.wait()
     assert codes == [1, -9], (codes, procs[0].stderr.read().decode()[-500:])
+
+
+def test_the_implementation_chooses_the_backend():
+    """gloo for CPU devices, NCCL for CUDA devices; RING asks for gloo on CUDA too (several worker
+    processes on one GPU: NCCL refuses two ranks on one device)."""
+    from replicafit.strategies.collective import backend_for
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert backend_for(cpu) == backend_for(cpu, "RING") == "gloo"
+    assert backend_for(cuda) == backend_for(cuda, "NCCL") == "nccl"
+    assert backend_for(cuda, "RING") == "gloo"
+    with pytest.raises(ValueError, match="NCCL needs CUDA"):
+        backend_for(cpu, "NCCL")
+    with pytest.raises(ValueError, match="no collective backend"):
+        backend_for(torch.device("meta"))
