@@ -95,6 +95,11 @@ class Callback:
         """Whether this callback reads the logs of the per-batch ``hook`` (only then are metrics read every step)."""
         return _overrides(self, hook) or hook in vars(self)
 
+    def _wants_logs_now(self, hook: str) -> bool:
+        """Whether it reads them at the batch about to end (a display that redraws now and then says
+        so only when it will redraw; reading the metrics is a device synchronisation on a GPU)."""
+        return self._wants_logs(hook)
+
     @property
     def _is_chief(self) -> bool:
         """Whether this process writes files and prints (worker 0 of a multi-worker run; always in one process)."""
@@ -139,6 +144,11 @@ class CallbackList:
         """Asks the callbacks again which per-batch logs they read (``fit`` does after ``on_train_begin``,
         when a callback may know more, e.g. which scheduler it built)."""
         self.wants_batch_logs = {hook: any(cb._wants_logs(hook) for cb in self.callbacks) for hook in _BATCH_HOOKS}
+
+    def wants_logs_now(self, hook: str) -> bool:
+        """Whether any callback reads the logs of the batch about to end (``wants_batch_logs`` says
+        whether any ever does)."""
+        return self.wants_batch_logs[hook] and any(cb._wants_logs_now(hook) for cb in self.callbacks)
 
     def stateful(self) -> dict:
         """``{key: callback}`` of the callbacks that keep state in checkpoints and backups (``state_dict``/
@@ -236,6 +246,7 @@ class ProgbarLogger(Callback):
     """
 
     _decides_from_logs = True
+    _REDRAW_SECONDS = 0.1
     _BAR = 20  # Keras' bar width, and the narrowest it gets
     _MIN_BAR = 10
 
@@ -260,6 +271,17 @@ class ProgbarLogger(Callback):
 
     def _wants_logs(self, hook: str) -> bool:
         return self.verbose == 1 and super()._wants_logs(hook)  # only the bar shows per-batch values
+
+    def _wants_logs_now(self, hook: str) -> bool:
+        # The bar is redrawn at most every 0.1 s and at the epoch's last step: the values are read
+        # then only, not at every step.
+        bar = self._bar
+        if hook != "on_train_batch_end" or bar is None:
+            return False
+        return self._redraw_due(self._seen + 1, bar.total)
+
+    def _redraw_due(self, seen: int, total) -> bool:
+        return time.perf_counter() - self._drawn >= self._REDRAW_SECONDS or seen == total
 
     def on_epoch_begin(self, epoch, logs=None):
         self._start = time.perf_counter()
@@ -287,9 +309,8 @@ class ProgbarLogger(Callback):
         if bar is None:
             return
         bar.n = self._seen
-        now = time.perf_counter()
-        if now - self._drawn >= 0.1 or self._seen == bar.total:
-            self._drawn = now
+        if logs and self._redraw_due(self._seen, bar.total):  # logs are read only when a redraw is due
+            self._drawn = time.perf_counter()
             self._draw(_log_items(logs), final=False)
 
     def _timing(self, final: bool) -> str:

@@ -489,7 +489,8 @@ class Trainer:
         batch_logs = callback_list.wants_batch_logs["on_train_batch_end"]
         extended = self.strategy.extended
         # Reading the logs is a collective across workers: every worker reads them, or none.
-        batch_logs = extended._agree(batch_logs) if extended._num_workers > 1 else batch_logs
+        agree_logs = extended._num_workers > 1
+        batch_logs = extended._agree(batch_logs) if agree_logs else batch_logs
         # Logs are global, so built-in callbacks decide alike on every worker; a user's callback
         # might not (in any hook), so its stop_training is agreed after every step.
         agree_each_step = extended._num_workers > 1 and callbacks_module.may_stop_training_alone(callback_list)
@@ -528,7 +529,10 @@ class Trainer:
                         self.strategy.run(self.train_step, args=(batch,))
                     step += 1
                     self._step = step
-                    callback_list.call("on_train_batch_end", step - 1, self._logs() if batch_logs else {})
+                    # Across workers reading the logs is a collective (agreed once: every step); in one
+                    # process only when a callback reads them at this step (a bar redraws now and then).
+                    read = batch_logs and (agree_logs or callback_list.wants_logs_now("on_train_batch_end"))
+                    callback_list.call("on_train_batch_end", step - 1, self._logs() if read else {})
                     if agree_each_step:
                         self.stop_training = extended._agree(self.stop_training)
                     if self.stop_training:
