@@ -8,11 +8,11 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import InterruptAt, Lion, make_strategy
+from conftest import InterruptAt, Lion, gpu, make_strategy, requires_gpus
 
 import replicafit.strategies as ds
 from replicafit import optimizers
-from replicafit.trainer import BackupAndRestore, Trainer
+from replicafit.trainer import BackupAndRestore, Callback, Trainer
 
 X = torch.randn(96, 8, generator=torch.Generator().manual_seed(0))
 Y = (X[:, 0] - X[:, 1] > 0).long() + (X[:, 2] > 0.5).long()
@@ -213,3 +213,72 @@ def test_backup_resumes_loss_scaling_bit_exactly(tmp_path, strategy):
     trainer, model, _ = fit(strategy, optimizer(), "16-mixed", callbacks=[BackupAndRestore(tmp_path, save_freq=5)])
     assert torch.equal(flat(model), flat(ref_model))
     assert trainer.optimizer.state_dict()["loss_scale"] == reference.optimizer.state_dict()["loss_scale"]
+
+
+# --- against torch's GradScaler ----------------------------------------------------------------------
+
+OVERFLOW_STEPS = (2, 3, 9)  # batches whose input overflows float16 (an infinity in the forward pass)
+
+
+def _overflowing_data(device: str):
+    """Batches of 8 rows; the batches in ``OVERFLOW_STEPS`` hold a value beyond float16's range."""
+    x = torch.randn(96, 8, generator=torch.Generator().manual_seed(3))
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+    for step in OVERFLOW_STEPS:
+        x[step * 8, 0] = 1e6
+    return x.to(device), y.to(device)
+
+
+def _grad_scaler_loop(device: str, growth_interval: int):
+    """The oracle: torch's own float16 recipe (autocast + GradScaler + torch.optim.SGD), with
+    LossScaleOptimizer's constants (initial scale 2**15, factors 2 and 0.5)."""
+    model = make_model().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler(
+        device, init_scale=2.0**15, growth_factor=2.0, backoff_factor=0.5, growth_interval=growth_interval
+    )
+    x, y = _overflowing_data(device)
+    scales, steps_taken = [], 0
+    for start in range(0, len(x), 8):
+        xb, yb = x[start : start + 8], y[start : start + 8]
+        with torch.autocast(device, dtype=torch.float16):
+            per_example = torch.nn.functional.cross_entropy(model(xb), yb, reduction="none")
+        loss = per_example.float().sum() / 8
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        before = optimizer.state_dict()["state"].get(0, {}).get("momentum_buffer")
+        before = None if before is None else before.clone()
+        scaler.step(optimizer)
+        scaler.update()
+        after = optimizer.state_dict()["state"].get(0, {}).get("momentum_buffer")
+        steps_taken += int(after is not None and (before is None or not torch.equal(before, after)))
+        scales.append(float(scaler.get_scale()))
+    return model, scales, steps_taken
+
+
+@pytest.mark.parametrize("growth_interval", [2000, 4])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[gpu, requires_gpus(1)])])
+def test_sixteen_mixed_skips_and_scales_as_torch_grad_scaler(device, growth_interval):
+    """A forced overflow: the same steps skipped, the same scales after every step and the same
+    weights as torch's GradScaler loop. Documented difference: a skipped step counts in
+    ``iterations`` (tf.keras' rule), while the torch optimizer takes no step."""
+    expected_model, expected_scales, steps_taken = _grad_scaler_loop(device, growth_interval)
+    assert steps_taken == 12 - len(OVERFLOW_STEPS)
+    scales = []
+
+    class Scales(Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            scales.append(self.trainer.optimizer.dynamic_scale)
+
+    model = make_model()
+    strategy = ds.OneDeviceStrategy(device) if device != "cpu" else ds.get_strategy()
+    inner = optimizers.from_torch(torch.optim.SGD, lr=0.1, momentum=0.9)
+    optimizer = optimizers.LossScaleOptimizer(inner, dynamic_growth_steps=growth_interval)
+    trainer = Trainer(strategy=strategy, optimizer=optimizer, loss="cross_entropy", metrics=[], precision="16-mixed")
+    trainer.fit(model, _overflowing_data("cpu"), batch_size=8, shuffle=False, verbose=0, callbacks=[Scales()])
+    assert scales == expected_scales
+    assert scales[OVERFLOW_STEPS[0]] == 2.0**14  # halved at the first overflow
+    assert int(optimizer.iterations) == 12  # skipped steps count too
+    for got, want in zip(model.parameters(), expected_model.parameters()):
+        torch.testing.assert_close(got.detach().cpu(), want.detach().cpu(), rtol=1e-5, atol=1e-6)
+        assert got.dtype == torch.float32
