@@ -430,3 +430,37 @@ def test_input_workers_attributes_and_validation():
         1,
         0,
     )
+
+
+@pytest.mark.parametrize("buffer", [None, 1])
+def test_a_dataloaders_worker_processes_end_with_their_pass(buffer):
+    """Each epoch's pass over a DataLoader with worker processes ends its workers when the pass ends
+    (the steps are counted, so the loader is never read to its end), not when the garbage collector
+    gets to its iterator: then torch's shutdown can wait 5 s for each worker before killing it."""
+    import gc
+    import multiprocessing
+
+    from replicafit.trainer import Callback, Trainer
+
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,))), batch_size=16, num_workers=2
+    )
+    alive = []
+
+    class Children(Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            alive.append(len(multiprocessing.active_children()))
+
+    options = data.InputOptions(experimental_per_replica_buffer_size=buffer)
+    strategy = ds.OneDeviceStrategy("cpu")
+    original = strategy.experimental_distribute_dataset
+    strategy.experimental_distribute_dataset = lambda source, _=None: original(source, options)
+    trainer = Trainer(strategy=strategy, optimizer="sgd", metrics=[])
+    before = len(multiprocessing.active_children())
+    gc.disable()  # what the collector would find is not the point: nothing may be left to it
+    try:
+        trainer.fit(torch.nn.Linear(4, 2), loader, epochs=3, verbose=0, callbacks=[Children()])
+        assert alive == [before + 2] * 3  # this pass's two workers only
+        assert len(multiprocessing.active_children()) == before  # none outlives fit, the trainer alive
+    finally:
+        gc.enable()
