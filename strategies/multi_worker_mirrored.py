@@ -69,12 +69,16 @@ class MultiWorkerMirroredExtended(StrategyExtended):
                 options.timeout_seconds,
                 options.implementation.value,
             )
-            counts = self._collective.all_gather_object(len(devices), "checking each worker's replica count")
+            nccl = self._collective.backend == "nccl"
+            mine = (len(devices), _gpu_identities(devices) if nccl else ())
+            gathered = self._collective.all_gather_object(mine, "checking each worker's replicas")
+            counts = [count for count, _ in gathered]
             if len(set(counts)) > 1:
                 shown = ", ".join(f"worker {w}: {c}" for w, c in enumerate(counts))
                 raise ValueError(
                     f"Every worker of a MultiWorkerMirroredStrategy needs the same number of local replicas ({shown})."
                 )
+            _check_gpus_not_shared([gpus for _, gpus in gathered], devices)
             ops = CollectiveAllReduce(self._collective, len(devices) * resolver.num_workers)
         else:
             ops = _default_cross_device_ops(devices)
@@ -225,6 +229,35 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         return self._create_distributed_variable(spec, devices)
 
     _module_variable = StrategyExtended._replicated_module_variable
+
+
+def _gpu_identities(devices) -> tuple:
+    """What tells this worker's physical GPUs apart from another process's: each GPU's UUID (two
+    processes see the same GPU under other indices when their ``CUDA_VISIBLE_DEVICES`` differ)."""
+    identities = []
+    for index in sorted({torch_device(d).index for d in devices if d.startswith("cuda")}):
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+        if uuid is None:
+            return ()  # nothing to compare by: NCCL reports a shared GPU itself, at the first collective
+        identities.append(str(uuid))
+    return tuple(identities)
+
+
+def _check_gpus_not_shared(per_worker: list, devices) -> None:
+    """NCCL refuses two ranks on one GPU (at the first collective, in its own words): say so at once, with the fix."""
+    owners: dict = {}
+    for worker, gpus in enumerate(per_worker):
+        for gpu in gpus:
+            owners.setdefault(gpu, []).append(worker)
+    shared = [workers for workers in owners.values() if len(workers) > 1]
+    if shared:
+        raise ValueError(
+            f"Workers {shared[0]} of this MultiWorkerMirroredStrategy use the same GPU (this worker's devices: "
+            f"{list(devices)}), and NCCL needs a GPU of its own for each worker. Give each worker its own GPU "
+            "(torchrun and the SLURM resolver use LOCAL_RANK; a SimpleClusterResolver takes devices=[...]), or pass "
+            "communication_options=CommunicationOptions(implementation=CommunicationImplementation.RING) to "
+            "communicate over gloo, which lets workers share a GPU."
+        )
 
 
 def _check_same(collective, layout, what: str) -> None:

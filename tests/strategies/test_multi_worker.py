@@ -201,3 +201,14 @@ def test_the_implementation_chooses_the_backend():
         backend_for(cpu, "NCCL")
     with pytest.raises(ValueError, match="no collective backend"):
         backend_for(torch.device("meta"))
+
+
+def test_workers_sharing_a_gpu_over_nccl_are_told_the_fix():
+    from replicafit.strategies.multi_worker_mirrored import _check_gpus_not_shared
+
+    _check_gpus_not_shared([("GPU-a",), ("GPU-b",)], ("cuda:0",))  # a GPU each: fine
+    _check_gpus_not_shared([(), ()], ("cpu:0",))  # nothing to compare
+    with pytest.raises(
+        ValueError, match=r"Workers \[0, 2\].*same GPU.*implementation=CommunicationImplementation.RING"
+    ):
+        _check_gpus_not_shared([("GPU-a",), ("GPU-b",), ("GPU-a",)], ("cuda:0",))
