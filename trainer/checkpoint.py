@@ -1,6 +1,7 @@
 """Checkpoint files: written atomically, loadable with ``torch.load(path, weights_only=True)``.
 
-A checkpoint is a plain dict of tensors and Python scalars/containers. It is written to
+A checkpoint is a plain dict of tensors and Python scalars/containers, its tensors in host
+memory (a run on a GPU writes a file that a machine without one loads as it is). It is written to
 a temporary file in the same folder, flushed to disk and renamed over the target, so a
 crash never leaves a half-written file where the last good checkpoint was. The file gets
 the permissions of any other file the user creates (``0o666`` less the umask).
@@ -59,8 +60,10 @@ class CheckpointError(RuntimeError):
 def save(state: dict, path) -> str:
     """Writes ``state`` to ``path`` atomically; returns the path.
 
-    Stale temporary files of interrupted saves in the folder are removed first.
+    Tensors on an accelerator are written as host tensors. Stale temporary files of
+    interrupted saves in the folder are removed first.
     """
+    state = _on_host(state)
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -77,6 +80,23 @@ def save(state: dict, path) -> str:
             os.unlink(temporary)
         raise
     return path
+
+
+def _on_host(value):
+    """``value`` with every tensor in host memory (containers rebuilt only where one moved)."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device.type == "cpu" else value.detach().cpu()
+    if isinstance(value, dict):
+        moved = {key: _on_host(item) for key, item in value.items()}
+        if all(moved[key] is item for key, item in value.items()):
+            return value
+        copy = value.copy()  # keeps the mapping's type (an OrderedDict state dict stays one)
+        copy.update(moved)
+        return copy
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        moved = [_on_host(item) for item in value]
+        return value if all(a is b for a, b in zip(moved, value)) else type(value)(moved)
+    return value
 
 
 def _host_tag() -> str:
