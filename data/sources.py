@@ -139,9 +139,24 @@ class ArrayBatches(_Batched):
         if order is None:
             parts = [leaf[begin:end] for leaf in self._leaves]
         else:
-            index = torch.from_numpy(order[begin:end])
-            parts = [leaf.index_select(0, index) for leaf in self._leaves]
+            parts = [leaf.index_select(0, self._order_on(order, leaf.device)[begin:end]) for leaf in self._leaves]
         return nest.pack_sequence_as(self._structure, parts)
+
+    def _order_on(self, order: np.ndarray, device: torch.device) -> torch.Tensor:
+        """The epoch's order as an index tensor on ``device`` (arrays already on a GPU are gathered
+        there): one copy per epoch and device, asynchronous from pinned memory, not one per batch."""
+        cached = getattr(self, "_orders", None)
+        if cached is None or cached[0] is not order:
+            cached = self._orders = (order, {})
+        index = cached[1].get(device)
+        if index is None:
+            index = torch.from_numpy(order)
+            if device.type == "cuda":
+                index = index.pin_memory().to(device, non_blocking=True)
+            elif device.type != "cpu":
+                index = index.to(device)
+            cached[1][device] = index
+        return index
 
 
 class DatasetBatches(_Batched):
