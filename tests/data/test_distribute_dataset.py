@@ -258,6 +258,7 @@ def test_fetch_to_device_on_the_host(strategy, fetch):
     assert torch.equal(torch.cat(parts), source)
 
 
+@pytest.mark.gpu
 @requires_gpus(1)
 @pytest.mark.parametrize("fetch, device_type", [(True, "cuda"), (False, "cpu")])
 def test_fetch_to_device_with_a_gpu(fetch, device_type):

@@ -72,6 +72,7 @@ def test_strategies_refuse_missing_gpus():
         ds.MirroredStrategy(["GPU:0", "GPU:1"])
 
 
+@pytest.mark.gpu
 @requires_gpus(1)
 def test_gpu_spellings_with_a_gpu():
     assert canonicalize("GPU:0") == "cuda:0"
@@ -115,6 +116,7 @@ def test_mirrored_default_devices_without_gpus():
     assert ds.CentralStorageStrategy().extended.parameter_devices == ("cpu:0",)
 
 
+@pytest.mark.gpu
 @requires_gpus(1)
 def test_mirrored_default_devices_with_gpus():
     expected = tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))

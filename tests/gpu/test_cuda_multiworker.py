@@ -1,0 +1,68 @@
+"""``MultiWorkerMirroredStrategy`` on CUDA: one worker (and NCCL's collectives at world size one),
+and two worker processes sharing the one GPU over gloo (``CommunicationImplementation.RING``), equal
+to ``MirroredStrategy`` over two logical GPUs in one process."""
+
+from __future__ import annotations
+
+import os
+
+import mw_gpu_scenarios as scenarios
+import pytest
+import torch
+from gpu_support import (
+    GPU,
+    GPU_TESTS,
+    GPU_TYPE,
+    assert_close_weights,
+    cuda_determinism,  # noqa: F401 - autouse
+    cuda_only,
+    logical_gpus,
+)
+from multiworker_harness import results, run_workers
+
+import replicafit.strategies as ds
+
+pytestmark = GPU_TESTS
+
+SCENARIOS = scenarios.__file__
+# The workers import gpu_support from this folder.
+ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(SCENARIOS), os.environ.get("PYTHONPATH")]))}
+
+
+def test_one_worker_on_the_gpu_equals_mirrored_on_it():
+    strategy = ds.MultiWorkerMirroredStrategy(cluster_resolver=ds.SimpleClusterResolver(1, 0, devices=[GPU]))
+    assert strategy.extended.worker_devices == (GPU,)
+    got = scenarios.fit_run(strategy)
+    expected = scenarios.fit_run(ds.MirroredStrategy([GPU]))
+    assert got["device"].startswith(GPU_TYPE)
+    assert_close_weights(got["weights"], expected["weights"], rtol=1e-6, atol=1e-7)
+
+
+@cuda_only
+@pytest.mark.timeout(150)
+def test_nccl_collectives_on_cuda_tensors():
+    (got,) = results(run_workers(SCENARIOS, "nccl_collectives", 1, timeout=120, env=ENV))
+    assert got["backend"] == "nccl"
+    assert torch.equal(got["sum"][0], torch.arange(5.0)) and torch.equal(got["sum"][1], torch.ones(3))
+    assert got["gathered_device"].startswith("cuda") and torch.equal(got["gathered"][0], torch.zeros(2, 2))
+    assert torch.equal(got["broadcast"], torch.full((4,), 7.0))
+    assert got["ints"] == [1]
+
+
+@pytest.mark.timeout(180)
+def test_two_workers_share_the_gpu_over_gloo_and_equal_mirrored_over_two_logical_gpus():
+    workers = results(run_workers(SCENARIOS, "fit", 2, timeout=150, env=ENV))
+    with logical_gpus(2) as devices:
+        expected = scenarios.fit_run(ds.MirroredStrategy(devices))
+    for index, got in enumerate(workers):
+        assert got["backend"] == "gloo" and got["device"].startswith(GPU_TYPE)
+        assert_close_weights(got["weights"], expected["weights"], what=f"worker {index}")
+        for key, values in expected["history"].items():
+            assert got["history"][key] == pytest.approx(values, rel=1e-4, abs=1e-6), key
+
+
+@cuda_only
+@pytest.mark.timeout(150)
+def test_two_workers_on_one_gpu_over_nccl_are_told_to_use_ring():
+    for message in results(run_workers(SCENARIOS, "nccl_on_one_gpu", 2, timeout=120, env=ENV)):
+        assert message is not None and "same GPU" in message and "RING" in message
