@@ -15,6 +15,7 @@ import torch
 from conftest import make_strategy
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from replicafit import optimizers
 from replicafit.trainer import Callback, ProgbarLogger, Trainer
 
 
@@ -80,9 +81,18 @@ def test_twenty_steady_steps_read_nothing_back(strategy):
     _fit(strategy, HostReads())
 
 
-@pytest.mark.parametrize("precision, optimizer", [("bf16-mixed", "sgd"), ("32", "rmsprop")])
+def _adamw_with_everything():
+    schedule = optimizers.schedules.CosineDecay(1e-2, decay_steps=100)
+    return optimizers.AdamW(schedule, global_clipnorm=1.0, gradient_accumulation_steps=2, use_ema=True)
+
+
+@pytest.mark.parametrize(
+    "precision, optimizer",
+    [("bf16-mixed", lambda: "sgd"), ("32", lambda: "rmsprop"), ("32", _adamw_with_everything)],
+    ids=["bf16_sgd", "rmsprop", "adamw_schedule_clipping_accumulation_ema"],
+)
 def test_precision_and_optimizers_read_nothing_back(precision, optimizer):
-    _fit("one_device", HostReads(), precision=precision, optimizer=optimizer)
+    _fit("one_device", HostReads(), precision=precision, optimizer=optimizer())
 
 
 class _LeakyTrainer(Trainer):
