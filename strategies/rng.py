@@ -24,7 +24,8 @@ multi-process data loading" notes).
 
 Where the replicas of one worker run on threads side by side (replicas on distinct GPUs; or on
 the CPU with a ``CommunicationOptions`` timeout, ``set_replica_execution("threads")``, or a
-differentiable collective), each GPU's generator is still the replica's own. Replicas on the CPU
+differentiable collective), each GPU's generator is still the replica's own (logical GPUs that share
+one GPU, ``set_logical_device_configuration``, have their draws routed as below). Replicas on the CPU
 have their CPU draws routed to their stream for torch's random functions (``torch.rand*``,
 ``bernoulli``, ``multinomial``, ``normal``, ``randperm``, the in-place ``Tensor`` samplers, the
 dropout family, ``rrelu``, ``gumbel_softmax``, ``scaled_dot_product_attention``): the same draws as
