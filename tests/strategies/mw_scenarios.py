@@ -94,8 +94,10 @@ def _worker(strategy) -> int:
     return strategy.extended._worker_index
 
 
-def basics(rank, num_workers, port, devices=None):
+def basics(rank, num_workers, port, devices=None, staged=False):
     strategy = strategy_for(rank, num_workers, port, devices)
+    if staged:  # the path of CUDA tensors on gloo (RING), forced: gathers go through host memory
+        strategy.extended._collective._staged = True
     result = ops(strategy)
     result["local_results"] = len(strategy.experimental_local_results(strategy.run(lambda: torch.tensor(1.0))))
     result["should_checkpoint"] = strategy.extended.should_checkpoint

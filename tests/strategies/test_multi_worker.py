@@ -45,6 +45,14 @@ def test_two_workers_equal_mirrored_bit_for_bit(two_workers):
 
 
 @pytest.mark.timeout(120)
+def test_gathers_staged_through_the_host_give_the_same_values():
+    """The branch CUDA tensors take on gloo (``CommunicationImplementation.RING``), forced on the CPU."""
+    expected = mw_scenarios.ops(ds.MirroredStrategy(["cpu:0", "cpu:1"]))
+    for worker, got in enumerate(results(run_workers(SCENARIOS, "basics", 2, timeout=90, kwargs={"staged": True}))):
+        _assert_same(expected, got, exact=True, what=f"worker {worker}")
+
+
+@pytest.mark.timeout(120)
 def test_two_workers_local_view(two_workers):
     assert [r["local_results"] for r in two_workers] == [1, 1]
     assert [r["should_checkpoint"] for r in two_workers] == [True, False]

@@ -167,3 +167,37 @@ def test_global_replica_ids_make_worker_streams_distinct():
     finally:
         torch.manual_seed(0)
     assert torch.equal(drawn, _expected(7, 1, 3)[0])
+
+
+def test_replicas_sharing_an_accelerator_generator_on_threads_each_draw_their_own_stream():
+    """Logical GPUs on one GPU share its generator: on threads each draw is routed to the replica's
+    own state. Checked on the CPU by letting the host generator stand for the shared GPU one (the
+    branch a GPU takes, forced)."""
+    import threading
+
+    from replicafit.strategies.rng import ReplicaStreams
+
+    streams = ReplicaStreams((torch.device("cpu"), torch.device("cpu")), 0)
+    streams._accelerators = [torch.default_generator, torch.default_generator]
+    streams._route_cpu, streams._shared = False, [True, True]
+    streams.seed(7)
+    host = torch.default_generator.get_state()
+    barrier, out = threading.Barrier(2), {}
+
+    def replica(r):
+        with streams.on_thread(r):
+            draws = []
+            for _ in range(20):
+                barrier.wait(timeout=10)  # interleave the two replicas' draws
+                draws.append(torch.rand(3))
+            out[r] = torch.stack(draws)
+
+    threads = [threading.Thread(target=replica, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    for r in range(2):
+        expected = torch.rand(20, 3, generator=torch.Generator().manual_seed(replica_seed(7, r)))
+        assert torch.equal(out[r], expected), r
+    assert torch.equal(torch.default_generator.get_state(), host)  # the shared generator is given back
