@@ -148,8 +148,9 @@ def assert_same_weights(got: dict, expected: dict, what: str = "") -> None:
         assert torch.equal(got[name], expected[name]), f"{what} {name} differs"
 
 
-def assert_close_history(got, expected, rtol: float = RTOL, rows: int = 480) -> None:
-    """Losses within ``rtol``; accuracies within one example of ``rows``."""
+def assert_close_history(got, expected, rtol: float = RTOL, rows: int = 120) -> None:
+    """Losses within ``rtol``; accuracies within one example of ``rows`` (the 120 validation rows of
+    the tests' fits: a prediction on the edge may go the other way)."""
     assert got.history.keys() == expected.history.keys()
     for key, values in expected.history.items():
         tolerance = 1.0 / rows + 1e-9 if "accuracy" in key else None
