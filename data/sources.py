@@ -134,6 +134,7 @@ class ArrayBatches(_Batched):
             shapes = [tuple(leaf.shape) for leaf in self._leaves]
             raise ValueError(f"The arrays must share their first (example) dimension; got shapes {shapes}.")
         super().__init__(sizes.pop(), batch_size, shuffle, seed, drop_remainder)
+        self._orders = None  # (the epoch's order, {device: that order as an index tensor there})
 
     def _batch(self, order, begin, end):
         if order is None:
@@ -145,7 +146,7 @@ class ArrayBatches(_Batched):
     def _order_on(self, order: np.ndarray, device: torch.device) -> torch.Tensor:
         """The epoch's order as an index tensor on ``device`` (arrays already on a GPU are gathered
         there): one copy per epoch and device, asynchronous from pinned memory, not one per batch."""
-        cached = getattr(self, "_orders", None)
+        cached = self._orders
         if cached is None or cached[0] is not order:
             cached = self._orders = (order, {})
         index = cached[1].get(device)

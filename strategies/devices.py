@@ -150,13 +150,11 @@ def _physical(device) -> tuple[str, int]:
     """``("cpu", 0)`` or ``("cuda", physical index)`` of a physical device's name."""
     if isinstance(device, torch.device):
         device = device.type if device.index is None else f"{device.type}:{device.index}"
-    text = str(device).strip().lower() if isinstance(device, str) else ""
-    match = _TF_FULL.match(text) or _SHORT.match(text)
-    kind = _TYPE_ALIASES.get(match.group(1)) if match else None
+    kind, index = _parse(device) if isinstance(device, str) else (None, None)
     if kind == "cpu":
         return "cpu", 0
     if kind == "cuda":
-        index = int(match.group(2) or 0)
+        index = index or 0
         if index < _cuda_count():
             return "cuda", index
         raise ValueError(
@@ -164,6 +162,15 @@ def _physical(device) -> tuple[str, int]:
             + (f"CUDA devices cuda:0 ... cuda:{_cuda_count() - 1}." if _cuda_count() else "no CUDA device.")
         )
     raise ValueError(f"Logical devices are configured on a physical 'cpu' or 'cuda:N' device, got {device!r}.")
+
+
+def _parse(spec: str) -> tuple:
+    """``(kind, index or None)`` of a torch or TensorFlow spelling; ``(None, None)`` if it is none."""
+    text = spec.strip().lower()
+    match = _TF_FULL.match(text) or _SHORT.match(text)
+    if match is None or match.group(1) not in _TYPE_ALIASES:
+        return None, None
+    return _TYPE_ALIASES[match.group(1)], None if match.group(2) is None else int(match.group(2))
 
 
 def _mps_available() -> bool:
@@ -199,21 +206,15 @@ def _available_text() -> str:
 
 @functools.lru_cache(maxsize=256)
 def _canonicalize_str(spec: str) -> str:
-    text = spec.strip().lower()
-    match = _TF_FULL.match(text) or _SHORT.match(text)
-    if match is None or match.group(1) not in _TYPE_ALIASES:
+    kind, index = _parse(spec)
+    if kind is None:
         raise ValueError(
             f"Unknown device {spec!r}: expected a torch or TensorFlow device name such as "
             f"'cpu:0', 'cuda:1', 'GPU:0' or '/job:localhost/replica:0/task:0/device:CPU:0'. "
             f"Available devices: {_available_text()}."
         )
-    kind = _TYPE_ALIASES[match.group(1)]
-    if match.group(2) is not None:
-        index = int(match.group(2))
-    elif kind == "cuda" and _cuda_count():
-        index = _logical_gpus().index(torch.cuda.current_device())  # the current GPU (its first logical one)
-    else:
-        index = 0
+    if index is None:  # "cuda": the current GPU (its first logical one); "cpu": cpu:0
+        index = _logical_gpus().index(torch.cuda.current_device()) if kind == "cuda" and _cuda_count() else 0
     limit = {"cpu": _logical_cpus, "cuda": len(_logical_gpus()), "mps": 1 if _mps_available() else 0}[kind]
     if index >= limit:
         raise ValueError(f"Device {spec!r} is not available. Available devices: {_available_text()}.")

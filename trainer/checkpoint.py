@@ -39,6 +39,8 @@ from collections.abc import Mapping
 
 import torch
 
+from replicafit.strategies import nest
+
 __all__ = ["save", "load", "remove_stale_temporary_files", "CheckpointError", "FORMAT", "STALE_AFTER_SECONDS"]
 
 #: The format tag of trainer checkpoints and backups.
@@ -82,21 +84,13 @@ def save(state: dict, path) -> str:
     return path
 
 
-def _on_host(value):
-    """``value`` with every tensor in host memory (containers rebuilt only where one moved)."""
-    if isinstance(value, torch.Tensor):
-        return value if value.device.type == "cpu" else value.detach().cpu()
-    if isinstance(value, dict):
-        moved = {key: _on_host(item) for key, item in value.items()}
-        if all(moved[key] is item for key, item in value.items()):
-            return value
-        copy = value.copy()  # keeps the mapping's type (an OrderedDict state dict stays one)
-        copy.update(moved)
-        return copy
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        moved = [_on_host(item) for item in value]
-        return value if all(a is b for a, b in zip(moved, value)) else type(value)(moved)
-    return value
+def _on_host(state):
+    """``state`` with every tensor in host memory."""
+    return nest.map_structure(lambda leaf: leaf.detach().cpu() if _on_accelerator(leaf) else leaf, state)
+
+
+def _on_accelerator(leaf) -> bool:
+    return isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu"
 
 
 def _host_tag() -> str:
