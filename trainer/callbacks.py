@@ -257,7 +257,7 @@ class ProgbarLogger(Callback):
         self._bar = None
         self._start = 0.0
         self._seen = 0
-        self._drawn = 0.0
+        self._drawn = float("-inf")
 
     def _stream(self):
         return self.stream or sys.stdout
@@ -286,6 +286,7 @@ class ProgbarLogger(Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._start = time.perf_counter()
         self._seen = 0
+        self._drawn = float("-inf")  # each epoch's bar is drawn at its first step, as Keras' Progbar is
         if self.verbose == 1 and self._is_chief:
             stream = self._stream()
             print(f"Epoch {epoch + 1}/{self.params.get('epochs')}", file=stream, flush=True)

@@ -8,7 +8,9 @@ checks it with ``torch.cuda.set_sync_debug_mode("error")`` (tests/gpu/test_cuda_
 from __future__ import annotations
 
 import io
+import time
 import traceback
+import types
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from replicafit import optimizers
 from replicafit.trainer import Callback, ProgbarLogger, Trainer
+from replicafit.trainer import callbacks as callbacks_module
 
 
 class HostReads(TorchDispatchMode):
@@ -121,10 +124,14 @@ class _Terminal(io.StringIO):
         return True
 
 
-@pytest.mark.parametrize("redraw_seconds, reads_per_epoch", [(3600.0, 2), (0.0, 16 + 1)])
-def test_the_progress_bar_reads_the_logs_only_when_it_redraws(monkeypatch, redraw_seconds, reads_per_epoch):
-    """16 steps an epoch: a bar that is never due reads the logs at the epoch's last step only (plus
-    the epoch's own read); one always due reads them every step."""
+@pytest.mark.parametrize("clock", [5.0, 1e6], ids=["fresh-machine", "machine-up-for-days"])
+@pytest.mark.parametrize("redraw_seconds, reads_per_epoch", [(3600.0, 3), (0.0, 16 + 1)])
+def test_the_progress_bar_reads_the_logs_only_when_it_redraws(monkeypatch, clock, redraw_seconds, reads_per_epoch):
+    """16 steps an epoch: a bar that is never due reads the logs at each epoch's first and last steps
+    (plus the epoch's own read), whatever the clock's origin; one always due reads them every step."""
+    frozen = types.SimpleNamespace(**{name: getattr(time, name) for name in dir(time) if not name.startswith("_")})
+    frozen.perf_counter = lambda: clock  # the system-wide clock's origin is the machine's boot
+    monkeypatch.setattr(callbacks_module, "time", frozen)
     reads = []
     original = Trainer._logs
 
