@@ -148,7 +148,7 @@ def worker(rank: int, port: int, args, outdir: str) -> None:
         grads = torch.autograd.grad(loss, [v.value() for v in variables])
         opt_b.apply_gradients(zip(grads, variables))
 
-    overlap = strategy.extended._overlap_gradients
+    overlap = strategy.extended.gradient_step
 
     def step_b(x, y):
         # As Trainer.fit runs its built-in step: gradient buckets started during backward.
@@ -280,7 +280,7 @@ def worker(rank: int, port: int, args, outdir: str) -> None:
     with open(os.path.join(outdir, f"out-{rank}.json.tmp"), "w") as file:
         json.dump(result, file)
     os.replace(os.path.join(outdir, f"out-{rank}.json.tmp"), os.path.join(outdir, f"out-{rank}.json"))
-    strategy.extended._barrier("end")
+    strategy.cluster.barrier("end")
 
 
 # --- the launcher side --------------------------------------------------------------------------

@@ -63,8 +63,8 @@ class InputWorkers:
       worker_index: this worker's index; its replicas are
         ``worker_index * len(devices) ... + len(devices) - 1`` of all replicas.
 
-    The strategy supplies this (``strategy.extended._input_workers()``); tests build one
-    to simulate a worker of a larger job in one process.
+    ``InputWorkers.of(strategy)`` reads them from the strategy's cluster contract
+    (``strategy.cluster``); tests build one to simulate a worker of a larger job in one process.
     """
 
     def __init__(self, devices, num_workers: int = 1, worker_index: int = 0):
@@ -77,15 +77,15 @@ class InputWorkers:
         self.num_replicas_in_sync = self.num_local_replicas * num_workers
         self.first_replica = worker_index * self.num_local_replicas
 
-    # The strategy's ``Collective`` when the workers are processes (per-step input agreement), else None.
-    collective = None
+    # The strategy's cluster contract when the workers are processes (per-step input agreement), else None.
+    cluster = None
 
     @classmethod
     def of(cls, strategy) -> InputWorkers:
-        devices, num_workers, worker_index = strategy.extended._input_workers()
-        workers = cls(devices, num_workers, worker_index)
-        if num_workers > 1:
-            workers.collective = getattr(strategy.extended, "_collective", None)
+        cluster = strategy.cluster
+        workers = cls(strategy.extended.worker_devices, cluster.num_workers, cluster.worker_index)
+        if cluster.num_workers > 1:
+            workers.cluster = cluster
         return workers
 
 
@@ -127,8 +127,8 @@ class _Placer:
         size = options.experimental_per_replica_buffer_size
         if size is None:  # prefetch where there is something to overlap: copies onto accelerators
             size = int(self.fetch and any(d.type != "cpu" for d in self.torch_devices))
-        if workers.collective is not None:
-            # Across workers each step's input is agreed by a collective on the input group; two
+        if workers.cluster is not None:
+            # Across workers each step's input is agreed by a collective on the input channel; two
             # iterators' prefetch threads (training and validation) could interleave theirs.
             size = 0
         self.buffer_size = size
@@ -165,8 +165,8 @@ class _Agreement:
     on every worker without a blocking collective per step; the end itself is agreed at once.
     """
 
-    def __init__(self, collective):
-        self.collective = collective
+    def __init__(self, cluster):
+        self.channel = cluster.input_channel()
         self.pending = None
         self.step = 0
 
@@ -174,20 +174,20 @@ class _Agreement:
         if self.pending is not None:
             finish, step = self.pending
             self.pending = None
-            self._verify(finish()[0], 1, step)
+            self._verify(finish(), 1, step)
 
     def have(self) -> None:
         self.check_pending()
-        self.pending = (self.collective.start_sum_ints([1], "the input agreement"), self.step)
+        self.pending = (self.channel.start_sum(1, "the input agreement"), self.step)
         self.step += 1
 
     def end(self) -> None:
         self.check_pending()
-        total = self.collective.sum_ints([0], "the input agreement (end of data)", group="input")[0]
+        total = self.channel.sum(0, "the input agreement (end of data)")
         self._verify(total, 0, self.step)
 
     def _verify(self, total: int, mine: int, step: int) -> None:
-        workers = self.collective.world_size
+        workers = self.channel.num_workers
         if total not in (0, workers):
             raise RuntimeError(
                 f"The workers' input diverged at step {step}: {total} of {workers} workers had a batch "
@@ -395,7 +395,7 @@ class DistributedDataset:
         length is agreed once, up front, instead of one small collective per step.
         """
         workers, placer = self._workers, self._placer
-        if workers.collective is None:
+        if workers.cluster is None:
 
             def produce():
                 return split_global_batch(next(batches), workers, placer)
@@ -403,7 +403,7 @@ class DistributedDataset:
             return DistributedIterator(produce, self._placer.buffer_size)
         if length is not None:
             return self._iterate_counted(batches, length)
-        agreement = _Agreement(workers.collective)
+        agreement = _Agreement(workers.cluster)
 
         def produce_agreed():
             element = next(batches, _END)
@@ -420,7 +420,7 @@ class DistributedDataset:
         checks that its source yields exactly that many batches (an error ends it, and its peers see
         a ``WorkerFailedError`` at their next collective)."""
         workers, placer = self._workers, self._placer
-        lengths = [part[0] for part in workers.collective.all_gather_ints([length], "the input agreement (lengths)")]
+        lengths = workers.cluster.all_gather(length, "the input agreement (lengths)")
         if len(set(lengths)) > 1:
             shown = ", ".join(f"worker {w}: {n}" for w, n in enumerate(lengths))
             raise RuntimeError(
@@ -505,16 +505,17 @@ class DistributedDatasetsFromFunction:
         placer = self._placer
         per_replica_sources = len(iterators) > 1
 
-        collective = self._workers.collective
+        cluster = self._workers.cluster
+        channel = cluster.input_channel() if cluster is not None else None
         seen = [None]  # this worker's last element: the template of its empty batches
 
         def produce():
             elements = [next(iterators[r] if per_replica_sources else iterators[0], _END) for r in range(count)]
             rows = 0
-            if collective is not None:  # TensorFlow's per-step agreement: stop when every worker is out
+            if channel is not None:  # TensorFlow's per-step agreement: stop when every worker is out
                 mine = sum(1 for e in elements if e is not _END)
                 rows = sum(_batch_size([_as_tensor(v) for v in nest.flatten(e)]) for e in elements if e is not _END)
-                having, rows = collective.sum_ints([int(mine > 0), rows], "the input agreement", group="input")
+                having, rows = channel.sum([int(mine > 0), rows], "the input agreement")
                 if having == 0:
                     raise StopIteration
                 if mine == 0 and seen[0] is None:
@@ -531,7 +532,7 @@ class DistributedDatasetsFromFunction:
             for replica_id, element in enumerate(elements):
                 element = _empty_like(template) if element is _END else element
                 nests.append(nest.map_structure(lambda v, r=replica_id: placer.place(_as_tensor(v), r), element))
-            if collective is not None:
+            if channel is not None:
                 return _Step(placer.group(nests), rows)
             return placer.group(nests)
 

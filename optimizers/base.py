@@ -612,7 +612,7 @@ class Optimizer:
             if spread:
                 grads = [_per_copy(strategy, g, v) for g, v in zip(grads, variables)]
             self._apply_multi_tensor(grads, variables, learning_rate, ema)
-            strategy.extended._after_direct_update(variables)
+            strategy.extended.after_direct_update(variables)
         else:
             if spread and plain:
                 grads = [_per_copy(strategy, g, v) for g, v in zip(grads, variables)]
@@ -926,8 +926,8 @@ class Optimizer:
         count is the saver's, else the total on the first replica (zeros on the others)."""
         pending, self._pending_window = self._pending_window, None
         strategy = self._strategy_of(window.variables)
-        extended = strategy.extended
-        local, total, first = extended._num_local_replicas, strategy.num_replicas_in_sync, extended._replica_id_offset
+        extended, cluster = strategy.extended, strategy.cluster
+        local, total, first = cluster.num_local_replicas, strategy.num_replicas_in_sync, cluster.first_replica_id
         replicas = 1 if window.aggregated else local
         positions = {id(v): i for i, v in enumerate(self._variables)}
         devices = [torch_device(d) for d in extended.worker_devices] or [None]
@@ -1084,7 +1084,7 @@ def _merge_apply(strategy, optimizer, grads, variables, divisor=None):
 
     A gradient that is the very same object on every replica counts once per replica.
     """
-    count = strategy.extended._num_local_replicas  # the components of this worker
+    count = strategy.cluster.num_local_replicas  # the components of this worker
     grads = [g if isinstance(g, ds.DistributedValues) else ds.PerReplica([g] * count) for g in grads]
     reduced = strategy.extended.batch_reduce_to(ds.ReduceOp.SUM, list(zip(grads, variables)))
     return optimizer._apply_aggregated(strategy, reduced, variables, divisor=divisor)

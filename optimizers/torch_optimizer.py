@@ -131,7 +131,7 @@ class TorchOptimizer(Optimizer):
             ema = self._ema_step()
             if ema is not None:
                 self._update_averages(variables, ema)
-        strategy.extended._after_direct_update(variables)
+        strategy.extended.after_direct_update(variables)
         self._count()
         return self.iterations
 

@@ -7,9 +7,24 @@ Example::
     >>> out = strategy.run(lambda: torch.tensor([1.0, 2.0]) * (ds.get_replica_context().replica_id_in_sync_group + 1))
     >>> strategy.reduce("SUM", out, axis=None)
     tensor([3., 6.])
+
+The cluster contract. What a layer above the strategies (the trainer, callbacks, the data layer,
+a user's own callback) may ask about the workers is ``strategy.cluster`` (``cluster.py``):
+``is_chief``, ``num_workers``, ``worker_index``, ``num_local_replicas``, ``first_replica_id``,
+``broadcast(obj)`` from the chief, ``all_gather(obj)``, ``any(flag)``/``all(flag)``, ``sum(ints)``,
+``start_sum(ints)`` (finished later), ``barrier(name)`` and ``input_channel()`` (the same calls on
+a channel of their own, for an input pipeline's thread). In one process it answers without
+communicating; across the processes of a ``MultiWorkerMirroredStrategy`` each call is one small
+collective, bounded by the communication timeout. Nothing outside ``strategies`` reads a
+strategy's private state::
+
+    >>> cluster = strategy.cluster
+    >>> cluster.is_chief, cluster.num_workers, cluster.all_gather("mine"), cluster.any(False)
+    (True, 1, ['mine'], False)
 """
 
 from .central_storage import CentralStorageStrategy
+from .cluster import Cluster, CollectiveCluster
 from .cluster_resolver import (
     ClusterResolver,
     SimpleClusterResolver,
@@ -66,7 +81,9 @@ from .variables import (
 __all__ = [
     "CentralStorageStrategy",
     "CentralStorageVariable",
+    "Cluster",
     "ClusterResolver",
+    "CollectiveCluster",
     "CollectiveAllReduce",
     "CommunicationImplementation",
     "CommunicationOptions",

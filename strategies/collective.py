@@ -251,16 +251,16 @@ class Collective:
             self.operations += 1
 
     # --- control collectives (host, gloo) ----------------------------------------------------
-    def all_gather_object(self, obj, what: str) -> list:
+    def all_gather_object(self, obj, what: str, group: str = "control") -> list:
         with self._guard(what):
             out = [None] * self.world_size
-            dist.all_gather_object(out, obj, group=self.control_group)
+            dist.all_gather_object(out, obj, group=getattr(self, f"{group}_group"))
             return out
 
-    def broadcast_object(self, obj, what: str):
+    def broadcast_object(self, obj, what: str, group: str = "control"):
         with self._guard(what):
             box = [obj]
-            dist.broadcast_object_list(box, src=0, group=self.control_group)
+            dist.broadcast_object_list(box, src=0, group=getattr(self, f"{group}_group"))
             return box[0]
 
     def all_gather_ints(self, values: list, what: str) -> list:
@@ -292,11 +292,11 @@ class Collective:
 
         return finish
 
-    def barrier(self, what: str) -> None:
+    def barrier(self, what: str, group: str = "control") -> None:
         """Waits for every worker; a missing one is named (gloo's monitored barrier)."""
         with self._guard(what):
             timeout = self.timeout or datetime.timedelta(minutes=30)
-            dist.monitored_barrier(group=self.control_group, timeout=timeout, wait_all_ranks=True)
+            dist.monitored_barrier(group=getattr(self, f"{group}_group"), timeout=timeout, wait_all_ranks=True)
 
     def destroy(self) -> None:
         """Leaves the cluster (at interpreter exit; a failed group is left as it is)."""

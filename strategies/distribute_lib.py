@@ -25,6 +25,7 @@ from collections.abc import Mapping
 import torch
 
 from . import context, nest
+from .cluster import Cluster
 from .cross_device_ops import CrossDeviceOps, ReductionToOneDevice, component_tensors, destination_devices
 from .devices import default_device, torch_device
 from .reduce_util import CommunicationOptions, ReduceOp, VariableSynchronization, as_reduce_op
@@ -203,36 +204,35 @@ class StrategyExtended:
         """The sizes of every replica of every worker, given this worker's (a collective across workers)."""
         return sizes
 
-    def _global_count(self, count: int) -> int:
-        """``count`` summed over the workers (a collective across workers)."""
-        return count
-
-    def _all_gather_object(self, obj) -> list:
-        """Every worker's ``obj`` in worker order (picklable; a collective across workers)."""
-        return [obj]
-
-    def _broadcast_object(self, obj):
-        """Worker 0's ``obj`` on every worker (picklable; a collective across workers)."""
-        return obj
-
-    def _agree(self, flag: bool) -> bool:
-        """Whether ``flag`` is true on any worker (a collective across workers)."""
-        return bool(flag)
+    @property
+    def cluster(self) -> Cluster:
+        """The cluster contract (``cluster.py``): what a layer above may ask about the workers.
+        One process here: a cluster of one, no communication."""
+        cluster = self.__dict__.get("_cluster")
+        if cluster is None:
+            cluster = self.__dict__.setdefault("_cluster", Cluster(self._num_local_replicas))
+        return cluster
 
     def _from_first_worker(self, value):
         """Worker 0's ``value`` (a tensor or number of the same shape on every worker; a collective)."""
         return value
 
-    def _overlap_gradients(self, variables):
+    def gradient_step(self, variables):
         """A context for one training step whose gradients of ``variables`` may be reduced while
-        backward runs (across workers; here nothing to overlap)."""
+        backward runs: across workers they are all-reduced in buckets started during backward
+        (``buckets.py``) and the step's ``batch_reduce_to`` finds them done; in one process there is
+        nothing to overlap. The trainer's built-in step uses it.
+
+        Example::
+
+            with strategy.extended.gradient_step(trainable_variables):
+                strategy.run(train_step, args=(batch,))
+        """
         return contextlib.nullcontext()
 
-    def _release_gradient_buckets(self) -> None:
-        """Drops what ``_overlap_gradients`` built (the hooks on the model's parameters)."""
-
-    def _barrier(self, name: str) -> None:
-        """Waits until every worker reaches the barrier ``name`` (bounded by the timeout)."""
+    def release_gradient_hooks(self) -> None:
+        """Drops what ``gradient_step`` built (the hooks on the model's parameters), e.g. when a
+        fit ends."""
 
     def _as_local_replicas(self, value):
         """``value`` as a distributed value of this worker's replicas where a plain value is
@@ -242,9 +242,18 @@ class StrategyExtended:
     def _sync_module_state(self, module: torch.nn.Module) -> None:
         """Makes ``module``'s parameters and buffers worker 0's (before replication)."""
 
-    def _input_workers(self) -> tuple:
-        """``(this worker's replica devices, number of workers, this worker's index)`` for the data layer."""
-        return self.worker_devices, 1, 0
+    @property
+    def replica_streams(self) -> ReplicaStreams | None:
+        """This worker's replicas' random streams (``rng.py``: seeded from a seed and the global
+        replica id, saved in checkpoints); None for the default strategy, whose one replica draws from
+        torch's global generator as plain torch code does.
+
+        Example::
+
+            strategy.extended.replica_streams.seed(42)
+            saved = strategy.extended.replica_streams.state_dict()
+        """
+        return self._replica_streams
 
     @property
     def _replica_streams(self) -> ReplicaStreams | None:
@@ -399,10 +408,15 @@ class StrategyExtended:
         grouped = regroup(updates, wrap_class=Mirrored, devices=devices)
         return grouped if group else nest.map_structure(local_results, grouped)
 
-    def _after_direct_update(self, variables) -> None:
-        """Called after code wrote the copies of ``variables`` directly (multi-tensor updates).
+    def after_direct_update(self, variables) -> None:
+        """Call after writing the copies of ``variables`` directly instead of through ``update``
+        (a multi-tensor update writes every copy in one ``torch._foreach_*`` call): keeps what
+        ``update`` keeps, e.g. ``CentralStorageStrategy``'s variables refresh their replicas' copies.
 
-        Keeps what ``update`` keeps: e.g. central variables refresh their replicas' copies.
+        Example::
+
+            torch._foreach_add_(copies, deltas)
+            strategy.extended.after_direct_update(variables)
         """
         for variable in variables:
             if variable._after_update is not None:
@@ -583,6 +597,22 @@ class Strategy:
         """How many replicas take part in every reduction (all workers)."""
         return self._extended._num_replicas_in_sync
 
+    @property
+    def cluster(self) -> Cluster:
+        """The cluster contract: whether this worker is the chief, how many workers and which one
+        this is; broadcast from the chief, gather from every worker, agree on a flag or a sum, a
+        barrier (``cluster.py``). A cluster of one (no communication) except across the processes of
+        a ``MultiWorkerMirroredStrategy``. Not in TensorFlow, whose layers above read the cluster
+        resolver and the strategy's internals.
+
+        Example::
+
+            if strategy.cluster.is_chief:
+                save(model)
+            strategy.cluster.barrier("saved")
+        """
+        return self._extended.cluster
+
     def scope(self):
         """Enters this strategy's cross-replica context; variables made inside are distributed.
 
@@ -687,7 +717,7 @@ class Strategy:
         if op is ReduceOp.SUM:
             return total
         if distributed:
-            elements = self._extended._global_count(sum(t.shape[axis] for t in tensors))
+            elements = self._extended.cluster.sum(sum(t.shape[axis] for t in tensors), "reduce (the global row count)")
         else:
             elements = tensors[0].shape[axis] * count
         return total / elements

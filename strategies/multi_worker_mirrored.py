@@ -28,6 +28,7 @@ import pickle
 import torch
 
 from .buckets import GradientBuckets
+from .cluster import Cluster, CollectiveCluster
 from .cluster_resolver import ClusterResolver, resolve_cluster
 from .collective import Collective, WorkerFailedError
 from .cross_device_ops import CollectiveAllReduce, _broadcast, destination_devices
@@ -89,9 +90,6 @@ class MultiWorkerMirroredExtended(StrategyExtended):
     def _num_replicas_in_sync(self) -> int:
         return len(self._worker_devices) * self._num_workers
 
-    def _input_workers(self) -> tuple:
-        return self.worker_devices, self._num_workers, self._worker_index
-
     @property
     def should_checkpoint(self) -> bool:
         """Whether this worker writes files: the chief (worker 0) only."""
@@ -113,7 +111,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
     def _in_multi_worker_mode(self) -> bool:
         return self._num_workers > 1
 
-    def _overlap_gradients(self, variables):
+    def gradient_step(self, variables):
         """A training step whose gradients of ``variables`` are all-reduced in buckets started
         during backward (``buckets.py``), consumed by the step's ``batch_reduce_to``. With
         ``overlap_gradients = False`` the step reduces through the same buckets after backward."""
@@ -121,7 +119,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             return contextlib.nullcontext()
         buckets = self._grad_buckets
         if buckets is None or not buckets.matches(variables):
-            self._release_gradient_buckets()
+            self.release_gradient_hooks()
             bytes_per_bucket = self._options.bytes_per_pack or 0
             buckets = GradientBuckets(self._collective, variables, len(self._worker_devices), bytes_per_bucket)
             self._grad_buckets = buckets
@@ -140,7 +138,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         self._grad_step = None
         buckets.disarm()
 
-    def _release_gradient_buckets(self) -> None:
+    def release_gradient_hooks(self) -> None:
         if self._grad_buckets is not None:
             self._grad_buckets.remove()
             self._grad_buckets = None
@@ -175,29 +173,16 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         parts = self._collective.all_gather_ints(list(sizes), "all_gather (sizes)")
         return tuple(int(s) for part in parts for s in part)
 
-    def _global_count(self, count: int) -> int:
-        if self._collective is None:
-            return count
-        return self._collective.sum_ints([count], "reduce (the global row count)")[0]
-
-    def _all_gather_object(self, obj) -> list:
-        if self._collective is None:
-            return [obj]
-        return self._collective.all_gather_object(obj, "gathering an object from every worker")
-
-    def _broadcast_object(self, obj):
-        if self._collective is None:
-            return obj
-        return self._collective.broadcast_object(obj, "broadcasting worker 0's value")
-
-    def _agree(self, flag: bool) -> bool:
-        if self._collective is None:
-            return bool(flag)
-        return self._collective.sum_ints([int(bool(flag))], "agreeing on a flag")[0] > 0
-
-    def _barrier(self, name: str) -> None:
-        if self._collective is not None:
-            self._collective.barrier(f"barrier {name!r}")
+    @property
+    def cluster(self) -> Cluster:
+        """The workers of this strategy: one collective each call (``cluster.py``), or a cluster of
+        one when this strategy is one worker."""
+        cluster = self.__dict__.get("_cluster")
+        if cluster is None:
+            local = len(self._worker_devices)
+            made = Cluster(local) if self._collective is None else CollectiveCluster(self._collective, local)
+            cluster = self.__dict__.setdefault("_cluster", made)
+        return cluster
 
     def _from_first_worker(self, value):
         if self._collective is None:

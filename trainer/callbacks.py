@@ -798,7 +798,7 @@ class BackupAndRestore(_Periodic):
     def on_train_begin(self, logs=None):
         self._steps = 0
         # The chief decides whether to resume, for every worker (file systems may disagree on exists()).
-        if self.trainer.strategy.extended._broadcast_object(os.path.exists(self.path)):
+        if self.trainer.strategy.cluster.broadcast(os.path.exists(self.path)):
             self.trainer._restore_training_state(checkpoint.load(self.path, kind="backup"), self.path)
 
     def _on_step(self, epoch, batch, logs):

@@ -260,7 +260,7 @@ def _launch(args) -> int:
 
 def _agreed(strategy, run_dir: str) -> str:
     """Worker 0's run directory on every worker (under torchrun each worker stamps its own time)."""
-    return strategy.extended._broadcast_object(run_dir)  # identity on single-process strategies
+    return strategy.cluster.broadcast(run_dir)  # identity on single-process strategies
 
 
 def _fit(args) -> int:

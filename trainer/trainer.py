@@ -357,17 +357,18 @@ class Trainer:
     def _set_global_batch(self, batch) -> None:
         first = nest.flatten(batch)[0]
         rows = sum(t.shape[0] for t in self.strategy.experimental_local_results(first))
-        if self.strategy.extended._num_workers > 1:  # every worker's rows: the data layer knows them
-            rows = getattr(self._cursor, "global_batch_size", None) or self.strategy.extended._global_count(rows)
+        cluster = self.strategy.cluster
+        if cluster.num_workers > 1:  # every worker's rows: the data layer knows them
+            known = getattr(self._cursor, "global_batch_size", None)
+            rows = known or cluster.sum(rows, "reduce (the global row count)")
         self._global_batch = max(1, rows)
 
     def _chief_write(self, what: str, write, default=None):
         """``write()`` on the chief only (the one worker that writes files), then every worker waits
         for it, so none races ahead of a file being written. Returns ``write()``'s result (``default``
         elsewhere)."""
-        extended = self.strategy.extended
-        result = write() if extended.should_checkpoint else default
-        extended._barrier(what)
+        result = write() if self.strategy.extended.should_checkpoint else default
+        self.strategy.cluster.barrier(what)
         return result
 
     # --- data --------------------------------------------------------------------------------
@@ -441,14 +442,15 @@ class Trainer:
             torch.manual_seed(self.seed)
         self._data_seed = self.seed if self.seed is not None else random.randrange(2**31)
         # Every worker must shuffle alike: a seed drawn per process would train on other rows.
-        self._data_seed = self.strategy.extended._broadcast_object(self._data_seed)
-        if self.seed is None and self.strategy.extended._num_workers > 1:
+        cluster = self.strategy.cluster
+        self._data_seed = cluster.broadcast(self._data_seed)
+        if self.seed is None and cluster.num_workers > 1:
             # torch's generator too (a DataLoader's shuffle draws from it): the chief's on every
             # worker, as a seed would make it.
-            torch.set_rng_state(self.strategy.extended._broadcast_object(torch.get_rng_state()))
+            torch.set_rng_state(cluster.broadcast(torch.get_rng_state()))
         # Each replica's own random stream (dropout...), from (seed, global replica id); a checkpoint
         # loaded before a seedless fit keeps the streams it held, as it keeps torch's generator.
-        streams = self.strategy.extended._replica_streams
+        streams = self.strategy.extended.replica_streams
         if streams is not None and (self.seed is not None or not self._replica_rng_loaded):
             streams.seed(self._data_seed)
         self._replica_rng_loaded = False
@@ -466,7 +468,7 @@ class Trainer:
         history = callbacks_module.History()
         verbose_level = callbacks_module.resolve_verbose(verbose)
         # "auto" depends on each process's terminal; the per-step work must not (chief decides).
-        verbose_level = self.strategy.extended._broadcast_object(verbose_level)
+        verbose_level = cluster.broadcast(verbose_level)
         cbs = list(callbacks or []) + [history]  # History last, as in Keras: it sees what callbacks add to logs
         if verbose_level:
             cbs.append(callbacks_module.ProgbarLogger(verbose_level))
@@ -489,17 +491,17 @@ class Trainer:
         batch_logs = callback_list.wants_batch_logs["on_train_batch_end"]
         extended = self.strategy.extended
         # Reading the logs is a collective across workers: every worker reads them, or none.
-        agree_logs = extended._num_workers > 1
-        batch_logs = extended._agree(batch_logs) if agree_logs else batch_logs
+        agree_logs = cluster.num_workers > 1
+        batch_logs = cluster.any(batch_logs) if agree_logs else batch_logs
         # Logs are global, so built-in callbacks decide alike on every worker; a user's callback
         # might not (in any hook), so its stop_training is agreed after every step.
-        agree_each_step = extended._num_workers > 1 and callbacks_module.may_stop_training_alone(callback_list)
+        agree_each_step = cluster.num_workers > 1 and callbacks_module.may_stop_training_alone(callback_list)
         # The built-in step applies its gradients once: across workers they can be reduced in buckets
         # started during backward (a custom train_step reduces after backward). An accumulating
         # optimizer reduces once per window, after the window's last backward.
         accumulating = bool(getattr(self.optimizer, "gradient_accumulation_steps", None))
         builtin_step = type(self).train_step is Trainer.train_step
-        overlap = extended._overlap_gradients if builtin_step and not accumulating else None
+        overlap = extended.gradient_step if builtin_step and not accumulating else None
         logs: dict = {}
         try:
             for epoch in range(start_epoch, epochs):
@@ -534,7 +536,7 @@ class Trainer:
                     read = batch_logs and (agree_logs or callback_list.wants_logs_now("on_train_batch_end"))
                     callback_list.call("on_train_batch_end", step - 1, self._logs() if read else {})
                     if agree_each_step:
-                        self.stop_training = extended._agree(self.stop_training)
+                        self.stop_training = cluster.any(self.stop_training)
                     if self.stop_training:
                         break
                 if accumulating:  # a partial window is applied, not dropped
@@ -553,13 +555,13 @@ class Trainer:
                     )
                     logs.update({f"val_{k}": v for k, v in val_logs.items()})
                 callback_list.call("on_epoch_end", epoch, logs)
-                if extended._num_workers > 1:  # a callback on any worker stops every worker
-                    self.stop_training = extended._agree(self.stop_training)
+                if cluster.num_workers > 1:  # a callback on any worker stops every worker
+                    self.stop_training = cluster.any(self.stop_training)
                 if self.stop_training:
                     break
         finally:
             cursor.close()
-            extended._release_gradient_buckets()  # the model's parameters keep no hooks of ours
+            extended.release_gradient_hooks()  # the model's parameters keep no hooks of ours
             if accumulating:
                 self.optimizer._step_weight = 1.0  # a loop of one's own after fit weighs its steps alike
         if getattr(self.optimizer, "use_ema", False):  # as Keras' fit: the model ends with the averages
@@ -751,7 +753,7 @@ class Trainer:
                 if steps is not None and index >= steps:
                     break
                 result = self.strategy.run(self.predict_step, args=(batch,))
-                if self.strategy.extended._num_workers > 1:  # every worker's rows, in input order
+                if self.strategy.cluster.num_workers > 1:  # every worker's rows, in input order
                     outputs.append(self.strategy.gather(result, axis=0))
                 else:
                     outputs.extend(self.strategy.experimental_local_results(result))
@@ -891,30 +893,29 @@ class Trainer:
         """``optimizer.state_dict()``, with an open accumulation window's sums of every worker's replicas."""
         state = self.optimizer.state_dict()
         window = state.get("accumulation")
-        extended = self.strategy.extended
-        if window is not None and extended._num_workers > 1 and not window["aggregated"]:
-            parts = extended._all_gather_object(window["gradients"])  # every worker's replicas, in order
+        cluster = self.strategy.cluster
+        if window is not None and cluster.num_workers > 1 and not window["aggregated"]:
+            parts = cluster.all_gather(window["gradients"])  # every worker's replicas, in order
             window = dict(window, gradients={key: [t for part in parts for t in part[key]] for key in parts[0]})
             state = dict(state, accumulation=window)
         return state
 
     def _worker_rng_states(self) -> dict:
         """``{"worker_rng": [every worker's generator state]}`` across workers (each resumes its own), else ``{}``."""
-        extended = self.strategy.extended
-        if extended._num_workers == 1:
+        cluster = self.strategy.cluster
+        if cluster.num_workers == 1:
             return {}
-        return {"worker_rng": extended._all_gather_object(torch.get_rng_state())}
+        return {"worker_rng": cluster.all_gather(torch.get_rng_state())}
 
     def _replica_rng_states(self) -> dict:
         """``{"replica_rng": {"seed", "cpu": [...], "gpu": [...]}}``: every replica's random stream in global
         replica order (gathered across workers); ``{}`` under the default strategy (torch's generator is in "rng")."""
-        extended = self.strategy.extended
-        streams = extended._replica_streams
+        streams, cluster = self.strategy.extended.replica_streams, self.strategy.cluster
         if streams is None:
             return {}
         own = streams.state_dict()
-        if extended._num_workers > 1:
-            parts = extended._all_gather_object(own)
+        if cluster.num_workers > 1:
+            parts = cluster.all_gather(own)
             own = {
                 "seed": parts[0]["seed"],
                 "cpu": [s for part in parts for s in part["cpu"]],
@@ -926,11 +927,11 @@ class Trainer:
         """Puts the saved streams of this worker's replicas back (True), when the file has them. Saved by a
         strategy with another number of replicas, they cannot continue: the streams are seeded anew from
         the saved seed and ``position`` (epoch, step), so they do not repeat the start of the run."""
-        extended = self.strategy.extended
-        streams, saved = extended._replica_streams, state.get("replica_rng")
+        streams, saved = self.strategy.extended.replica_streams, state.get("replica_rng")
         if streams is None or not saved:
             return False
-        first, local = extended._replica_id_offset, extended._num_local_replicas
+        cluster = self.strategy.cluster
+        first, local = cluster.first_replica_id, cluster.num_local_replicas
         if len(saved["cpu"]) == self.strategy.num_replicas_in_sync:
             part = slice(first, first + local)
             streams.load_state_dict({"seed": saved["seed"], "cpu": saved["cpu"][part], "gpu": saved["gpu"][part]})
@@ -953,7 +954,7 @@ class Trainer:
         source = self._cursor.source
         if hasattr(source, "seed"):
             source.seed = self._data_seed
-        torch.set_rng_state(_own_rng_state(state, self.strategy.extended))
+        torch.set_rng_state(_own_rng_state(state, self.strategy.cluster))
         self._restore_replica_rng(state, (state["epoch"], state["step"]))
         self._resume = {
             "epoch": state["epoch"],
@@ -1003,12 +1004,12 @@ class Trainer:
             for metric in self._all_metrics()
             for name, variable in metric._states.items()
         }
-        parts = self.strategy.extended._all_gather_object(states)  # every worker's replicas, in order
+        parts = self.strategy.cluster.all_gather(states)  # every worker's replicas, in order
         return {key: [t for part in parts for t in part[key]] for key in states}
 
     def _restore_metric_replicas(self, replicas: dict) -> None:
-        extended = self.strategy.extended
-        first, count = extended._replica_id_offset, extended._num_local_replicas
+        cluster = self.strategy.cluster
+        first, count = cluster.first_replica_id, cluster.num_local_replicas
         for metric in self._all_metrics():
             for name, variable in metric._states.items():
                 saved = replicas.get(f"{metric.name}/{name}")
@@ -1068,11 +1069,11 @@ def _metric_variables(metrics) -> list:
     return [variable for metric in metrics for variable in metric._states.values()]
 
 
-def _own_rng_state(state: dict, extended):
+def _own_rng_state(state: dict, cluster):
     """This worker's generator state in a backup (the chief's where the backup has no entry for it)."""
     states = state.get("worker_rng")
-    if isinstance(states, (list, tuple)) and len(states) == extended._num_workers:
-        own = states[extended._worker_index]
+    if isinstance(states, (list, tuple)) and len(states) == cluster.num_workers:
+        own = states[cluster.worker_index]
         if isinstance(own, torch.Tensor):
             return own
     return state["rng"]

@@ -91,7 +91,7 @@ def ops(strategy) -> dict:
 
 
 def _worker(strategy) -> int:
-    return strategy.extended._worker_index
+    return strategy.cluster.worker_index
 
 
 def basics(rank, num_workers, port, devices=None, staged=False):
@@ -102,7 +102,7 @@ def basics(rank, num_workers, port, devices=None, staged=False):
     result["local_results"] = len(strategy.experimental_local_results(strategy.run(lambda: torch.tensor(1.0))))
     result["should_checkpoint"] = strategy.extended.should_checkpoint
     result["repr"] = repr(strategy)
-    strategy.extended._barrier("end")
+    strategy.cluster.barrier("end")
     return result
 
 
@@ -112,7 +112,7 @@ def module_broadcast(rank, num_workers, port):
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     dm = strategy.distribute_module(model)
     state = {k: v.clone() for k, v in dm.state_dict().items()}
-    strategy.extended._barrier("end")
+    strategy.cluster.barrier("end")
     return state
 
 
@@ -141,3 +141,32 @@ def stuck_or_killed(rank, num_workers, port, mode="sleep", timeout=2.0):
         except ds.WorkerFailedError as error:
             return {"step": step, "waited": time.monotonic() - start, "message": str(error)}
     return {"step": None}
+
+
+def cluster_contract(rank, num_workers, port, stop_at=None):
+    """Every call of the cluster contract, with answers that differ by worker; ``stop_at``: the
+    worker with that index never reaches the barrier (the others must fail, naming it)."""
+    strategy = strategy_for(rank, num_workers, port, timeout=5.0)
+    cluster = strategy.cluster
+    out = {
+        "facts": (cluster.is_chief, cluster.num_workers, cluster.worker_index),
+        "replicas": (cluster.num_local_replicas, cluster.first_replica_id),
+        "broadcast": cluster.broadcast({"from": rank}),
+        "all_gather": cluster.all_gather(("worker", rank)),
+        "any_one": cluster.any(rank == num_workers - 1),
+        "all_one": cluster.all(rank == num_workers - 1),
+        "all_every": cluster.all(True),
+        "any_none": cluster.any(False),
+        "sum": cluster.sum(rank + 1),
+        "sum_list": cluster.sum([1, rank]),
+    }
+    channel = cluster.input_channel()
+    finish = channel.start_sum([rank, 10])  # in flight while the control channel is used
+    out["broadcast_while_started"] = cluster.broadcast(rank)
+    out["start_sum"] = finish()
+    out["input_all_gather"] = channel.all_gather(rank)
+    if stop_at == rank:
+        time.sleep(30)  # never arrives: its peers' barrier times out
+        return out
+    cluster.barrier("end of the contract")
+    return out

@@ -137,7 +137,7 @@ def test_the_environment_decides_without_a_resolver(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TF_CONFIG"):
         monkeypatch.delenv(name, raising=False)
     strategy = ds.MultiWorkerMirroredStrategy()
-    assert strategy.extended._num_workers == 1
+    assert strategy.cluster.num_workers == 1
     assert strategy.extended.worker_devices == ("cpu:0",)
 
 
@@ -169,7 +169,7 @@ for step in range(10):
         os.kill(os.getpid(), 9)
     finish = collective.start_sum_ints([1], "the input agreement")  # left pending by the failure below
     try:
-        strategy.extended._agree(False)
+        strategy.cluster.any(False)
     except ds.WorkerFailedError as error:  # the error keeps the failed collective's frames alive until exit
         print(error, file=sys.stderr)
         sys.exit(1)

@@ -92,11 +92,11 @@ def transformed(rank, num_workers, port, overlap=True, scale_on=(1,), flag_on_ho
         optimizer.apply_gradients(zip(grads, variables))
 
     for _ in range(3):
-        with strategy.extended._overlap_gradients(variables):
+        with strategy.extended.gradient_step(variables):
             strategy.run(step)
         redone.append(strategy.extended._grad_buckets.redone)
     buckets = strategy.extended._grad_buckets
     reduced = sum(b.buffer.numel() for b in buckets._buckets)  # with the flag element when it rides in a bucket
-    strategy.extended._release_gradient_buckets()
+    strategy.extended.release_gradient_hooks()
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     return {"weights": weights, "redone": redone, "extra": reduced - sum(w.numel() for w in weights.values())}

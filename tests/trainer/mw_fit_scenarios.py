@@ -152,7 +152,7 @@ class StopOnOneWorker(callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.steps += 1
-        if self.trainer.strategy.extended._worker_index == self.worker and self.steps == self.at_step:
+        if self.trainer.strategy.cluster.worker_index == self.worker and self.steps == self.at_step:
             self.trainer.stop_training = True
 
 
@@ -185,7 +185,7 @@ class KillAt(callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         trainer = self.trainer
         if (
-            trainer.strategy.extended._worker_index == self.worker
+            trainer.strategy.cluster.worker_index == self.worker
             and int(trainer.optimizer.iterations) == self.step
             and not os.path.exists(self.marker)
         ):
@@ -243,7 +243,7 @@ class StopAtEpochBegin(callbacks.Callback):
         self.worker, self.epoch = worker, epoch
 
     def on_epoch_begin(self, epoch, logs=None):
-        if self.trainer.strategy.extended._worker_index == self.worker and epoch == self.epoch:
+        if self.trainer.strategy.cluster.worker_index == self.worker and epoch == self.epoch:
             self.trainer.stop_training = True
 
 
