@@ -388,6 +388,16 @@ class DistributedDataset:
     def __iter__(self) -> DistributedIterator:
         return self.iterate(iter(self._dataset), _length_of(self._dataset))
 
+    def __len__(self) -> int:
+        length = _length_of(self._dataset)
+        if length is None:
+            raise TypeError(
+                f"len() of a distributed dataset is its source's number of global batches, and the source "
+                f"({type(self._dataset).__name__}) has no len(): count its batches yourself or give a sized source "
+                "(a list, a DataLoader of a map-style dataset)."
+            )
+        return length
+
     def iterate(self, batches, length: int | None = None) -> DistributedIterator:
         """Distributes the global batches of the iterator ``batches`` (e.g. a resumed epoch).
 
@@ -456,9 +466,6 @@ def _length_of(dataset) -> int | None:
         return len(dataset)
     except TypeError:  # no __len__ (a generator, an iterable dataset)
         return None
-
-    def __len__(self) -> int:
-        return len(self._dataset)
 
 
 def _empty_like(element):

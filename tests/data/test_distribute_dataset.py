@@ -473,3 +473,14 @@ def test_make_strategy_helper_is_consistent():
         strategy = make_strategy(name)
         steps = steps_as_lists(strategy, strategy.experimental_distribute_dataset([torch.arange(3)]))
         assert steps == [[list(range(3))[r[0] : r[-1] + 1] if r else [] for r in reference_split(3, n)]]
+
+
+def test_len_is_the_sources_number_of_global_batches(multi_strategy):
+    """The docstring promised it; the method once sat unreachable after a return."""
+    batches = [torch.randn(4, 3) for _ in range(5)]
+    assert len(multi_strategy.experimental_distribute_dataset(batches)) == 5
+    loader = DataLoader(TensorDataset(torch.randn(10, 3)), batch_size=4)
+    assert len(multi_strategy.experimental_distribute_dataset(loader)) == 3
+    unsized = multi_strategy.experimental_distribute_dataset(b for b in batches)
+    with pytest.raises(TypeError, match=r"has no len\(\)"):
+        len(unsized)
