@@ -22,7 +22,7 @@ from .input_lib import (
     split_sizes,
 )
 from .options import InputContext, InputOptions, InputReplicationMode
-from .sources import ArrayBatches, DatasetBatches, as_global_batches, epoch_permutation
+from .sources import ArrayBatches, DatasetBatches, as_global_batches, as_tensor, epoch_permutation, is_array_nest
 
 __all__ = [
     "ArrayBatches",
@@ -36,8 +36,10 @@ __all__ = [
     "InputWorkers",
     "NumpyDataset",
     "as_global_batches",
+    "as_tensor",
     "datasets",
     "epoch_permutation",
+    "is_array_nest",
     "make_v1_iterator",
     "split_global_batch",
     "split_sizes",

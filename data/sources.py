@@ -30,7 +30,7 @@ import torch
 
 from replicafit.strategies import nest
 
-__all__ = ["as_global_batches", "ArrayBatches", "DatasetBatches", "epoch_permutation"]
+__all__ = ["as_global_batches", "as_tensor", "ArrayBatches", "DatasetBatches", "epoch_permutation", "is_array_nest"]
 
 DEFAULT_BATCH_SIZE = 32  # Keras' default for arrays
 
@@ -39,15 +39,6 @@ def epoch_permutation(size: int, seed: int | None, epoch: int) -> np.ndarray:
     """The order of ``size`` examples in ``epoch``: a permutation fixed by ``(seed, epoch)``."""
     rng = np.random.default_rng(None if seed is None else [int(seed), int(epoch)])
     return rng.permutation(size)
-
-
-def _leaf_tensor(leaf) -> torch.Tensor:
-    if isinstance(leaf, torch.Tensor):
-        return leaf
-    array = np.asarray(leaf)
-    if array.dtype == object:
-        raise ValueError(f"Array leaves must hold numbers, got an object array from {type(leaf).__name__}.")
-    return torch.from_numpy(np.ascontiguousarray(array))
 
 
 def _check_batch_size(batch_size) -> int:
@@ -128,7 +119,7 @@ class ArrayBatches(_Batched):
         drop_remainder: bool = False,
     ):
         self._structure = arrays
-        self._leaves = [_leaf_tensor(leaf) for leaf in nest.flatten(arrays)]
+        self._leaves = [as_tensor(leaf) for leaf in nest.flatten(arrays)]
         sizes = {leaf.shape[0] if leaf.dim() else None for leaf in self._leaves}
         if None in sizes or len(sizes) != 1:
             shapes = [tuple(leaf.shape) for leaf in self._leaves]
@@ -187,12 +178,41 @@ class DatasetBatches(_Batched):
         return self.collate_fn([self.dataset[i] for i in indices])
 
 
-def _is_array_nest(source) -> bool:
-    if isinstance(source, (torch.Tensor, np.ndarray)):
+def is_array_nest(value) -> bool:
+    """Whether ``value`` is in-memory data as ``as_global_batches`` reads it: a NumPy array or
+    tensor, alone or in (nested) tuples and mappings, each of them holding one at least. A list is
+    not (a list is a list of batches), nor is an empty tuple or dict.
+
+    Example::
+
+        >>> import numpy as np
+        >>> x = np.zeros((4, 2))
+        >>> is_array_nest((x, {"y": x})), is_array_nest((x, [x])), is_array_nest((x, ())), is_array_nest([x])
+        (True, False, False, False)
+    """
+    if isinstance(value, (torch.Tensor, np.ndarray)):
         return True
-    if isinstance(source, (tuple, Mapping)) and nest.flatten(source):
-        return all(isinstance(leaf, (torch.Tensor, np.ndarray)) for leaf in nest.flatten(source))
+    if isinstance(value, (tuple, Mapping)):
+        items = list(value.values() if isinstance(value, Mapping) else value)
+        return bool(items) and all(is_array_nest(item) for item in items)
     return False
+
+
+def as_tensor(leaf) -> torch.Tensor:
+    """An array leaf as a tensor: a tensor as it is, a NumPy array (or a number) without a copy where
+    its memory allows. An object array (strings, ragged rows) is a ``ValueError``.
+
+    Example::
+
+        >>> as_tensor(np.arange(3)).tolist()
+        [0, 1, 2]
+    """
+    if isinstance(leaf, torch.Tensor):
+        return leaf
+    array = np.asarray(leaf)
+    if array.dtype == object:
+        raise ValueError(f"Array leaves must hold numbers, got an object array from {type(leaf).__name__}.")
+    return torch.from_numpy(np.ascontiguousarray(array))
 
 
 def as_global_batches(
@@ -210,7 +230,7 @@ def as_global_batches(
     already batched (a ``DataLoader``, a list of batches, a generator) must not get them.
     A *list* is read as a list of batches; pass a tuple for several arrays.
     """
-    if _is_array_nest(source):
+    if is_array_nest(source):
         return ArrayBatches(
             source,
             DEFAULT_BATCH_SIZE if batch_size is None else batch_size,
@@ -225,6 +245,12 @@ def as_global_batches(
                 "to be cut into global batches."
             )
         return DatasetBatches(source, batch_size, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder)
+    if isinstance(source, (tuple, Mapping)):
+        raise ValueError(
+            f"A {type(source).__name__} is read as arrays, such as (x, y) or {{'image': x, 'label': y}}: every leaf "
+            "must be a NumPy array or tensor, in tuples and dicts that are not empty. This one holds something else "
+            "(a list, an empty tuple or dict, another object); pass a list for a list of batches."
+        )
     if not hasattr(source, "__iter__"):
         raise TypeError(
             f"Cannot make global batches from a {type(source).__name__}: pass a DataLoader or another iterable of "

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from replicafit.data import datasets as shipped
+from replicafit.data import is_array_nest
 
 __all__ = ["digits", "classification", "regression", "npz", "csv", "as_info", "training_data_form"]
 
@@ -168,23 +169,13 @@ def csv(
 def training_data_form(value) -> str | None:
     """Which of fit's data forms ``value`` is: ``"arrays"``, ``"dataset"`` (a map-style torch Dataset, batched
     by the trainer) or ``"batches"`` (a DataLoader or another iterable of batches); None for anything else."""
-    if _is_array_nest(value):
+    if is_array_nest(value):
         return "arrays"
     if isinstance(value, torch.utils.data.Dataset) and not isinstance(value, torch.utils.data.IterableDataset):
         return "dataset"
     if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
         return None
     return "batches"
-
-
-def _is_array_nest(value) -> bool:
-    """Arrays or tensors, alone or in (nested) tuples and mappings, as ``data.as_global_batches`` reads them."""
-    if isinstance(value, (torch.Tensor, np.ndarray)):
-        return True
-    if isinstance(value, (tuple, Mapping)):
-        items = list(value.values() if isinstance(value, Mapping) else value)
-        return bool(items) and all(_is_array_nest(item) for item in items)
-    return False
 
 
 def as_info(value) -> dict:

@@ -391,7 +391,7 @@ class Trainer:
                 "validation_split needs arrays, tensors or a torch Dataset (it keeps the last examples "
                 "for validation, as Keras does); pass validation_data for other sources."
             )
-        leaves = [data_layer.sources._leaf_tensor(leaf) for leaf in nest.flatten(dataset)]
+        leaves = [data_layer.as_tensor(leaf) for leaf in nest.flatten(dataset)]
         n = leaves[0].shape[0]
         cut = _split_point(n, validation_split)
         train = nest.pack_sequence_as(dataset, [leaf[:cut] for leaf in leaves])
@@ -604,7 +604,7 @@ class Trainer:
                 dm.module.eval()
                 try:
                     with torch.no_grad():
-                        probe = nest.map_structure(lambda t: data_layer.sources._leaf_tensor(t)[:1], x)
+                        probe = nest.map_structure(lambda t: data_layer.as_tensor(t)[:1], x)
                         output = dm.module(_as_dtype(probe, self._float_dtype))
                 except (TypeError, AttributeError) as error:
                     if not isinstance(x, Mapping):
@@ -618,7 +618,7 @@ class Trainer:
                 if structure is None:
                     structure = output if isinstance(output, (Mapping, tuple, list)) else None
                 if y is not None:
-                    labels = nest.map_structure(lambda t: data_layer.sources._leaf_tensor(t)[:1], y)
+                    labels = nest.map_structure(lambda t: data_layer.as_tensor(t)[:1], y)
                     labels = _as_dtype(labels, self._float_dtype)
                     if built_in and structure is None:
                         whole = all_labels if all_labels is not None else y
@@ -657,7 +657,7 @@ class Trainer:
             return
         classes = losses.class_count(loss, output)
         if classes is not None:
-            target = data_layer.sources._leaf_tensor(y) if not isinstance(y, (Mapping, tuple, list)) else None
+            target = data_layer.as_tensor(y) if not isinstance(y, (Mapping, tuple, list)) else None
             if target is not None and not target.is_floating_point() and target.numel():
                 ignore = losses.ignore_index(loss)
                 outside = (target < 0) | (target >= classes)
@@ -1051,7 +1051,7 @@ def _batchable(dataset) -> bool:
     """Arrays, tensors, tuples/dicts of them, or a map-style Dataset: batched by the trainer."""
     if isinstance(dataset, torch.utils.data.Dataset) and not isinstance(dataset, torch.utils.data.IterableDataset):
         return True
-    return data_layer.sources._is_array_nest(dataset)
+    return data_layer.is_array_nest(dataset)
 
 
 def _history_with(history, epoch_logs) -> dict:

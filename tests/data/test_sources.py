@@ -472,3 +472,34 @@ def test_distributed_epochs_follow_set_epoch():
     assert sum(epoch0, []) == data.epoch_permutation(10, 2, 0).tolist()
     batches.set_epoch(1)
     assert sum(ids(), []) == data.epoch_permutation(10, 2, 1).tolist()
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (np.zeros((4, 2)), True),
+        ((np.zeros((4, 2)), torch.zeros(4)), True),
+        ({"x": np.zeros((4, 2)), "y": (torch.zeros(4), np.zeros(4))}, True),
+        ((np.zeros((4, 2)), [np.zeros(4)]), False),  # a list inside: lists are lists of batches
+        ((np.zeros((4, 2)), ()), False),  # an empty tuple holds no array
+        ({"x": np.zeros(4), "y": {}}, False),
+        ([np.zeros(4)], False),  # a list of batches
+        ((), False),
+        ((np.zeros(4), "label"), False),
+    ],
+)
+def test_one_rule_says_what_in_memory_arrays_are(value, expected):
+    """``data.is_array_nest`` is the one answer (the data layer and the trainer's recipes once had two
+    that disagreed on ``(t, [t])`` and ``(t, ())``)."""
+    from replicafit.trainer.datasets import training_data_form
+
+    assert data.is_array_nest(value) is expected
+    assert (training_data_form(value) == "arrays") is expected
+
+
+@pytest.mark.parametrize(
+    "value", [(np.zeros((4, 2)), [np.zeros(4)]), (np.zeros((4, 2)), ()), {"x": np.zeros(4), "y": {}}]
+)
+def test_a_tuple_or_dict_that_is_not_arrays_is_a_clear_error(value):
+    with pytest.raises(ValueError, match=r"is read as arrays, such as \(x, y\)"):
+        data.as_global_batches(value, batch_size=2)
