@@ -31,6 +31,7 @@ import math
 import numbers
 from collections.abc import Mapping
 
+from replicafit.strategies.describe import brief
 from replicafit.strategies.values import local_results
 
 __all__ = ["PendingState", "check_learning_rate", "describe", "parse"]
@@ -67,19 +68,19 @@ def parse(state, entries_key: str, owner: str):
     if not isinstance(state, Mapping) or "iterations" not in state or entries_key not in state:
         raise ValueError(
             f"{owner}.load_state_dict() needs the dict returned by {owner}.state_dict() (keys 'iterations' and "
-            f"{entries_key!r}), got {_brief(state)}."
+            f"{entries_key!r}), got {brief(state)}."
         )
     iterations = state["iterations"]
     if not _is_int(iterations) or iterations < 0:
-        raise ValueError(f"The optimizer state's 'iterations' must be an int >= 0, got {_brief(iterations)}.")
+        raise ValueError(f"The optimizer state's 'iterations' must be an int >= 0, got {brief(iterations)}.")
     entries = state[entries_key]
     if not isinstance(entries, Mapping):
-        raise ValueError(f"The optimizer state's {entries_key!r} must be a dict, got {_brief(entries)}.")
+        raise ValueError(f"The optimizer state's {entries_key!r} must be a dict, got {brief(entries)}.")
     records = state.get("variables")
     if records is None:  # the name-keyed layout of earlier versions
         if not all(isinstance(key, str) for key in entries):
             raise ValueError(
-                f"The optimizer state's {entries_key!r} has keys {_brief(list(entries))}, but no 'variables' list: "
+                f"The optimizer state's {entries_key!r} has keys {brief(list(entries))}, but no 'variables' list: "
                 "positions need the 'variables' list, variable names are the only other keys accepted."
             )
     else:
@@ -87,7 +88,7 @@ def parse(state, entries_key: str, owner: str):
         bad = [key for key in entries if not _is_int(key) or not 0 <= key < len(records)]
         if bad:
             raise ValueError(
-                f"The optimizer state's {entries_key!r} has keys {_brief(bad)}; they must be the positions "
+                f"The optimizer state's {entries_key!r} has keys {brief(bad)}; they must be the positions "
                 f"0..{len(records) - 1} of its {len(records)} 'variables'."
             )
     parsed = {}
@@ -95,7 +96,7 @@ def parse(state, entries_key: str, owner: str):
         if not isinstance(entry, Mapping) or not all(isinstance(name, str) for name in entry):
             raise ValueError(
                 f"The optimizer state's entry for variable {key!r} must be a dict keyed by slot name, got "
-                f"{_brief(entry)}."
+                f"{brief(entry)}."
             )
         parsed[key] = dict(entry)
     return iterations, PendingState(records, parsed)
@@ -103,7 +104,7 @@ def parse(state, entries_key: str, owner: str):
 
 def _parse_records(records) -> list:
     if not isinstance(records, (list, tuple)):
-        raise ValueError(f"The optimizer state's 'variables' must be a list, got {_brief(records)}.")
+        raise ValueError(f"The optimizer state's 'variables' must be a list, got {brief(records)}.")
     parsed = []
     for position, record in enumerate(records):
         name = record.get("name") if isinstance(record, Mapping) else None
@@ -111,15 +112,10 @@ def _parse_records(records) -> list:
         if not isinstance(name, str) or not isinstance(shape, (list, tuple)) or not all(map(_is_int, shape)):
             raise ValueError(
                 f"The optimizer state's variable {position} must be {{'name': str, 'shape': [int, ...]}}, got "
-                f"{_brief(record)}."
+                f"{brief(record)}."
             )
         parsed.append({"name": name, "shape": list(shape)})
     return parsed
-
-
-def _brief(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else f"a {type(value).__name__} ({text[:60]}...)"
 
 
 class PendingState:
@@ -159,7 +155,7 @@ class PendingState:
             extra = [v.name for v in variables[len(self.records) :]]
             raise ValueError(
                 f"The optimizer state holds {len(self.records)} variables, but this optimizer has {len(variables)} "
-                f"(the extra ones: {_brief(extra)}): the state was saved for another model or another variable list."
+                f"(the extra ones: {brief(extra)}): the state was saved for another model or another variable list."
             )
         for position, variable in enumerate(variables):
             record = self.records[position]

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 import torch
 
+from replicafit.strategies.describe import brief
 from replicafit.strategies.values import local_results
 
 from . import state as state_format
@@ -57,7 +58,7 @@ class TorchOptimizer(Optimizer):
                 "gets its own torch optimizer)."
             )
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise TypeError(f"from_torch() needs a torch.optim.Optimizer subclass, got {_brief(optimizer_class)}.")
+            raise TypeError(f"from_torch() needs a torch.optim.Optimizer subclass, got {brief(optimizer_class)}.")
         probe = optimizer_class([torch.zeros(1, requires_grad=True)], **torch_kwargs)  # validates the kwargs
         super().__init__(
             probe.param_groups[0].get("lr", 1e-3),
@@ -299,11 +300,6 @@ def _call_of(optimizer: torch.optim.Optimizer) -> str:
     changed = [f"{k}={v!r}" for k, v in optimizer.defaults.items() if k not in defaults or defaults[k] != v]
     module = "torch.optim" if cls.__module__.startswith("torch.optim") else cls.__module__
     return ", ".join([f"{module}.{cls.__name__}", *changed])
-
-
-def _brief(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 and "\n" not in text else f"a {type(value).__name__}"
 
 
 def _cloned(entry: Mapping) -> dict:

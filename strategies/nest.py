@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from .describe import describe_structure
+
 __all__ = ["is_nested", "flatten", "map_structure", "pack_sequence_as"]
 
 
@@ -85,14 +87,6 @@ def flatten(structure) -> list:
     return out
 
 
-def _describe(value) -> str:
-    if isinstance(value, Mapping):
-        return f"a {type(value).__name__} with keys {sorted(map(str, value.keys()))}"
-    if is_nested(value):
-        return f"a {type(value).__name__} of length {len(value)}"
-    return f"a leaf ({type(value).__name__})"
-
-
 def _check_same(structures, names=None) -> None:
     first = structures[0]
     for index, other in enumerate(structures[1:], start=1):
@@ -108,8 +102,8 @@ def _check_same(structures, names=None) -> None:
             label = names(index) if names else f"structure {index}"
             label0 = names(0) if names else "structure 0"
             raise StructureMismatchError(
-                f"The nested structures do not match: {label0} is {_describe(first)} but "
-                f"{label} is {_describe(other)}; they must have the same nesting."
+                f"The nested structures do not match: {label0} is {describe_structure(first)} but "
+                f"{label} is {describe_structure(other)}; they must have the same nesting."
             )
 
 

@@ -40,6 +40,7 @@ from collections.abc import Mapping
 import torch
 
 from replicafit.strategies import nest
+from replicafit.strategies.describe import brief
 
 __all__ = ["save", "load", "remove_stale_temporary_files", "CheckpointError", "FORMAT", "STALE_AFTER_SECONDS"]
 
@@ -192,7 +193,7 @@ def _problem(state: dict, kind: str) -> str | None:
     if kind not in ("checkpoint", "backup"):
         return None
     if state.get("format") != FORMAT:
-        return f"it has no format tag {FORMAT!r} (found {_brief(state.get('format'))})"
+        return f"it has no format tag {FORMAT!r} (found {brief(state.get('format'))})"
     checks = dict(_COMMON)
     if kind == "backup":
         checks.update(_BACKUP)
@@ -213,7 +214,7 @@ def _problem(state: dict, kind: str) -> str | None:
 def _replica_rng_problem(value, what: str) -> str | None:
     # {"seed": int, "cpu": [torch CPU state per replica], "gpu": [GPU generator state or None per replica]}
     if not isinstance(value, Mapping) or not isinstance(value.get("cpu"), list) or not value["cpu"]:
-        return f"{what} must be {{'seed': int, 'cpu': [states], 'gpu': [states]}}, found {_brief(value)}"
+        return f"{what} must be {{'seed': int, 'cpu': [states], 'gpu': [states]}}, found {brief(value)}"
     problem = _seed_problem(value.get("seed"), f"{what}['seed']")
     if problem is not None:
         return problem
@@ -223,22 +224,17 @@ def _replica_rng_problem(value, what: str) -> str | None:
             return problem
     gpu = value.get("gpu")
     if not isinstance(gpu, list) or len(gpu) != len(value["cpu"]):
-        return f"{what}['gpu'] must be a list of {len(value['cpu'])} states (or None), found {_brief(gpu)}"
+        return f"{what}['gpu'] must be a list of {len(value['cpu'])} states (or None), found {brief(gpu)}"
     if not all(g is None or (isinstance(g, torch.Tensor) and g.dtype == torch.uint8) for g in gpu):
-        return f"{what}['gpu'] must hold uint8 tensors or None, found {_brief(gpu)}"
+        return f"{what}['gpu'] must hold uint8 tensors or None, found {brief(gpu)}"
     return None
 
 
 def _callbacks_problem(value, what: str) -> str | None:
     # Optional (files written before callbacks kept state have none): {callback key: its state dict}.
     if not isinstance(value, Mapping) or not all(isinstance(v, Mapping) for v in value.values()):
-        return f"{what} must be a dict of callback states (dicts), found {_brief(value)}"
+        return f"{what} must be a dict of callback states (dicts), found {brief(value)}"
     return None
-
-
-def _brief(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else f"a {type(value).__name__}"
 
 
 def _model_problem(value, what: str) -> str | None:
@@ -246,7 +242,7 @@ def _model_problem(value, what: str) -> str | None:
         return f"{what} must be a model state dict (a dict of tensors), found {type(value).__name__}"
     for key, tensor in value.items():
         if not isinstance(key, str):
-            return f"{what} must be keyed by parameter names, found the key {_brief(key)}"
+            return f"{what} must be keyed by parameter names, found the key {brief(key)}"
         # torch.nn.Module.get_extra_state() may return any (weights-only loadable) value.
         if not isinstance(tensor, torch.Tensor) and not key.endswith("_extra_state"):
             return f"{what}[{key!r}] must be a tensor, found {type(tensor).__name__}"
@@ -259,7 +255,7 @@ def _is_int(value) -> bool:
 
 def _count(value, what: str) -> str | None:
     if not _is_int(value) or value < 0:
-        return f"{what} must be an int >= 0, found {_brief(value)}"
+        return f"{what} must be an int >= 0, found {brief(value)}"
     return None
 
 
@@ -286,14 +282,14 @@ def _rng_problem(value, what: str) -> str | None:
 
 def _cursor_problem(value, what: str) -> str | None:
     if not isinstance(value, (list, tuple)) or len(value) != 2 or not all(_is_int(v) and v >= 0 for v in value):
-        return f"{what} must be [pass, batch] (two ints >= 0), found {_brief(value)}"
+        return f"{what} must be [pass, batch] (two ints >= 0), found {brief(value)}"
     return None
 
 
 def _seed_problem(value, what: str) -> str | None:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return None
-    return f"{what} must be an int, found {_brief(value)}"
+    return f"{what} must be an int, found {brief(value)}"
 
 
 def _metrics_problem(value, what: str) -> str | None:
@@ -301,19 +297,19 @@ def _metrics_problem(value, what: str) -> str | None:
         return f"{what} must be a dict of metric states, found {type(value).__name__}"
     for name, states in value.items():
         if not isinstance(states, Mapping) or not all(isinstance(t, torch.Tensor) for t in states.values()):
-            return f"{what}[{name!r}] must be a dict of tensors, found {_brief(states)}"
+            return f"{what}[{name!r}] must be a dict of tensors, found {brief(states)}"
     return None
 
 
 def _history_problem(value, what: str) -> str | None:
     if not isinstance(value, Mapping) or not isinstance(value.get("history"), Mapping):
-        return f"{what} must be {{'history': {{key: [values]}}, 'epoch': [ints]}}, found {_brief(value)}"
+        return f"{what} must be {{'history': {{key: [values]}}, 'epoch': [ints]}}, found {brief(value)}"
     for key, values in value["history"].items():
         if not isinstance(values, list):
             return f"{what}['history'][{key!r}] must be a list, found {type(values).__name__}"
     epochs = value.get("epoch")
     if not isinstance(epochs, list) or not all(_is_int(e) for e in epochs):
-        return f"{what}['epoch'] must be a list of ints, found {_brief(epochs)}"
+        return f"{what}['epoch'] must be a list of ints, found {brief(epochs)}"
     return None
 
 

@@ -22,6 +22,7 @@ import torch
 
 from replicafit.data import datasets as shipped
 from replicafit.data import is_array_nest
+from replicafit.strategies.describe import describe_value
 
 __all__ = ["digits", "classification", "regression", "npz", "csv", "as_info", "training_data_form"]
 
@@ -196,10 +197,12 @@ def as_info(value) -> dict:
     if isinstance(value, Mapping) and "train" in value:
         for part in ("train", "validation"):
             if value.get(part) is not None and training_data_form(value[part]) is None:
-                raise ValueError(f"returned a dict whose {part!r} entry is {_describe(value[part])}: expected {_FORMS}")
+                raise ValueError(
+                    f"returned a dict whose {part!r} entry is {describe_value(value[part])}: expected {_FORMS}"
+                )
         return {**_read_sizes(value["train"]), "validation": None, **dict(value)}
     if isinstance(value, Mapping) or training_data_form(value) is None:  # a dict is always the dict form
-        what = "a dict without a 'train' entry" if isinstance(value, Mapping) else _describe(value)
+        what = "a dict without a 'train' entry" if isinstance(value, Mapping) else describe_value(value)
         raise ValueError(
             f"returned {what}, not a dataset (expected {_FORMS}, or a dict with 'train' and optionally 'validation')"
         )
@@ -242,10 +245,3 @@ def _integer_labels(y) -> bool:
             and (y.dtype is not torch.bool)
         )
     return False
-
-
-def _describe(value) -> str:
-    if value is None:
-        return "None"
-    text = repr(value)
-    return f"the {type(value).__name__} {text}" if len(text) <= 40 else f"a {type(value).__name__}"

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from replicafit.strategies.describe import describe_value, qualified_name
+
 from .datasets import training_data_form
 
 __all__ = ["Kind", "kind", "factory_problem", "result_problem", "is_builtin"]
@@ -174,7 +176,7 @@ def factory_problem(section: str, factory) -> str | None:
     if inspect.isclass(factory):
         if spec.is_class(factory):
             return None
-        return f"it is the class {_qualname(factory)}, not {spec.noun}"
+        return f"it is the class {qualified_name(factory)}, not {spec.noun}"
     function = _function(factory)
     if function is None:
         if inspect.isbuiltin(factory) or isinstance(factory, (types.BuiltinFunctionType, types.MethodWrapperType)):
@@ -200,7 +202,7 @@ def factory_problem(section: str, factory) -> str | None:
         return None
     if spec.is_class(returns):
         return None
-    return f"it is annotated to return {_qualname(returns)}, not {spec.noun}"
+    return f"it is annotated to return {qualified_name(returns)}, not {spec.noun}"
 
 
 def result_problem(section: str, value) -> str | None:
@@ -208,7 +210,7 @@ def result_problem(section: str, value) -> str | None:
     spec = kind(section)
     if spec.is_result(value):
         return None
-    return f"returned {_describe(value)}, not {spec.noun} (expected {spec.expected})"
+    return f"returned {describe_value(value)}, not {spec.noun} (expected {spec.expected})"
 
 
 def is_builtin(section: str, factory) -> bool:
@@ -277,19 +279,3 @@ def _lookup(text: str, function):
 def _annotation_text(function) -> str:
     annotation = inspect.signature(function, eval_str=False).return_annotation
     return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", repr(annotation))
-
-
-def _qualname(cls) -> str:
-    module = getattr(cls, "__module__", "")
-    name = getattr(cls, "__qualname__", getattr(cls, "__name__", repr(cls)))
-    return name if module in ("builtins", "") else f"{module}.{name}"
-
-
-def _describe(value) -> str:
-    if value is None:
-        return "None"
-    kind_of = type(value)
-    if kind_of.__module__ == "builtins":
-        text = repr(value)
-        return f"the {kind_of.__name__} {text}" if len(text) <= 40 else f"a {kind_of.__name__}"
-    return f"a {_qualname(kind_of)} object"

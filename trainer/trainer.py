@@ -41,6 +41,7 @@ import replicafit.data as data_layer
 import replicafit.strategies as ds
 from replicafit import optimizers
 from replicafit.strategies import context, nest
+from replicafit.strategies.describe import describe_structure
 from replicafit.strategies.variables import aggregated_reads
 
 from . import callbacks as callbacks_module
@@ -610,7 +611,7 @@ class Trainer:
                     if not isinstance(x, Mapping):
                         raise
                     raise TypeError(
-                        f"The model cannot take the inputs of the first batch of {caller}: {_describe(x)} "
+                        f"The model cannot take the inputs of the first batch of {caller}: {describe_structure(x)} "
                         f"({type(error).__name__}: {error}). {_structures(caller)}"
                     ) from None
                 finally:
@@ -644,8 +645,9 @@ class Trainer:
             else ""
         )
         raise ValueError(
-            f"{caller} got batches without labels: the first batch is {_describe(first)}, which is taken as the "
-            f"model's inputs x alone, and the loss {_loss_name(self.loss)} needs labels.{hint} {_structures(caller)}"
+            f"{caller} got batches without labels: the first batch is {describe_structure(first)}, which is taken as "
+            f"the model's inputs x alone, and the loss {_loss_name(self.loss)} needs labels.{hint} "
+            f"{_structures(caller)}"
         )
 
     def _check_loss_on_first_batch(self, y, labels, output, caller: str) -> None:
@@ -1163,19 +1165,6 @@ def _structures(caller: str) -> str:
 
 
 _LABEL_KEYS = {"y", "label", "labels", "target", "targets"}
-
-
-def _describe(value) -> str:
-    """What a batch (or part) is, briefly: "a Tensor of shape [64, 8]", "a dict with keys ['a', 'b']"."""
-    if isinstance(value, Mapping):
-        return f"a dict with keys {list(value)}"
-    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
-        parts = ", ".join(_describe(v).removeprefix("a ").removeprefix("an ") for v in value)
-        return f"a {type(value).__name__} of {len(value)} ({parts})"
-    shape = getattr(value, "shape", None)
-    if shape is not None:
-        return f"a {type(value).__name__} of shape {list(shape)}"
-    return f"a {type(value).__name__}"
 
 
 def _loss_name(loss) -> str:
