@@ -9,10 +9,12 @@ own replicas' rows of each global batch, so every replica sees what it would see
 one process of ``n`` replicas. ``distribute_datasets_from_function`` tells each worker
 its shard through the ``InputContext``.
 
-Iteration prepares the next ``experimental_per_replica_buffer_size`` steps on a
-background thread (split, pinned and copied to the devices); the thread stops when the
-iterator is exhausted, closed or dropped, and an exception raised by the source is
-raised again by ``next()``.
+Where the replicas' devices are accelerators, iteration prepares the next
+``experimental_per_replica_buffer_size`` steps (default 1) on a background thread (split,
+pinned and copied to the devices); on CPU-only devices, where there is no copy to overlap, and
+across workers (each step's input is agreed by a collective) it prepares each step when asked
+(default 0). The thread stops when the iterator is exhausted, closed or dropped, and an exception
+raised by the source is raised again by ``next()``.
 
 Example::
 

@@ -9,7 +9,7 @@ devices its replicas use (``local_devices()``). The names follow TensorFlow's
 ``TFConfigClusterResolver``, ``task_type``, ``task_id``, ``cluster_spec()``); torch's
 launcher gets ``TorchrunClusterResolver``.
 
-**Environment variables.** DESIGN.md reads the environment in the recipe loader only; the
+**Environment variables.** The library reads the environment in the recipe loader only; the
 cluster resolvers are the one sanctioned exception (as TensorFlow reads ``TF_CONFIG`` in
 ``TFConfigClusterResolver``). Nothing else in the library touches ``os.environ``. Every
 resolver takes ``environ`` (a mapping, default ``os.environ``) so that tests and tools can

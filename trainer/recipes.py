@@ -40,6 +40,7 @@ import re
 from dataclasses import dataclass, field
 
 from . import builtins, kinds, recipe_loader  # noqa: F401 - importing builtins registers the built-in names
+from .arguments import EVALUATE_ARGUMENTS, FIT_ARGUMENTS, PRECISIONS, argument_problem, resolve_precision
 from .recipe_loader import RecipeError, format_key
 from .registry import REGISTRIES, did_you_mean, resolve
 
@@ -58,17 +59,10 @@ SECTIONS = (
     "fit",
     "evaluate",
 )
-PRECISIONS = ("32", "bf16-mixed", "16-mixed")
-FIT_KEYS = {
-    "epochs": int,
-    "batch_size": int,
-    "validation_split": float,
-    "steps_per_epoch": int,
-    "initial_epoch": int,
-    "shuffle": bool,
-    "verbose": "verbose",
-}
-EVALUATE_KEYS = {"batch_size": int, "steps": int}
+# The trainer's arguments, as the trainer checks them (arguments.py), and fit's verbose.
+FIT_KEYS = {**FIT_ARGUMENTS, "verbose": "verbose"}
+EVALUATE_KEYS = EVALUATE_ARGUMENTS
+_YAML_TYPE = {"count": int, "size": int, "fraction": float, "flag": bool}
 MAX_SEED = 2**64 - 1  # torch.manual_seed takes up to this; NumPy's seeds (the data order) must not be negative
 
 
@@ -470,7 +464,7 @@ def validate(recipe: Recipe) -> dict:
     checked: dict = {}
     checked["strategy"] = check_entry(recipe, ("strategy",), data.get("strategy", "default"), "strategy")
     if kinds.is_builtin("strategy", checked["strategy"][0]):  # bad devices are found now
-        checked["strategy_instance"] = _construct(recipe, ("strategy",), *checked["strategy"])
+        checked["strategy_instance"] = _call(recipe, ("strategy",), *checked["strategy"], ours=True)
     data_entry = data["data"]
     batch_keys = {}
     if isinstance(data_entry, dict):
@@ -478,7 +472,7 @@ def validate(recipe: Recipe) -> dict:
         data_entry = {k: v for k, v in data_entry.items() if k not in batch_keys}
     checked["data"] = check_entry(recipe, ("data",), data_entry, "dataset")
     if kinds.is_builtin("dataset", checked["data"][0]):  # loads now: bad values fail here
-        checked["data_instance"] = _dataset_info(recipe, _construct(recipe, ("data",), *checked["data"]))
+        checked["data_instance"] = _dataset_info(recipe, _call(recipe, ("data",), *checked["data"], ours=True))
     for name, value in batch_keys.items():
         problem = _type_problem(value, (int,), False)
         if problem or value < 1:
@@ -496,7 +490,7 @@ def validate(recipe: Recipe) -> dict:
     if isinstance(rate, dict):
         checked["schedule"] = check_entry(recipe, ("optimizer", "learning_rate"), rate, "schedule")
     elif kinds.is_builtin("optimizer", checked["optimizer"][0]):  # bad values (accumulation steps, ...) fail now
-        _construct(recipe, ("optimizer",), *checked["optimizer"])
+        _call(recipe, ("optimizer",), *checked["optimizer"], ours=True)
     checked["loss"] = check_entry(recipe, ("loss",), data.get("loss", "cross_entropy"), "loss")
     metrics = data.get("metrics", [])
     if not isinstance(metrics, list):
@@ -516,7 +510,7 @@ def validate(recipe: Recipe) -> dict:
 
 
 def _check_precision(recipe: Recipe, precision) -> None:
-    if str(precision) not in PRECISIONS or isinstance(precision, (bool, float)):
+    if resolve_precision(precision) is None:
         hint = did_you_mean(str(precision), PRECISIONS)
         raise recipe.error(("precision",), f"expected one of {', '.join(PRECISIONS)}{hint}, got {_short(precision)}")
 
@@ -547,13 +541,18 @@ def _decay_exclusions(recipe: Recipe, optimizer) -> tuple:
     return {k: v for k, v in optimizer.items() if k != "exclude_from_weight_decay"}, list(names)
 
 
-def _construct(recipe: Recipe, key: tuple, factory, args, **extra):
-    """Calls one of replicafit's own built-ins during validation: whatever it raises is about the recipe's
-    values (a device that does not exist, a split out of range), reported at the argument it names."""
+def _call(recipe: Recipe, key: tuple, factory, args, *, ours: bool = False, **extra):
+    """Calls the factory of the entry at ``key`` with the recipe's values; an error about those values (a
+    ``ValueError``, ``TypeError``...) is reported at the argument it names, in one line. ``ours``: one of
+    replicafit's own built-ins, called during validation, where whatever it raises is about the recipe's
+    values (a device that does not exist, a split out of range); a user's factory's other errors keep their
+    traceback."""
     try:
         return factory(**args, **extra)
     except Exception as error:  # noqa: BLE001 - ours, called with the recipe's values: one line, no traceback
-        known = isinstance(error, (ValueError, TypeError, RuntimeError))
+        known = isinstance(error, (ValueError, TypeError, RuntimeError, OverflowError, MemoryError))
+        if not known and not ours:
+            raise
         message = _first_line(error)
         message = message if known and message else f"{type(error).__name__}: {message}".rstrip(": ")
         raise recipe.error(_blame(key, args, message), message) from None
@@ -571,7 +570,7 @@ def _check_builtin_model(recipe: Recipe, checked: dict) -> None:
         if name in params and name not in args and name not in extra:
             extra[name] = 1
     with torch.device("meta"):
-        _construct(recipe, ("model",), factory, args, **extra)
+        _call(recipe, ("model",), factory, args, ours=True, **extra)
 
 
 def _blame(key: tuple, args: dict, message: str) -> tuple:
@@ -613,18 +612,20 @@ def _check_plain(recipe: Recipe, section: str, keys: dict) -> dict:
             raise recipe.error(
                 (section, name), f"unknown {section} argument{did_you_mean(name, keys)}; known: {', '.join(keys)}"
             )
-        expected = keys[name]
-        if expected == "verbose":
+        kind = keys[name]
+        if kind == "verbose":
             if value not in (0, 1, 2, "auto") or isinstance(value, bool):
                 raise recipe.error((section, name), f"expected 0, 1, 2 or 'auto', got {value!r}")
             continue
-        problem = _type_problem(value, (expected,), name == "steps_per_epoch")
+        # YAML's types first (a quoted number is a string), then the trainer's own rule.
+        problem = _type_problem(value, (_YAML_TYPE[kind],), kind == "size")
         if problem:
             raise recipe.error((section, name), problem)
-        if expected is int and value is not None and value < (0 if name == "initial_epoch" else 1):
+        rule = argument_problem(value, kind)
+        if rule is not None:
+            raise recipe.error((section, name), f"{rule[1]}, got {value!r}")
+        if name == "epochs" and value < 1:  # a recipe is for training: fit(epochs=0) would train nothing
             raise recipe.error((section, name), "must be a positive integer")
-        if name == "validation_split" and not 0 <= value < 1:
-            raise recipe.error((section, name), f"must be in [0, 1), got {value}")
     return values
 
 
@@ -846,14 +847,6 @@ class Run:
     @property
     def validation(self):
         return self.info.get("validation")
-
-
-def _call(recipe, key, factory, args, **extra):
-    try:
-        return factory(**args, **extra)
-    except (ValueError, TypeError, RuntimeError, OverflowError, MemoryError) as error:
-        message = _first_line(error) or type(error).__name__
-        raise recipe.error(_blame(key, args, message), message) from None
 
 
 def _built(recipe: Recipe, key: tuple, section: str, factory, args, **extra):

@@ -46,6 +46,7 @@ from replicafit.strategies.variables import aggregated_reads
 
 from . import callbacks as callbacks_module
 from . import checkpoint, losses, metrics
+from .arguments import AUTOCAST, EVALUATE_ARGUMENTS, FIT_ARGUMENTS, check_arguments, check_precision
 
 __all__ = ["Trainer"]
 
@@ -155,8 +156,8 @@ class Trainer:
         self, strategy=None, optimizer="adam", loss="cross_entropy", metrics=("accuracy",), seed=None, precision="32"
     ):
         self.strategy = strategy or ds.get_strategy()
-        self.precision = _check_precision(precision)
-        self._autocast_dtype = _AUTOCAST[self.precision]
+        self.precision = check_precision(precision)
+        self._autocast_dtype = AUTOCAST[self.precision]
         with context.enter_or_assert_strategy(self.strategy):
             self.optimizer = optimizers.get(optimizer)
             if self.precision == "16-mixed" and not isinstance(self.optimizer, optimizers.LossScaleOptimizer):
@@ -379,8 +380,6 @@ class Trainer:
         )
 
     def _split(self, dataset, validation_split: float):
-        if not 0 <= validation_split < 1:
-            raise ValueError(f"validation_split must be in [0, 1), got {validation_split!r}.")
         if validation_split == 0:
             return dataset, None
         if isinstance(dataset, torch.utils.data.Dataset) and not isinstance(dataset, torch.utils.data.IterableDataset):
@@ -430,14 +429,15 @@ class Trainer:
         the wrong type are refused here, with the fix (Keras' ``fit(x, y)`` habit puts ``y``
         into ``epochs``: pass ``fit(model, (x, y), ...)``).
         """
-        _check_arguments(
+        check_arguments(
             "fit",
-            epochs=(epochs, "count"),
-            batch_size=(batch_size, "size"),
-            validation_split=(validation_split, "fraction"),
-            steps_per_epoch=(steps_per_epoch, "size"),
-            initial_epoch=(initial_epoch, "count"),
-            shuffle=(shuffle, "flag"),
+            FIT_ARGUMENTS,
+            epochs=epochs,
+            batch_size=batch_size,
+            validation_split=validation_split,
+            steps_per_epoch=steps_per_epoch,
+            initial_epoch=initial_epoch,
+            shuffle=shuffle,
         )
         if self.seed is not None:
             torch.manual_seed(self.seed)
@@ -699,7 +699,7 @@ class Trainer:
         order (a float when there are no metrics). Data with no batch raises ``ValueError``.
         """
         if not _fitting:
-            _check_arguments("evaluate", batch_size=(batch_size, "size"), steps=(steps, "size"))
+            check_arguments("evaluate", EVALUATE_ARGUMENTS, batch_size=batch_size, steps=steps)
         source = self._source(dataset, batch_size, False, None)
         if not _fitting:  # fit checked its validation data once, before training
             source, first = _first_batch(source, "evaluation data", "evaluate()", self._probes_outputs())
@@ -744,7 +744,7 @@ class Trainer:
         inputs = dataset
         if _batchable(dataset) and not isinstance(dataset, torch.utils.data.Dataset):
             inputs = dataset if isinstance(dataset, tuple) else (dataset,)
-        _check_arguments("predict", batch_size=(batch_size, "size"), steps=(steps, "size"))
+        check_arguments("predict", EVALUATE_ARGUMENTS, batch_size=batch_size, steps=steps)
         source = self._source(inputs, batch_size, False, None)
         dm = self._distribute(model)
         was_training = dm.training
@@ -1024,19 +1024,6 @@ class Trainer:
                             component._tensor.copy_(value)
 
 
-_AUTOCAST = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-_PRECISION_ALIASES = {32: "32", "32": "32", "32-true": "32", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}
-
-
-def _check_precision(precision) -> str:
-    name = _PRECISION_ALIASES.get(precision) if isinstance(precision, (str, int)) and precision is not True else None
-    if name is None:
-        raise ValueError(
-            f"precision must be one of '32', 'bf16-mixed', '16-mixed' (Lightning's names), got {precision!r}."
-        )
-    return name
-
-
 def _device_type(x) -> str:
     """The device type (``"cpu"``, ``"cuda"``) of a replica's inputs: where its autocast applies."""
     leaves = nest.flatten(x)
@@ -1107,44 +1094,6 @@ def _as_dtype(structure, dtype):
         return leaf
 
     return nest.map_structure(cast, structure)
-
-
-def _is_array(value) -> bool:
-    return isinstance(value, (torch.Tensor, np.ndarray)) or (
-        isinstance(value, (list, tuple)) and len(value) > 1 and all(isinstance(v, (int, float)) for v in value)
-    )
-
-
-def _check_arguments(caller: str, **arguments) -> None:
-    """Checks the plain arguments of ``fit``/``evaluate``/``predict`` at the entry: ``name=(value, kind)``
-    with kind ``"count"`` (an int >= 0), ``"size"`` (None or an int >= 1), ``"fraction"`` (a number in
-    [0, 1)) or ``"flag"`` (a bool). An array where a number belongs is Keras' ``fit(x, y)`` habit."""
-    for name, (value, kind) in arguments.items():
-        if _is_array(value):
-            raise TypeError(
-                f"{caller}() got an array for `{name}`: this looks like Keras' {caller}(x, y, ...) call. Pass the "
-                f"data as one argument: {caller}(model, (x, y), batch_size=...) (or (x, y, sample_weight))."
-            )
-        if kind == "flag":
-            if not isinstance(value, (bool, np.bool_)):
-                raise TypeError(f"{caller}(): `{name}` must be True or False, got {value!r} ({type(value).__name__}).")
-            continue
-        if kind == "fraction":
-            number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-            if not number:
-                raise TypeError(
-                    f"{caller}(): `{name}` must be a number in [0, 1) (e.g. 0.2), got {value!r} "
-                    f"({type(value).__name__})."
-                )
-            continue
-        if value is None and kind == "size":
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            want = "an int >= 0" if kind == "count" else "None or an int >= 1"
-            raise TypeError(f"{caller}(): `{name}` must be {want}, got {value!r} ({type(value).__name__}).")
-        if value < (0 if kind == "count" else 1):
-            want = "an int >= 0" if kind == "count" else "None or an int >= 1"
-            raise ValueError(f"{caller}(): `{name}` must be {want}, got {value!r}.")
 
 
 def _part(structure, per_output, name):
