@@ -38,6 +38,7 @@ import threading
 
 import torch
 
+from .step_values import CARRIERS, SLOTS
 from .values import local_results
 
 __all__ = ["GradientBuckets"]
@@ -53,7 +54,7 @@ def reading_back_waits(device: torch.device) -> bool:
 
 
 class _Bucket:
-    __slots__ = ("members", "buffer", "views", "work", "ready", "remaining", "dtype", "device")
+    __slots__ = ("members", "buffer", "views", "spare", "work", "ready", "remaining", "dtype", "device")
 
     def __init__(self, members, dtype, device):
         self.members = members  # variable indices, in bucket order
@@ -61,6 +62,7 @@ class _Bucket:
         self.device = device
         self.buffer = None
         self.views = []
+        self.spare = None  # the step values' elements (the last bucket)
         self.work = None  # the all-reduce in flight
         self.ready = False  # every local gradient recorded during backward
         self.remaining = 0
@@ -108,12 +110,18 @@ class GradientBuckets:
         host = self.flag_on_host if self.flag_on_host is not None else reading_back_waits(self._buckets[-1].device)
         # With one bucket nothing starts during backward: there is nothing to agree on.
         self._flag = None if last == 0 else "host" if host else "bucket"
+        # The step values (step_values.py) ride in spare elements of the last bucket, which always
+        # starts after backward, where its dtype sums their limbs exactly.
+        self.carrier_dtype = self._buckets[-1].dtype if self._buckets[-1].dtype in CARRIERS else None
+        self.carried = None  # the step values' summed limbs of the last step that carried any
         for number, bucket in enumerate(self._buckets):
             numels = [self._tensors[i][0].numel() for i in bucket.members]
-            extra = 1 if number == last and self._flag == "bucket" else 0  # the "transformed" flag
-            bucket.buffer = torch.zeros(sum(numels) + extra, dtype=bucket.dtype, device=bucket.device)
-            pieces = bucket.buffer.split(numels + ([1] if extra else []))
+            spare = SLOTS if number == last and self.carrier_dtype is not None else 0
+            flag = 1 if number == last and self._flag == "bucket" else 0  # the "transformed" flag
+            bucket.buffer = torch.zeros(sum(numels) + spare + flag, dtype=bucket.dtype, device=bucket.device)
+            pieces = bucket.buffer.split(numels + [spare, flag])
             bucket.views = [p.view(self._tensors[i][0].shape) for p, i in zip(pieces, bucket.members)]
+            bucket.spare = pieces[len(numels)]
         self._grads = [[None] * len(self.variables) for _ in range(local_count)]
         self._versions = [[0] * len(self.variables) for _ in range(local_count)]
         self._next = 0
@@ -202,10 +210,11 @@ class GradientBuckets:
             for grads in per_replica[1:]:
                 torch._foreach_add_(views, [g.to(bucket.device) for g in grads])
 
-    def reduce(self, values: list) -> list:
+    def reduce(self, values: list, carried: list | None = None) -> list:
         """The summed gradients of every worker and replica, one tensor per variable (a view of
         its bucket, valid until the next step): ``values`` are the ``PerReplica`` gradients
-        ``batch_reduce_to`` was given."""
+        ``batch_reduce_to`` was given. ``carried``: the step values' limbs per local replica
+        (``carrier_dtype``), summed in the last bucket's spare elements into ``self.carried``."""
         given = [v.values for v in values]
         with self._lock:
             self._armed = False
@@ -227,6 +236,8 @@ class GradientBuckets:
             for number in range(self._next, len(self._buckets)):
                 bucket = self._buckets[number]
                 self._fill(bucket, [[given[i][r] for i in bucket.members] for r in range(self._count)])
+                if number == last:
+                    self._fill_spare(bucket, carried)
                 if number == last and self._flag == "bucket":
                     bucket.buffer[-1] = transformed
                 bucket.work = self._collective.start_all_reduce(bucket.buffer, f"gradient bucket {number}")
@@ -247,6 +258,9 @@ class GradientBuckets:
             for number, bucket in enumerate(self._buckets[:-1]):
                 self._collective.wait_work(bucket.work, f"gradient bucket {number} (again)")
                 bucket.work = None
+        if carried:
+            spare = self._buckets[-1].spare
+            self.carried = spare[: carried[0].numel()].clone()
         with self._lock:
             self._reset()
         results: list = [None] * len(self.variables)
@@ -254,6 +268,16 @@ class GradientBuckets:
             for view, index in zip(bucket.views, bucket.members):
                 results[index] = view
         return results
+
+    def _fill_spare(self, bucket: _Bucket, carried: list | None) -> None:
+        """The step values' limbs summed over the local replicas into the spare elements (zeros when
+        this step carries none: every worker's bucket has the same length)."""
+        if bucket.spare is None or bucket.spare.numel() == 0:
+            return
+        with torch.no_grad():
+            bucket.spare.zero_()
+            for limbs in carried or ():
+                bucket.spare[: limbs.numel()] += limbs.to(bucket.device)
 
     def remove(self) -> None:
         """Removes the hooks (the model no longer carries them)."""

@@ -25,6 +25,8 @@ Example::
 
 from __future__ import annotations
 
+import torch
+
 __all__ = ["Cluster", "CollectiveCluster"]
 
 
@@ -70,8 +72,9 @@ class Cluster:
     num_workers = 1
     worker_index = 0
 
-    def __init__(self, num_local_replicas: int = 1):
+    def __init__(self, num_local_replicas: int = 1, step_values=None):
         self.num_local_replicas = num_local_replicas
+        self._step_values = step_values
 
     @property
     def is_chief(self) -> bool:
@@ -112,6 +115,19 @@ class Cluster:
         """Waits until every worker reaches the barrier ``name`` (named in the error when a worker
         never arrives)."""
 
+    def add_to_step(self, name: str, value) -> None:
+        """Adds this replica's ``value`` (a non-negative int, a 0/1 flag, an integer tensor of one
+        element) to the step value ``name``; in cross-replica context, this worker's value. The next
+        SUM reduction (in a training step, the optimizer's gradient reduction) carries it, with no
+        collective of its own (``step_values.py``)."""
+        self._step_values.add(name, value)
+
+    def step_total(self, name: str) -> torch.Tensor:
+        """The step value ``name`` summed over every replica of every worker, as the last reduction
+        that carried it left it: an int64 scalar tensor on the reduction's device. Asked while still
+        pending, it is reduced now, on its own (a collective across workers: every worker asks)."""
+        return self._step_values.total(name)
+
     def input_channel(self) -> Cluster:
         """This cluster for the input pipeline: the same calls on a channel of their own, so the
         input's prefetch thread never interleaves its collectives with the main thread's (workers
@@ -129,8 +145,8 @@ class CollectiveCluster(Cluster):
     group the calls use (``"control"``; ``"input"`` for ``input_channel()``).
     """
 
-    def __init__(self, collective, num_local_replicas: int, group: str = "control"):
-        super().__init__(num_local_replicas)
+    def __init__(self, collective, num_local_replicas: int, step_values=None, group: str = "control"):
+        super().__init__(num_local_replicas, step_values)
         self._collective = collective
         self._group = group
         self.num_workers = collective.world_size
@@ -162,4 +178,4 @@ class CollectiveCluster(Cluster):
         self._collective.barrier(f"barrier {name!r}", group=self._group)
 
     def input_channel(self) -> Cluster:
-        return CollectiveCluster(self._collective, self.num_local_replicas, group="input")
+        return CollectiveCluster(self._collective, self.num_local_replicas, self._step_values, group="input")

@@ -31,6 +31,7 @@ from .devices import default_device, torch_device
 from .reduce_util import CommunicationOptions, ReduceOp, VariableSynchronization, as_reduce_op
 from .rng import ReplicaStreams
 from .runner import DefaultReplicaContext, ReplicaRunner, inline_call
+from .step_values import StepValues, carrier
 from .values import (
     DistributedValues,
     Mirrored,
@@ -210,7 +211,7 @@ class StrategyExtended:
         One process here: a cluster of one, no communication."""
         cluster = self.__dict__.get("_cluster")
         if cluster is None:
-            cluster = self.__dict__.setdefault("_cluster", Cluster(self._num_local_replicas))
+            cluster = self.__dict__.setdefault("_cluster", Cluster(self._num_local_replicas, self._step_values))
         return cluster
 
     def _from_first_worker(self, value):
@@ -311,7 +312,35 @@ class StrategyExtended:
         """
         require_cross_replica(self._strategy)
         op = as_reduce_op(reduce_op)
-        return self._batch_reduce_to(op, list(value_destination_pairs), self._options.merge(options))
+        pairs, options = list(value_destination_pairs), self._options.merge(options)
+        payload = self._step_values.take() if op is ReduceOp.SUM and self._step_values.pending else None
+        if payload is None:
+            return self._batch_reduce_to(op, pairs, options)
+        results, limbs = self._reduce_with_step_values(pairs, options, payload)
+        self._step_values.finish(payload, limbs)
+        return results
+
+    @property
+    def _step_values(self) -> StepValues:
+        """The step values added this step (``step_values.py``), carried by the next SUM reduction."""
+        values = self.__dict__.get("_step_values_store")
+        if values is None:
+            made = StepValues(self._torch_devices, self._replica_id_offset, self._reduce_step_values_alone)
+            values = self.__dict__.setdefault("_step_values_store", made)
+        return values
+
+    def _reduce_with_step_values(self, pairs, options, payload) -> tuple:
+        """``(the SUM of pairs, the step values' summed limbs)`` in one reduction: the limbs are one more
+        pair, packed with the gradients of their dtype."""
+        dtype, destinations = carrier(pairs, self._worker_devices)
+        carried = (PerReplica(payload.as_dtype(dtype), self._worker_devices), destinations)
+        results = self._batch_reduce_to(ReduceOp.SUM, pairs + [carried], options)
+        return results[:-1], _first_component(results[-1])
+
+    def _reduce_step_values_alone(self, payload) -> torch.Tensor:
+        carried = (PerReplica(payload.as_dtype(torch.float32), self._worker_devices), self._worker_devices)
+        (result,) = self._batch_reduce_to(ReduceOp.SUM, [carried], self._options)
+        return _first_component(result)
 
     def _batch_reduce_to(self, op: ReduceOp, pairs, options) -> list:
         results: list = [None] * len(pairs)
@@ -854,6 +883,10 @@ class Strategy:
 
 def _is_integer(tensor: torch.Tensor) -> bool:
     return not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
+
+
+def _first_component(value) -> torch.Tensor:
+    return value.values[0] if isinstance(value, DistributedValues) else value
 
 
 def _tensor_of(value):

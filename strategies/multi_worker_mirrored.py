@@ -143,7 +143,8 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             self._grad_buckets.remove()
             self._grad_buckets = None
 
-    def _batch_reduce_to(self, op, pairs, options) -> list:
+    def _buckets_for(self, op, pairs):
+        """The step's gradient buckets where they reduce exactly ``pairs`` (the step's gradients), else None."""
         buckets = self._grad_step
         if (
             buckets is not None
@@ -151,6 +152,23 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             and all(isinstance(value, PerReplica) for value, _ in pairs)
             and buckets.matches([d for _, d in pairs])
         ):
+            return buckets
+        return None
+
+    def _reduce_with_step_values(self, pairs, options, payload) -> tuple:
+        buckets = self._buckets_for(ReduceOp.SUM, pairs)
+        if buckets is None:
+            return super()._reduce_with_step_values(pairs, options, payload)
+        # In the spare elements of the last bucket where its dtype sums them exactly, else on their own.
+        carried = payload.as_dtype(buckets.carrier_dtype) if buckets.carrier_dtype is not None else None
+        reduced = buckets.reduce([value for value, _ in pairs], carried)
+        results = [_broadcast(t, destination_devices(d)) for t, (_, d) in zip(reduced, pairs)]
+        limbs = buckets.carried if carried is not None else self._reduce_step_values_alone(payload)
+        return results, limbs
+
+    def _batch_reduce_to(self, op, pairs, options) -> list:
+        buckets = self._buckets_for(op, pairs)
+        if buckets is not None:
             reduced = buckets.reduce([value for value, _ in pairs])
             return [_broadcast(t, destination_devices(d)) for t, (_, d) in zip(reduced, pairs)]
         if self._collective is not None:
@@ -179,8 +197,11 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         one when this strategy is one worker."""
         cluster = self.__dict__.get("_cluster")
         if cluster is None:
-            local = len(self._worker_devices)
-            made = Cluster(local) if self._collective is None else CollectiveCluster(self._collective, local)
+            local, values = len(self._worker_devices), self._step_values
+            if self._collective is None:
+                made = Cluster(local, values)
+            else:
+                made = CollectiveCluster(self._collective, local, values)
             cluster = self.__dict__.setdefault("_cluster", made)
         return cluster
 

@@ -170,3 +170,45 @@ def cluster_contract(rank, num_workers, port, stop_at=None):
         return out
     cluster.barrier("end of the contract")
     return out
+
+
+def step_values(rank, num_workers, port, buckets=False, dtype="float32"):
+    """Step values carried by a gradient reduction across workers, on the packed path or (``buckets``)
+    in the spare elements of the last gradient bucket; the collectives counted with and without."""
+    strategy = strategy_for(rank, num_workers, port, devices=["cpu:0", "cpu:1"])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)).to(getattr(torch, dtype))
+    dm = strategy.distribute_module(model)
+    variables = list(dm.trainable_variables)
+    collective = strategy.extended._collective
+    out = {"operations": [], "totals": [], "grads": []}
+
+    def step(carry):
+        ctx = ds.get_replica_context()
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(ctx.replica_id_in_sync_group)).to(model[0].weight)
+        loss = dm(x).float().pow(2).sum()
+        grads = torch.autograd.grad(loss, [v.value() for v in variables])
+        if carry:
+            strategy.cluster.add_to_step("rows", 3 + ctx.replica_id_in_sync_group)
+            strategy.cluster.add_to_step("big", 2**35 + 1)
+            strategy.cluster.add_to_step("stop", torch.tensor(int(ctx.replica_id_in_sync_group == 3)))
+
+        def merge(s, *grads):
+            return [r.values[0].clone() for r in s.extended.batch_reduce_to("SUM", list(zip(grads, variables)))]
+
+        return ctx.merge_call(merge, args=tuple(grads))
+
+    for carry in (False, True):
+        before = collective.operations
+        if buckets:
+            with strategy.extended.gradient_step(variables):
+                result = strategy.run(step, args=(carry,))
+        else:
+            result = strategy.run(step, args=(carry,))
+        out["operations"].append(collective.operations - before)
+        out["grads"].append([g.float() for g in strategy.experimental_local_results(result)[0]])
+        if carry:
+            out["totals"] = [int(strategy.cluster.step_total(n)) for n in ("rows", "big", "stop")]
+    strategy.extended.release_gradient_hooks()
+    strategy.cluster.barrier("end")
+    return out

@@ -96,7 +96,8 @@ def transformed(rank, num_workers, port, overlap=True, scale_on=(1,), flag_on_ho
             strategy.run(step)
         redone.append(strategy.extended._grad_buckets.redone)
     buckets = strategy.extended._grad_buckets
-    reduced = sum(b.buffer.numel() for b in buckets._buckets)  # with the flag element when it rides in a bucket
+    # With the flag element when it rides in a bucket (the step values' spare elements aside).
+    reduced = sum(b.buffer.numel() for b in buckets._buckets) - buckets._buckets[-1].spare.numel()
     strategy.extended.release_gradient_hooks()
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     return {"weights": weights, "redone": redone, "extra": reduced - sum(w.numel() for w in weights.values())}

@@ -1,0 +1,191 @@
+"""Step values: small per-step counts and flags that ride with the step's gradient reduction.
+
+Some facts of a training step are a sum over every replica of every worker that every worker
+needs: how many real elements the step's loss had (to divide by the global count), whether any
+worker was told to stop, a value that must reach every worker when the gradients themselves are
+only reduce-scattered. A collective of their own would add a round trip to every step; instead
+each replica adds its value (``strategy.cluster.add_to_step(name, value)``, in replica or
+cross-replica context) and the next SUM ``batch_reduce_to`` (in a training step, the optimizer's
+gradient reduction) carries the pending values in the same buffer as the gradients:
+
+* the packed path (``cross_device_ops.py``): one more pair, packed with the gradients of its dtype
+  (float32 where the gradients have it, so no pack of its own);
+* across workers with gradient buckets (``buckets.py``): spare elements of the last bucket, which
+  always starts after backward.
+
+Afterwards ``strategy.cluster.step_total(name)`` is the total (an int64 scalar tensor on the
+reduction's device: reading it back to Python is the reader's choice, and on an accelerator a
+synchronisation). Asked before anything carried it, the total is reduced then, on its own.
+
+Exactness: values are non-negative integers (a count, a flag as 0/1, an integer tensor), each
+split into three base-4096 limbs so that float32 sums them exactly: up to 2**36 per replica and
+4096 replicas. At most ``MAX_VALUES`` names per step. Where the carrier is not float32/float64 (a
+model whose gradients are all bfloat16), the values take a float32 reduction of their own.
+
+Example::
+
+    >>> import torch, replicafit.strategies as ds
+    >>> strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    >>> def step():
+    ...     ctx = ds.get_replica_context()
+    ...     strategy.cluster.add_to_step("rows", 3 + ctx.replica_id_in_sync_group)
+    ...     return torch.ones(2)
+    >>> with strategy.scope():
+    ...     grads = strategy.run(step)
+    ...     _ = strategy.extended.batch_reduce_to("SUM", [(grads, "cpu:0")])
+    >>> int(strategy.cluster.step_total("rows"))
+    7
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from . import context
+from .values import DistributedValues
+
+__all__ = ["MAX_VALUES", "StepValues", "carrier"]
+
+BASE = 4096  # one limb: 4096 replicas' limbs sum below 2**24, exact in float32
+LIMBS = 3  # values below 2**36
+MAX_VALUES = 4
+SLOTS = MAX_VALUES * LIMBS  # spare elements a gradient bucket keeps for them
+CARRIERS = (torch.float32, torch.float64)
+
+
+def carrier(pairs, default_destinations) -> tuple:
+    """``(dtype, destinations)`` for the step values to ride with ``pairs``: those of the first pair of
+    floating values where that dtype sums them exactly (float32, float64), so that they join its pack;
+    else float32 to ``default_destinations`` (a pack of their own)."""
+    for value, destinations in pairs:
+        for component in value.values if isinstance(value, DistributedValues) else (value,):
+            dtype = getattr(component, "dtype", None)
+            if dtype is not None and dtype.is_floating_point:
+                if dtype in CARRIERS:
+                    return dtype, destinations
+                break
+    return torch.float32, default_destinations
+
+
+class StepPayload:
+    """The pending values of one step, encoded per local replica: ``names`` and, for each replica,
+    a float vector of ``len(names) * LIMBS`` limbs on that replica's device."""
+
+    def __init__(self, names: list, per_replica: list):
+        self.names = names
+        self.per_replica = per_replica
+
+    def as_dtype(self, dtype) -> list:
+        return [limbs.to(dtype) for limbs in self.per_replica]
+
+
+class StepValues:
+    """A strategy's pending and reduced step values (one per ``StrategyExtended``).
+
+    Args:
+      devices: this worker's replica devices (``torch.device``s), in replica order.
+      first_replica_id: the global id of this worker's first replica.
+      reduce_alone: ``reduce_alone(payload) -> reduced limbs``: the values' own reduction, for a
+        total asked for before a gradient reduction carried it.
+    """
+
+    def __init__(self, devices, first_replica_id: int, reduce_alone):
+        self._devices = list(devices)
+        self._first = first_replica_id
+        self._reduce_alone = reduce_alone
+        self._lock = threading.Lock()
+        self._pending: dict = {}  # name -> [per local replica: int or integer tensor or None]
+        self._totals: dict = {}
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    def add(self, name: str, value) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"A step value's name must be a str, got {type(name).__name__}.")
+        value = _checked(name, value)
+        replica = self._local_replica()
+        with self._lock:
+            if name not in self._pending and len(self._pending) == MAX_VALUES:
+                raise ValueError(
+                    f"At most {MAX_VALUES} step values ride with one step's reduction; {sorted(self._pending)} are "
+                    f"pending and {name!r} would be one more. Combine them, or reduce with cluster.sum()."
+                )
+            slots = self._pending.setdefault(name, [None] * len(self._devices))
+            slots[replica] = value if slots[replica] is None else slots[replica] + value
+
+    def _local_replica(self) -> int:
+        ctx = context.get_replica_context()
+        if ctx is None or context.in_cross_replica_context():
+            return 0  # the worker's own value: counted once
+        local = ctx.replica_id_in_sync_group - self._first
+        return local if 0 <= local < len(self._devices) else 0
+
+    def take(self) -> StepPayload | None:
+        """The pending values, encoded (and no longer pending); None when there are none."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        if not pending:
+            return None
+        names = sorted(pending)
+        per_replica = []
+        for replica, device in enumerate(self._devices):
+            limbs = [_limbs(pending[name][replica], device) for name in names]
+            per_replica.append(torch.cat(limbs))
+        return StepPayload(names, per_replica)
+
+    def finish(self, payload: StepPayload, reduced: torch.Tensor) -> None:
+        """Stores the totals of ``payload`` from its reduced limbs."""
+        limbs = reduced.detach().reshape(len(payload.names), LIMBS).round().to(torch.int64)
+        scale = torch.tensor([1, BASE, BASE * BASE], dtype=torch.int64, device=limbs.device)
+        totals = (limbs * scale).sum(dim=1)
+        with self._lock:
+            for index, name in enumerate(payload.names):
+                self._totals[name] = totals[index]
+
+    def total(self, name: str) -> torch.Tensor:
+        with self._lock:
+            waiting = name in self._pending
+        if waiting:  # asked before a gradient reduction carried it: reduced now, on its own
+            payload = self.take()
+            self.finish(payload, self._reduce_alone(payload))
+        with self._lock:
+            if name not in self._totals:
+                known = sorted(self._totals)
+                raise KeyError(
+                    f"No step value {name!r} has been added (cluster.add_to_step) this run; the totals known "
+                    f"are {known}."
+                )
+            return self._totals[name]
+
+
+def _checked(name: str, value):
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_floating_point() or value.is_complex():
+            raise TypeError(
+                f"Step value {name!r} must be a non-negative integer (a Python int or an integer tensor of one "
+                f"element), got a {value.dtype} tensor of shape {list(value.shape)}."
+            )
+        return value.reshape(()).to(torch.int64)
+    if isinstance(value, bool):
+        return int(value)
+    if not isinstance(value, int) or not 0 <= value < BASE**LIMBS:
+        raise ValueError(
+            f"Step value {name!r} must be a non-negative integer below 2**36 (a count or a 0/1 flag), got {value!r}."
+        )
+    return value
+
+
+def _limbs(value, device: torch.device) -> torch.Tensor:
+    """``value`` (an int, an int64 tensor or None: 0) as ``LIMBS`` float32 base-``BASE`` digits."""
+    if value is None:
+        return torch.zeros(LIMBS, dtype=torch.float32, device=device)
+    if isinstance(value, int):
+        digits = [value % BASE, value // BASE % BASE, value // (BASE * BASE)]
+        return torch.tensor(digits, dtype=torch.float32, device=device)
+    value = value.to(device)
+    digits = torch.stack([value % BASE, value // BASE % BASE, value // (BASE * BASE)])
+    return digits.to(torch.float32)

@@ -1,0 +1,164 @@
+"""Step values (``step_values.py``): small per-step sums that ride with the step's gradient
+reduction, exact, with no collective of their own; against plain sums and a run without them."""
+
+from __future__ import annotations
+
+import mw_scenarios
+import pytest
+import torch
+from conftest import make_strategy
+from multiworker_harness import results, run_workers
+
+import replicafit.strategies as ds
+from replicafit import optimizers
+
+SCENARIOS = mw_scenarios.__file__
+STRATEGIES = ["default", "one_device", "mirrored2", "mirrored3", "central_storage2", "multi_worker1x2"]
+
+
+def _reduce_grads(strategy, grads_fn, carry=None):
+    """One step: each replica adds its values (``carry(ctx)``), then the gradients are reduced."""
+
+    def step():
+        ctx = ds.get_replica_context()
+        if carry is not None:
+            carry(ctx)
+        grads = grads_fn(ctx.replica_id_in_sync_group)
+
+        def merge(s, grads):
+            reduced = s.extended.batch_reduce_to("SUM", [(grads, s.extended.worker_devices)])[0]
+            return reduced.values[0] if isinstance(reduced, ds.DistributedValues) else reduced
+
+        return ctx.merge_call(merge, args=(grads,))
+
+    with strategy.scope():
+        return strategy.experimental_local_results(strategy.run(step))[0]
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_values_ride_with_the_reduction_exactly_and_change_no_gradient(name):
+    strategy = make_strategy(name)
+    n = strategy.num_replicas_in_sync
+    grads = lambda rid: torch.randn(5, generator=torch.Generator().manual_seed(rid))  # noqa: E731
+
+    def carry(ctx):
+        rid = ctx.replica_id_in_sync_group
+        strategy.cluster.add_to_step("rows", 10 + rid)
+        strategy.cluster.add_to_step("rows", 1)  # adds up within a replica
+        strategy.cluster.add_to_step("large", 2**35 + rid)  # beyond float32's 2**24: exact still
+        strategy.cluster.add_to_step("flag", torch.tensor(rid == n - 1))
+        strategy.cluster.add_to_step("tensor", torch.tensor([rid * 1000], dtype=torch.int32))
+
+    plain = _reduce_grads(strategy, grads)
+    carried = _reduce_grads(strategy, grads, carry)
+    assert torch.equal(plain, carried)
+    total = lambda key: int(strategy.cluster.step_total(key))  # noqa: E731
+    assert total("rows") == sum(11 + r for r in range(n))
+    assert total("large") == sum(2**35 + r for r in range(n))
+    assert total("flag") == 1
+    assert total("tensor") == 1000 * sum(range(n))
+    assert strategy.cluster.step_total("rows").dtype == torch.int64
+
+
+def test_in_cross_replica_context_the_worker_adds_once():
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        strategy.cluster.add_to_step("stop", 1)
+        values = strategy.run(lambda: torch.ones(2))
+        strategy.extended.batch_reduce_to("SUM", [(values, "cpu:0")])
+    assert int(strategy.cluster.step_total("stop")) == 1
+
+
+@pytest.mark.parametrize("name", ["mirrored2", "central_storage2"])
+def test_no_pack_of_their_own_where_the_gradients_are_float32(monkeypatch, name):
+    """The limbs join the gradients' float32 pack: as many packs with them as without."""
+    from replicafit.strategies import cross_device_ops
+
+    strategy = make_strategy(name)
+    packs = []
+    original = cross_device_ops._packs
+
+    def counting(*args, **kwargs):
+        made = original(*args, **kwargs)
+        packs.append(len(made))
+        return made
+
+    monkeypatch.setattr(cross_device_ops, "_packs", counting)
+    grads = lambda rid: torch.randn(7)  # noqa: E731
+    _reduce_grads(strategy, grads)
+    plain = sum(packs)
+    _reduce_grads(strategy, grads, lambda ctx: strategy.cluster.add_to_step("rows", 4))
+    assert sum(packs) - plain == plain == 1
+
+
+def test_bfloat16_gradients_still_give_exact_totals():
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    grads = lambda rid: torch.ones(3, dtype=torch.bfloat16)  # noqa: E731
+    _reduce_grads(strategy, grads, lambda ctx: strategy.cluster.add_to_step("rows", 300 + ctx.replica_id_in_sync_group))
+    assert int(strategy.cluster.step_total("rows")) == 601
+
+
+def test_the_optimizers_gradient_reduction_carries_them():
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        w = ds.Variable(torch.zeros(3))
+        optimizer = optimizers.SGD(0.1)
+
+    def step():
+        ctx = ds.get_replica_context()
+        strategy.cluster.add_to_step("rows", 2 + ctx.replica_id_in_sync_group)
+        optimizer.apply_gradients([(torch.ones(3), w)])
+
+    strategy.run(step)
+    assert int(strategy.cluster.step_total("rows")) == 5
+    assert torch.allclose(w.read_value(), torch.full((3,), -0.2))
+
+
+def test_a_total_asked_for_before_any_reduction_is_reduced_then():
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        strategy.run(lambda: strategy.cluster.add_to_step("rows", 6))
+        assert int(strategy.cluster.step_total("rows")) == 12
+
+
+def test_bad_values_are_clear_errors():
+    cluster = ds.MirroredStrategy(["cpu:0", "cpu:1"]).cluster
+    with pytest.raises(ValueError, match=r"non-negative integer below 2\*\*36"):
+        cluster.add_to_step("rows", -1)
+    with pytest.raises(ValueError, match=r"non-negative integer below 2\*\*36"):
+        cluster.add_to_step("rows", 2**36)
+    with pytest.raises(TypeError, match="integer tensor of one element"):
+        cluster.add_to_step("rows", torch.tensor(1.5))
+    with pytest.raises(TypeError, match="name must be a str"):
+        cluster.add_to_step(3, 1)
+    for name in "abcd":
+        cluster.add_to_step(name, 1)
+    with pytest.raises(ValueError, match="At most 4 step values"):
+        cluster.add_to_step("e", 1)
+    with pytest.raises(KeyError, match="No step value 'never'"):
+        cluster.step_total("never")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("buckets", [False, True], ids=["packed", "buckets"])
+def test_across_workers_no_collective_of_their_own(buckets):
+    """2 workers × 2 logical CPUs: the totals are exact and the step makes as many collectives with
+    step values as without; the gradients are the same."""
+    workers = results(run_workers(SCENARIOS, "step_values", 2, timeout=90, kwargs={"buckets": buckets}))
+    for out in workers:
+        plain, carried = out["operations"]
+        assert plain == carried and plain >= 1
+        assert out["totals"] == [3 + 4 + 5 + 6, 4 * (2**35 + 1), 1]
+        for a, b in zip(*out["grads"]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(120)
+def test_across_workers_bfloat16_buckets_take_one_reduction_more():
+    workers = results(
+        run_workers(SCENARIOS, "step_values", 2, timeout=90, kwargs={"buckets": True, "dtype": "bfloat16"})
+    )
+    for out in workers:
+        plain, carried = out["operations"]
+        assert carried == plain + 1
+        assert out["totals"] == [3 + 4 + 5 + 6, 4 * (2**35 + 1), 1]
