@@ -8,10 +8,11 @@ from .callback import Callback
 
 
 class _Periodic(Callback):
-    """A callback that acts at each epoch's end, or every ``save_freq`` training steps."""
+    """A callback that acts at each epoch's end, or every ``save_freq`` training steps (``kwargs`` go to the
+    next base: ``MonitorCallback``'s ``monitor`` for ``ModelCheckpoint``)."""
 
-    def __init__(self, save_freq):
-        super().__init__()
+    def __init__(self, save_freq, **kwargs):
+        super().__init__(**kwargs)
         if save_freq != "epoch" and (not isinstance(save_freq, int) or save_freq < 1):
             raise ValueError(f"save_freq must be 'epoch' or a positive int, got {save_freq!r}.")
         self.save_freq = save_freq

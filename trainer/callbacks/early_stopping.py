@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import copy
-import math
 
-from .callback import Callback
-from .monitor_callback import _monitor_mode, _warn_missing_monitor
+from .monitor_callback import MonitorCallback
 
 
-class EarlyStopping(Callback):
+class EarlyStopping(MonitorCallback):
     """Stops training when ``monitor`` has not improved by ``min_delta`` for ``patience`` epochs.
 
     Keras 3's rules: ``mode`` min/max/auto, ``baseline``, ``start_from_epoch``, and
@@ -19,6 +17,8 @@ class EarlyStopping(Callback):
     """
 
     _decides_from_logs = True
+    _monitor_owner = "EarlyStopping"
+    _without_monitor = "Training does not stop early while it is missing."
 
     def __init__(
         self,
@@ -31,45 +31,38 @@ class EarlyStopping(Callback):
         restore_best_weights: bool = False,
         start_from_epoch: int = 0,
     ):
-        super().__init__()
-        self.monitor, self.patience, self.verbose = monitor, patience, verbose
-        self.mode = _monitor_mode(monitor, mode)
+        super().__init__(monitor)
+        self.patience, self.verbose = patience, verbose
+        self.mode = self._resolve_mode(mode)
         self.min_delta = abs(min_delta) if self.mode == "max" else -abs(min_delta)
         self.baseline, self.restore_best_weights, self.start_from_epoch = (
             baseline,
             restore_best_weights,
             start_from_epoch,
         )
-        self._monitor_warned = False  # a missing monitor is said once per fit
 
     def on_train_begin(self, logs=None):
-        self._monitor_warned = False
+        super().on_train_begin(logs)
         self.wait = 0
         self.stopped_epoch = 0
-        self.best = math.inf if self.mode == "min" else -math.inf
+        self.best = self._worst()
         self.best_weights = None
         self.best_epoch = 0
 
-    def _improved(self, value, reference) -> bool:
-        if reference is None:
-            return True
-        return value - self.min_delta > reference if self.mode == "max" else value - self.min_delta < reference
-
     def on_epoch_end(self, epoch, logs=None):
-        current = (logs or {}).get(self.monitor)
+        current = self._monitor_value(logs)
         if current is None:
-            _warn_missing_monitor(self, "EarlyStopping", logs, "Training does not stop early while it is missing.")
             return
         if epoch < self.start_from_epoch:
             return
         if self.restore_best_weights and self.best_weights is None:
             self.best_weights = copy.deepcopy(self.trainer.model_state_dict())
         self.wait += 1
-        if self._improved(current, self.best):
+        if self._is_improvement(current, self.best, self.min_delta):
             self.best, self.best_epoch = current, epoch
             if self.restore_best_weights:
                 self.best_weights = copy.deepcopy(self.trainer.model_state_dict())
-            if self.baseline is None or self._improved(current, self.baseline):
+            if self.baseline is None or self._is_improvement(current, self.baseline, self.min_delta):
                 self.wait = 0
             return
         if self.wait >= self.patience and epoch > 0:

@@ -8,10 +8,10 @@ import os
 
 from .. import checkpoint
 from ._periodic import _Periodic
-from .monitor_callback import _monitor_mode, _warn_missing_monitor
+from .monitor_callback import MonitorCallback
 
 
-class ModelCheckpoint(_Periodic):
+class ModelCheckpoint(_Periodic, MonitorCallback):
     """Saves a checkpoint after every epoch (or every ``save_freq`` steps).
 
     ``filepath`` may name ``{epoch}`` and any log key (``"ckpt-{epoch:02d}-{val_loss:.3f}.pt"``).
@@ -23,6 +23,8 @@ class ModelCheckpoint(_Periodic):
     """
 
     _decides_from_logs = True
+    _monitor_owner = "ModelCheckpoint(save_best_only=True)"
+    _without_monitor = "No checkpoint is saved while it is missing."
 
     def __init__(
         self,
@@ -35,16 +37,12 @@ class ModelCheckpoint(_Periodic):
         save_freq: str | int = "epoch",
         initial_value_threshold=None,
     ):
-        super().__init__(save_freq)
+        super().__init__(save_freq, monitor=monitor)
         self.filepath = os.fspath(filepath)
-        self.monitor, self.verbose = monitor, verbose
+        self.verbose = verbose
         self.save_best_only, self.save_weights_only = save_best_only, save_weights_only
-        self.mode = _monitor_mode(monitor, mode)
+        self.mode = self._resolve_mode(mode)
         self.best = initial_value_threshold
-        self._monitor_warned = False  # a missing monitor is said once per fit
-
-    def on_train_begin(self, logs=None):
-        self._monitor_warned = False
 
     def _on_step(self, epoch, batch, logs):
         self._save(epoch, logs, batch=batch)
@@ -55,18 +53,8 @@ class ModelCheckpoint(_Periodic):
     def _save(self, epoch, logs, batch=None):
         path = self.filepath.format(epoch=epoch + 1, batch=(batch or 0) + 1, **logs)
         if self.save_best_only:
-            current = logs.get(self.monitor)
-            if current is None:
-                _warn_missing_monitor(
-                    self,
-                    "ModelCheckpoint(save_best_only=True)",
-                    logs,
-                    "No checkpoint is saved while it is missing.",
-                    per_step="save_freq='epoch'" if batch is not None else "",
-                )
-                return
-            better = self.best is None or (current < self.best if self.mode == "min" else current > self.best)
-            if not better:
+            current = self._monitor_value(logs, per_step="save_freq='epoch'" if batch is not None else "")
+            if current is None or not self._is_improvement(current, self.best):
                 return
             self.best = current
         if self.save_weights_only:

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from .callback import Callback
-from .monitor_callback import _monitor_mode, _warn_missing_monitor
+from .monitor_callback import MonitorCallback
 
 
-class ReduceLROnPlateau(Callback):
+class ReduceLROnPlateau(MonitorCallback):
     """Multiplies the learning rate by ``factor`` when ``monitor`` stops improving (Keras 3's rules).
 
     Logs ``learning_rate`` at each epoch's end. A ``monitor`` missing from the logs is a ``UserWarning``
@@ -18,6 +15,8 @@ class ReduceLROnPlateau(Callback):
     """
 
     _decides_from_logs = True
+    _monitor_owner = "ReduceLROnPlateau"
+    _without_monitor = "The learning rate is left alone while it is missing."
 
     def __init__(
         self,
@@ -30,32 +29,28 @@ class ReduceLROnPlateau(Callback):
         cooldown: int = 0,
         min_lr: float = 0.0,
     ):
-        super().__init__()
+        super().__init__(monitor)
         if factor >= 1.0:
             raise ValueError(f"ReduceLROnPlateau does not support a factor >= 1.0, got {factor}.")
-        self.monitor, self.factor, self.patience, self.verbose = monitor, factor, patience, verbose
-        self.mode = _monitor_mode(monitor, mode)
+        self.factor, self.patience, self.verbose = factor, patience, verbose
+        self.mode = self._resolve_mode(mode)
         self.min_delta, self.cooldown, self.min_lr = min_delta, cooldown, min_lr
-        self._monitor_warned = False  # a missing monitor is said once per fit
 
     def on_train_begin(self, logs=None):
-        self._monitor_warned = False
+        super().on_train_begin(logs)
         self.wait = 0
         self.cooldown_counter = 0
-        self.best = math.inf if self.mode == "min" else -math.inf
+        self.best = self._worst()
 
-    def _better(self, current, best) -> bool:
+    def _better(self, current, best) -> bool:  # Keras' rule here: min_delta moves the best, not the value
         return current < best - self.min_delta if self.mode == "min" else current > best + self.min_delta
 
     def on_epoch_end(self, epoch, logs=None):
         logs = logs if logs is not None else {}
         optimizer = self.trainer.optimizer
         logs["learning_rate"] = float(optimizer.learning_rate)
-        current = logs.get(self.monitor)
+        current = self._monitor_value(logs)
         if current is None:
-            _warn_missing_monitor(
-                self, "ReduceLROnPlateau", logs, "The learning rate is left alone while it is missing."
-            )
             return
         if self.cooldown_counter > 0:
             self.cooldown_counter -= 1

@@ -8,8 +8,7 @@ import inspect
 
 import torch
 
-from .callback import Callback
-from .monitor_callback import _warn_missing_monitor
+from .monitor_callback import MonitorCallback
 
 
 def _updates(optimizer) -> int:
@@ -18,7 +17,7 @@ def _updates(optimizer) -> int:
     return count() if count is not None else int(optimizer.iterations)
 
 
-class TorchLRScheduler(Callback):
+class TorchLRScheduler(MonitorCallback):
     """Drives the learning rate with any ``torch.optim.lr_scheduler`` scheduler, per step or per epoch.
 
     Args:
@@ -52,9 +51,11 @@ class TorchLRScheduler(Callback):
     """
 
     _decides_from_logs = True
+    _monitor_owner = "TorchLRScheduler(ReduceLROnPlateau)"
+    _without_monitor = "The learning rate is left alone while it is missing."
 
     def __init__(self, factory, interval: str = "epoch", monitor: str = "val_loss", **scheduler_kwargs):
-        super().__init__()
+        super().__init__(monitor)
         if interval not in ("step", "epoch"):
             raise ValueError(f"`interval` must be 'step' or 'epoch', got {interval!r}.")
         if isinstance(factory, str):
@@ -74,13 +75,12 @@ class TorchLRScheduler(Callback):
             )
         elif not callable(factory):
             raise TypeError(f"`factory` must be a callable (optimizer -> scheduler) or a class name, got {factory!r}.")
-        self.factory, self.interval, self.monitor = factory, interval, monitor
+        self.factory, self.interval = factory, interval
         self.scheduler = None
         self._view = None
         self._pending = None  # a restored state that waits for the scheduler
         self._updates = None  # the optimizer's updates at the last step (with gradient accumulation)
         self._used = None  # the learning rate of the last step
-        self._monitor_warned = False  # a missing monitor is said once per fit
 
     # --- the scheduler and the optimizer it stands for -------------------------------------------
     def _optimizer(self):
@@ -127,15 +127,8 @@ class TorchLRScheduler(Callback):
         self._view.read(optimizer)  # another callback may have set the rate
         self._view.step()  # torch checks that optimizer.step() came before scheduler.step()
         if isinstance(self.scheduler, _Plateau):
-            current = (logs or {}).get(self.monitor)
+            current = self._monitor_value(logs, per_step="interval='epoch'" if self.interval == "step" else "")
             if current is None:
-                _warn_missing_monitor(
-                    self,
-                    "TorchLRScheduler(ReduceLROnPlateau)",
-                    logs,
-                    "The learning rate is left alone while it is missing.",
-                    per_step="interval='epoch'" if self.interval == "step" else "",
-                )
                 return
             self.scheduler.step(float(current))
         else:
@@ -158,7 +151,7 @@ class TorchLRScheduler(Callback):
     def on_train_begin(self, logs=None):
         self._make()
         self._updates = None
-        self._monitor_warned = False
+        super().on_train_begin(logs)  # a missing monitor is said once per fit
         if self._pending is not None:
             state, self._pending = self._pending, None
             self._load(state)
