@@ -36,6 +36,11 @@ class Callback:
     # Set on callbacks that act on the (global) logs alone, so decide alike on every worker.
     _decides_from_logs = False
 
+    # Whether ``on_epoch_end`` puts ``learning_rate`` into the epoch's logs, and when: ``"before_monitor"``
+    # (before this callback reads its own monitor, which may then be ``learning_rate``), ``"after_step"`` (after
+    # its own step: the callbacks after it see the value), or None. Recipes check a monitor of it with this.
+    logs_learning_rate: str | None = None
+
     def _wants_logs(self, hook: str) -> bool:
         """Whether this callback reads the logs of the per-batch ``hook`` (only then are metrics read every step)."""
         return _overrides(self, hook) or hook in vars(self)

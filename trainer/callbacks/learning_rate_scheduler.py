@@ -11,6 +11,7 @@ class LearningRateScheduler(Callback):
     """Sets the learning rate at the start of each epoch to ``schedule(epoch, lr)`` (or ``schedule(epoch)``)."""
 
     _decides_from_logs = True
+    logs_learning_rate = "after_step"
 
     def __init__(self, schedule, verbose: int = 0):
         super().__init__()

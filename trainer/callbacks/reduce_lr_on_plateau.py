@@ -15,6 +15,7 @@ class ReduceLROnPlateau(MonitorCallback):
     """
 
     _decides_from_logs = True
+    logs_learning_rate = "before_monitor"
     _monitor_owner = "ReduceLROnPlateau"
     _without_monitor = "The learning rate is left alone while it is missing."
 

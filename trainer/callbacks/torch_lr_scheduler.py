@@ -51,6 +51,7 @@ class TorchLRScheduler(MonitorCallback):
     """
 
     _decides_from_logs = True
+    logs_learning_rate = "after_step"
     _monitor_owner = "TorchLRScheduler(ReduceLROnPlateau)"
     _without_monitor = "The learning rate is left alone while it is missing."
 
