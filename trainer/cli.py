@@ -406,7 +406,7 @@ def _first_best(epochs, monitor: str, values, mode: str = "min") -> dict | None:
 def _format_number(value) -> str:
     """4 decimals, or 4 significant digits below 1e-3 (a learning rate of 3e-5 is not 0.0000): the
     progress bar's format."""
-    from .callbacks import _format_value
+    from .callbacks.progbar_logger import _format_value
 
     return _format_value(float(value)) if isinstance(value, (int, float)) else str(value)
 

@@ -796,14 +796,12 @@ def _no_validation(checked: dict) -> str:
 
 
 def _logs_learning_rate(callbacks: list, index: int) -> bool:
-    """Whether ``learning_rate`` is in the epoch's logs when callback ``index`` reads them: a
-    ``reduce_lr_on_plateau`` logs it before it reads its monitor, the others after their own step."""
-    from .callbacks import LearningRateScheduler, ReduceLROnPlateau, TorchLRScheduler
-
+    """Whether ``learning_rate`` is in the epoch's logs when callback ``index`` reads them: each callback class
+    says whether it logs it, before reading its own monitor or after its step (``Callback.logs_learning_rate``;
+    the class's own setting: a subclass may log otherwise, as ``may_stop_training_alone`` reads the classes)."""
     for position, (factory, _) in enumerate(callbacks):
-        if factory is ReduceLROnPlateau and position <= index:
-            return True
-        if factory in (TorchLRScheduler, LearningRateScheduler) and position < index:
+        when = vars(factory).get("logs_learning_rate") if isinstance(factory, type) else None
+        if (when and position < index) or (when == "before_monitor" and position == index):
             return True
     return False
 

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from replicafit import optimizers
 from replicafit.trainer import Callback, ProgbarLogger, Trainer
-from replicafit.trainer import callbacks as callbacks_module
+from replicafit.trainer.callbacks import progbar_logger
 
 
 class HostReads(TorchDispatchMode):
@@ -131,7 +131,7 @@ def test_the_progress_bar_reads_the_logs_only_when_it_redraws(monkeypatch, clock
     (plus the epoch's own read), whatever the clock's origin; one always due reads them every step."""
     frozen = types.SimpleNamespace(**{name: getattr(time, name) for name in dir(time) if not name.startswith("_")})
     frozen.perf_counter = lambda: clock  # the system-wide clock's origin is the machine's boot
-    monkeypatch.setattr(callbacks_module, "time", frozen)
+    monkeypatch.setattr(progbar_logger, "time", frozen)
     reads = []
     original = Trainer._logs
 

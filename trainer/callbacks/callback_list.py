@@ -1,0 +1,66 @@
+"""``CallbackList``: the callbacks of one ``fit``, ``evaluate`` or ``predict`` as the trainer sees them: their
+hooks called in order, which logs they read, which keep state, whether one may stop training alone.
+"""
+
+from __future__ import annotations
+
+from .callback import Callback
+
+_BATCH_HOOKS = (
+    "on_train_batch_begin",
+    "on_train_batch_end",
+    "on_test_batch_begin",
+    "on_test_batch_end",
+    "on_predict_batch_begin",
+    "on_predict_batch_end",
+)
+
+
+class CallbackList:
+    """Calls every callback's hook in order. ``wants_batch_logs`` tells the trainer whether
+    any callback reads per-batch logs (only then are metrics read every step)."""
+
+    def __init__(self, callbacks=(), trainer=None, model=None, params=None):
+        self.callbacks = list(callbacks)
+        for cb in self.callbacks:
+            if not isinstance(cb, Callback):
+                raise TypeError(f"callbacks must be Callback instances, got {type(cb).__name__}.")
+            cb.set_trainer(trainer)
+            cb.set_model(model)
+            cb.set_params(params or {})
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Asks the callbacks again which per-batch logs they read (``fit`` does after ``on_train_begin``,
+        when a callback may know more, e.g. which scheduler it built)."""
+        self.wants_batch_logs = {hook: any(cb._wants_logs(hook) for cb in self.callbacks) for hook in _BATCH_HOOKS}
+
+    def wants_logs_now(self, hook: str) -> bool:
+        """Whether any callback reads the logs of the batch about to end (``wants_batch_logs`` says
+        whether any ever does)."""
+        return self.wants_batch_logs[hook] and any(cb._wants_logs_now(hook) for cb in self.callbacks)
+
+    def stateful(self) -> dict:
+        """``{key: callback}`` of the callbacks that keep state in checkpoints and backups (``state_dict``/
+        ``load_state_dict``), keyed by class name and rank among callbacks of that class."""
+        found, seen = {}, {}
+        for cb in self.callbacks:
+            if getattr(cb, "_keeps_state", False):
+                name = type(cb).__name__
+                found[f"{name}_{seen.get(name, 0)}"] = cb
+                seen[name] = seen.get(name, 0) + 1
+        return found
+
+    def __iter__(self):
+        return iter(self.callbacks)
+
+    def call(self, hook: str, *args) -> None:
+        for cb in self.callbacks:
+            getattr(cb, hook)(*args)
+
+
+def may_stop_training_alone(callbacks) -> bool:
+    """Whether a callback might set ``stop_training`` on one worker only: any callback that is not
+    one of the built-ins acting on the (global) logs alone. A subclass of a built-in counts as the
+    user's (it may decide otherwise), unless it sets ``_decides_from_logs = True`` itself."""
+    return any(not type(cb).__dict__.get("_decides_from_logs", False) for cb in callbacks)

@@ -1,0 +1,19 @@
+"""``TerminateOnNaN``: stops training at the first batch whose loss is not finite."""
+
+from __future__ import annotations
+
+import math
+
+from .callback import Callback
+
+
+class TerminateOnNaN(Callback):
+    """Stops training as soon as a batch's loss is NaN or infinite."""
+
+    _decides_from_logs = True
+
+    def on_train_batch_end(self, batch, logs=None):
+        loss = (logs or {}).get("loss")
+        if loss is not None and not math.isfinite(loss):
+            self._print(f"Batch {batch}: invalid loss {loss}, terminating training")
+            self.trainer.stop_training = True
