@@ -45,13 +45,12 @@ from .reduce_util import (
     VariableAggregation,
     VariableSynchronization,
 )
+from .rendezvous import get_stall_warning_seconds, set_stall_warning_seconds
 from .rng import replica_seed, seed_replicas
 from .runner import (
     ReplicaContext,
     get_replica_execution,
-    get_stall_warning_seconds,
     set_replica_execution,
-    set_stall_warning_seconds,
 )
 from .values import DistributedValues, Mirrored, PerReplica
 from .variables import (
