@@ -28,8 +28,9 @@ from . import context, nest
 from .cross_device_ops import CrossDeviceOps, ReductionToOneDevice, component_tensors, destination_devices
 from .devices import default_device, torch_device
 from .reduce_util import CommunicationOptions, ReduceOp, VariableSynchronization, as_reduce_op
+from .replica_context import DefaultReplicaContext
 from .rng import ReplicaStreams
-from .runner import DefaultReplicaContext, ReplicaRunner, inline_call
+from .runner import ReplicaRunner, inline_call
 from .values import (
     DistributedValues,
     Mirrored,
