@@ -1,26 +1,22 @@
-"""The replica runner: persistent replica threads, replica contexts and ``merge_call``.
+"""The replica runner: runs a function once per replica, by turns on one thread or on threads.
 
 ``call_for_each_replica`` runs ``fn`` once per replica. With one replica nothing changes
-thread. Replicas that share one physical device (logical CPUs, several replicas on one GPU)
-*take turns* on the caller's thread: each is a persistent greenlet that runs until it reaches a
-rendezvous, so a step costs no thread hand-off and torch's intra-op pool is used as by one
-replica (``set_replica_execution``). Replicas on distinct devices run side by side: replica 0
-on the caller's thread, replicas 1..n-1 on persistent worker threads (one *crew* per concurrent
-call, reused from call to call). Either way every replica carries its own torch thread-local
-state and replica context, and results are bit-identical.
+thread (``inline_call``). Replicas that share one physical device (logical CPUs, several
+replicas on one GPU) *take turns* on the caller's thread as persistent greenlets that switch
+only at a rendezvous (``cooperative.py``), so a step costs no thread hand-off and torch's
+intra-op pool is used as by one replica (``set_replica_execution``); a function that reaches
+a differentiable collective before anything is merged starts again on threads, and keeps them.
+Replicas on distinct devices run side by side: replica 0 on the caller's thread, replicas
+1..n-1 on persistent worker threads (one *crew* per concurrent call, reused from call to call).
+Either way every replica carries its own torch thread-local state (``thread_state.py``) and
+replica context (``replica_context.py``), and results are bit-identical.
 
-``merge_call`` is a rendezvous: every replica hands in its arguments and waits; the
-last one to arrive runs ``merge_fn`` once, in cross-replica context, with the
-arguments regrouped, then releases the others, each with its part of the result.
-Nothing here can hang: a replica that raises, or returns while others wait in
-``merge_call``, wakes them, and ``run`` raises the replica's exception, or
-``RuntimeError("Some replicas made a different number of replica_context().merge_call() calls.")``;
-replicas that make different collectives at the same point are named in the error.
-A ``CommunicationOptions.timeout_seconds`` bounds every wait, the end of the function
-included (with a timeout, replica 0 runs on a crew thread too, so the caller can return
-whichever replica is stuck); without one, a rendezvous that stays incomplete for
-``set_stall_warning_seconds`` (60 s) is logged once. On Ctrl-C ``run`` raises at once and
-interpreter exit waits (bounded) for the released replicas to leave torch.
+The replicas of a call meet at its rendezvous (``rendezvous.py``), at every ``merge_call`` and
+at the end of the function; nothing can hang, and ``run`` raises a replica's exception. A
+``CommunicationOptions.timeout_seconds`` bounds every wait, the end of the function included
+(with a timeout, every replica runs on a crew thread, replica 0 too, so the caller can return
+whichever replica is stuck). On Ctrl-C ``run`` raises at once and interpreter exit waits
+(bounded) for the released replicas to leave torch.
 
 Replicas may run concurrently (TensorFlow runs them one at a time); every reduction
 combines values in replica order, so results do not depend on thread timing.
@@ -135,7 +131,14 @@ def _wait_for_released_replicas() -> None:
 
 
 class ReplicaRunner:
-    """Runs a function once per replica on persistent threads (see the module docstring)."""
+    """Runs a function once per replica (see the module docstring).
+
+    Replicas that share one device take turns on the calling thread, as a crew of persistent
+    greenlets kept per thread; otherwise (and with a timeout, ``set_replica_execution("threads")``,
+    or for a function that needed threads for a differentiable collective) they run on a crew of
+    persistent threads, reused from call to call, replica 0 on the caller's thread unless there
+    is a timeout.
+    """
 
     def __init__(self, strategy_name: str, devices: tuple, torch_devices: tuple):
         self._name = strategy_name
