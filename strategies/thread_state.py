@@ -2,12 +2,12 @@
 
 Grad mode, inference mode, autocast and the default device are per thread in torch. A replica
 runs under the state of the thread that called ``strategy.run``, whichever thread or greenlet
-runs it, and what it changes stays its own. On a replica thread, ``capture_torch_state`` (on the
-caller's thread) and ``torch_state`` (on the replica's) put the caller's state in force for one
-call; where replicas take turns on one thread (``cooperative.py``), ``_snapshot`` and
-``_put_in_force`` swap each replica's state in and out at every switch. ``_autocast_nesting`` and
-``_close_autocast_regions`` let the runner close autocast regions a replica entered and never
-left. Only torch is used here.
+runs it, and what it changes stays its own. ``capture_torch_state`` (on the caller's thread)
+and ``torch_state`` (where the replica runs) put the caller's state, and the replica's CUDA
+device, in force for one call; where replicas take turns on one thread (``cooperative.py``),
+``_snapshot`` and ``_put_in_force`` swap each replica's state in and out at every switch.
+``_autocast_nesting`` and ``_close_autocast_regions`` let the runner close autocast regions a
+replica entered and never left. Only torch is used here.
 """
 
 from __future__ import annotations
