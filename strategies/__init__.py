@@ -60,14 +60,10 @@ from .reduce_util import (
     VariableAggregation,
     VariableSynchronization,
 )
+from .rendezvous import get_stall_warning_seconds, set_stall_warning_seconds
+from .replica_context import ReplicaContext
 from .rng import replica_seed, seed_replicas
-from .runner import (
-    ReplicaContext,
-    get_replica_execution,
-    get_stall_warning_seconds,
-    set_replica_execution,
-    set_stall_warning_seconds,
-)
+from .runner import get_replica_execution, set_replica_execution
 from .values import DistributedValues, Mirrored, PerReplica
 from .variables import (
     CentralStorageVariable,

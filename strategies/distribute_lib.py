@@ -29,8 +29,9 @@ from .cluster import Cluster
 from .cross_device_ops import CrossDeviceOps, ReductionToOneDevice, component_tensors, destination_devices
 from .devices import default_device, torch_device
 from .reduce_util import CommunicationOptions, ReduceOp, VariableSynchronization, as_reduce_op
+from .replica_context import DefaultReplicaContext
 from .rng import ReplicaStreams
-from .runner import DefaultReplicaContext, ReplicaRunner, inline_call
+from .runner import ReplicaRunner, inline_call
 from .step_values import StepValues, carrier
 from .values import (
     DistributedValues,

@@ -53,9 +53,11 @@ class MirroredStrategy(Strategy):
         distinct GPUs, else ``ReductionToOneDevice`` (logical GPUs that share a physical one,
         ``set_logical_device_configuration``, are reduced on it).
 
-    Each replica runs on its own thread (replica 0 on the caller's); variables created
-    in ``scope()`` are ``MirroredVariable``s (``SyncOnReadVariable`` for
-    ``synchronization=ON_READ``); ``run`` returns ``PerReplica`` values.
+    Replicas on distinct devices run side by side, each on a thread of its own (replica 0 on
+    the caller's); replicas that share one device (logical CPUs, several replicas on one GPU)
+    take turns on the caller's thread as greenlets, switching where they meet
+    (``set_replica_execution``). Variables created in ``scope()`` are ``MirroredVariable``s
+    (``SyncOnReadVariable`` for ``synchronization=ON_READ``); ``run`` returns ``PerReplica`` values.
 
     Example::
 
