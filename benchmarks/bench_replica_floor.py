@@ -1,7 +1,7 @@
 """How close two replicas on one physical device can get to one device: the ceiling of issue 12's
 Mirrored/OneDevice throughput row, measured.
 
-Two logical CPUs share the same cores, so the issue expects a limit near 1.0x. But each replica
+Two logical CPUs share the same cores, so one would expect a limit near 1.0x. But each replica
 runs its own forward and backward on half the batch, and at the benchmark's sizes a step is
 mostly per-operation overhead, so two half-batch passes cost much more than one full-batch pass
 before anything distributed happens. This script measures, on the shared benchmark workload

@@ -1,4 +1,5 @@
-"""Shared fixtures: one fixture parameterises over the four strategies of DESIGN.md."""
+"""Shared fixtures: one fixture parameterises over the four in-process strategies
+(default, OneDevice, Mirrored, CentralStorage)."""
 
 from __future__ import annotations
 

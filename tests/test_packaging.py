@@ -1,4 +1,4 @@
-"""One import root (API.md's opening): ``replicafit`` and nothing else at the top level.
+"""One import root: ``replicafit`` and nothing else at the top level.
 
 The packages import as ``replicafit.strategies``/``.data``/``.optimizers``/``.trainer``;
 ``import replicafit`` is cheap and lazy; a user's own ``data/``, ``trainer.py``,

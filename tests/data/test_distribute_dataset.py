@@ -1,4 +1,4 @@
-"""Distributed datasets: the split rule, sources, per-replica inputs (API.md §2, reference §6, §8 cases 38-48)."""
+"""Distributed datasets: the split rule, sources, per-replica inputs (TensorFlow's split rule)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def mirrored(count):
 
 
 def reference_split(batch_size, n):
-    """The rule of API.md §2, written from its text: k = ceil(b / n); replica i gets [i*k, min((i+1)*k, b))."""
+    """The split rule as data/input_lib.py states it: k = ceil(b / n); replica i gets [i*k, min((i+1)*k, b))."""
     k = math.ceil(batch_size / n)
     rows = []
     for i in range(n):

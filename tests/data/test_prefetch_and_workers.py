@@ -1,4 +1,4 @@
-"""Background prefetch of distributed iterators, and simulated multi-worker input (API.md §2, reference §6)."""
+"""Background prefetch of distributed iterators, and simulated multi-worker input."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Sources of global batches: ``replicafit.data.as_global_batches``, ``ArrayBatches``, ``DatasetBatches``
-(API.md §2)."""
+"""Sources of global batches: ``replicafit.data.as_global_batches``, ``ArrayBatches``, ``DatasetBatches``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Cluster resolvers (API.md "MultiWorkerMirroredStrategy"): torchrun env, TF_CONFIG, explicit, detection order.
+"""Cluster resolvers of MultiWorkerMirroredStrategy: torchrun env, TF_CONFIG, explicit, detection order.
 
 Every environment is a plain dict passed as ``environ``; the real ``os.environ`` is never touched.
 """

@@ -1,4 +1,4 @@
-"""Contexts and the context stack (API.md "Contexts", reference sections 2.1, 2.4, cases 46-47)."""
+"""Contexts and the context stack, as TensorFlow 2.21 behaves (get_strategy, get_replica_context, scopes)."""
 
 from __future__ import annotations
 

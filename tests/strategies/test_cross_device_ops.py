@@ -1,6 +1,6 @@
 """extended.reduce_to / batch_reduce_to, packing, CommunicationOptions and the cross-device ops.
 
-API.md §1 (StrategyExtended), reference §3.2-3.5 and §8 cases 34, 49.
+StrategyExtended.reduce_to/batch_reduce_to as TensorFlow 2.21 behaves, and bytes_per_pack packing.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Device names: torch and TensorFlow spellings, availability errors, logical CPUs (API.md §1 "Devices")."""
+"""Device names: torch and TensorFlow spellings, availability errors, logical CPUs."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``strategy.distribute_module``: replicas, distributed variables, state dicts, training parity.
 
-Reference: API.md section 1 ("Modules") and reference/tf_distribute.md section 5.5.
+Reference: the README's "A taste" (distribute_module) and TensorFlow 2.21's observed behaviour for module variables.
 """
 
 from __future__ import annotations

