@@ -354,8 +354,7 @@ class DistributedIterator:
 
 
 def _check_not_in_replica():
-    ctx = context.current_mode().replica_context
-    if ctx is not None and not ctx._is_default:
+    if context.in_replica_function():
         raise ValueError(
             "next(iterator) should be called from outside of replica_fn. e.g. "
             "strategy.run(replica_fn, args=(next(iterator),))"

@@ -32,6 +32,7 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "in_replica_function",
     "get_replica_context",
     "get_cross_replica_context",
     "experimental_set_strategy",
@@ -165,6 +166,20 @@ def has_strategy() -> bool:
 def in_cross_replica_context() -> bool:
     """True inside ``strategy.scope()`` or a ``merge_fn``; False in a replica and by default."""
     return current_mode().cross_replica is not None
+
+
+def in_replica_function() -> bool:
+    """Whether this code runs inside ``strategy.run`` (a replica's function), rather than in the
+    default replica context that holds outside any scope or in cross-replica context. Not in
+    TensorFlow, where a layer asks ``get_replica_context()`` and compares it with the default one.
+
+    Example::
+
+        strategy.run(lambda: in_replica_function())   # PerReplica{0: True, 1: True}
+        in_replica_function()                         # False
+    """
+    ctx = current_mode().replica_context
+    return ctx is not None and not ctx._is_default
 
 
 def get_replica_context():
