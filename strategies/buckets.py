@@ -41,6 +41,10 @@ import torch
 from .step_values import CARRIERS, SLOTS
 from .values import local_results
 
+# torch's privates used here: ``torch._foreach_*`` (one multi-tensor kernel fills or adds a whole
+# bucket; torch has no public equivalent) and ``Tensor._version`` (the in-place version counter:
+# the only way to see that a gradient was changed in place after its hook recorded it).
+
 __all__ = ["GradientBuckets"]
 
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket: small, so communication starts early

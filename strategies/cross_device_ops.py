@@ -32,6 +32,9 @@ from .reduce_util import CommunicationOptions, ReduceOp, as_reduce_op
 from .values import DistributedValues, Mirrored, PerReplica, local_results
 from .variables import Variable
 
+# torch's privates used here: ``torch._foreach_*``, the multi-tensor kernels ``torch.optim`` itself
+# uses (one launch per pack instead of one per tensor; torch has no public equivalent).
+
 __all__ = ["CrossDeviceOps", "ReductionToOneDevice", "NcclAllReduce", "group_by_size", "destination_devices"]
 
 

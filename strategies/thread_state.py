@@ -8,6 +8,11 @@ device, in force for one call; where replicas take turns on one thread (``cooper
 ``_snapshot`` and ``_put_in_force`` swap each replica's state in and out at every switch.
 ``_autocast_nesting`` and ``_close_autocast_regions`` let the runner close autocast regions a
 replica entered and never left. Only torch is used here.
+
+torch keeps part of this state behind private calls only (``torch._C``: the torch-function mode
+stack, inference mode's guard, the grad-mode setter without a context manager, whether any
+autocast is on): a replica that takes turns on one thread must save and restore exactly what torch
+keeps per thread, so those calls are used here, and nowhere else.
 """
 
 from __future__ import annotations

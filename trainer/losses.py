@@ -31,6 +31,9 @@ import torch.nn.functional as F
 
 from .registry import did_you_mean
 
+# torch's private ``torch.nn.modules.loss._Loss`` is the base class of every torch loss module
+# (``nn.CrossEntropyLoss()`` ...): the only way to recognise one that a user passes.
+
 __all__ = [
     "Loss",
     "SparseCategoricalCrossentropy",
