@@ -82,6 +82,7 @@ from replicafit.strategies.values import local_results, value_container
 from . import schedules
 from . import state as state_format
 from .accumulation import GradientWindow
+from .tensors import _first_tensor, _no_grad, _tensor_of
 
 __all__ = ["Optimizer"]
 
@@ -1019,17 +1020,6 @@ def _assign_all(assignments) -> None:
             slot.assign(value)
 
 
-class _no_grad:  # noqa: N801 - torch.no_grad without its decorator machinery (a per-step cost)
-    __slots__ = ("previous",)
-
-    def __enter__(self):
-        self.previous = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-
-    def __exit__(self, *exc):
-        torch._C._set_grad_enabled(self.previous)
-
-
 def _counter_key(iterations) -> tuple:
     """``(tensors, (id, version) of each)``: changes with any write to the counter's tensors (and holding
     them keeps their ids from being reused)."""
@@ -1049,24 +1039,11 @@ def _count_update(iterations) -> None:
     iterations.assign_add(1)
 
 
-def _tensor_of(component) -> torch.Tensor:
-    return component._read() if isinstance(component, ds.Variable) else component
-
-
 def _take_saved(component, values) -> None:
     """``averaged_weights``' way back: the copy gets the value it held before."""
     index = context.current_mode().update_replica or 0
     with _no_grad():
         _tensor_of(component).copy_(values[index])
-
-
-def _first_tensor(value) -> torch.Tensor:
-    if type(value) is torch.Tensor:
-        return value
-    first = local_results(value)[0]
-    if isinstance(first, ds.Variable):
-        first = first._read()
-    return first if isinstance(first, torch.Tensor) else torch.as_tensor(first)
 
 
 def _per_copy(strategy, grad, variable):

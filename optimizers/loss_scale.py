@@ -43,7 +43,8 @@ import math
 
 import torch
 
-from .base import Optimizer, _no_grad
+from .base import Optimizer
+from .tensors import _no_grad
 
 __all__ = ["LossScaleOptimizer"]
 
