@@ -68,7 +68,6 @@ Used in a custom training loop::
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import threading
 
@@ -82,7 +81,8 @@ from replicafit.strategies.values import local_results, value_container
 from . import schedules
 from . import state as state_format
 from .accumulation import GradientWindow
-from .tensors import _first_tensor, _no_grad, _tensor_of
+from .ema import MovingAverages, _with_average, check_ema
+from .tensors import _first_tensor, _no_grad
 
 __all__ = ["Optimizer"]
 
@@ -95,7 +95,7 @@ def _check_positive(name: str, value, allow_none: bool = True):
     return float(value)
 
 
-class Optimizer:
+class Optimizer(MovingAverages):
     """Base class of distribution-aware optimizers (see the module docstring for the pipeline).
 
     Args:
@@ -198,7 +198,7 @@ class Optimizer:
         self._loss_scaler = None  # the LossScaleOptimizer wrapping this one, if any
         self._decay_exclusions: tuple = ((), ())  # (variables or tensors, name substrings) not decayed
         self._no_decay: set = set()  # id(container) of the built variables excluded from weight decay
-        self._swapped: list | None = None  # (variable, its copies' trained values) while averages are swapped in
+        self._init_averages()
 
     # --- learning rate ----------------------------------------------------------------------
     @staticmethod
@@ -348,91 +348,6 @@ class Optimizer:
     def variables(self) -> list:
         """The optimizer's own variables: ``iterations`` and every slot."""
         return [self.iterations] + list(self._slots.values())
-
-    # --- moving averages (use_ema) ---------------------------------------------------------------
-    def finalize_variable_values(self, var_list) -> None:
-        """Keras 3's end-of-training hook: with ``use_ema``, writes each variable's moving average into it.
-
-        ``var_list``: variables or a module's parameters (``model.parameters()``); those the
-        optimizer keeps no average for (never updated by it) are left as they are. Every copy
-        of a variable gets its own copy's average (``extended.update``), so copies stay equal;
-        under ``MultiWorkerMirroredStrategy`` every worker calls it (no communication). Without
-        ``use_ema`` it does nothing. ``Trainer.fit`` calls it at its end, before ``on_train_end``
-        (as Keras' ``fit`` does), so the model holds the averages after training.
-
-        Example::
-
-            optimizer = optimizers.Adam(1e-3, use_ema=True)
-            ...                                       # a training loop of one's own
-            optimizer.finalize_variable_values(model.parameters())
-        """
-        if not self.use_ema:
-            return
-        for variable in self._averaged(var_list):
-            self._strategy_of([variable]).extended.update(variable, self._take_average, group=False)
-
-    @contextlib.contextmanager
-    def averaged_weights(self, var_list=None):
-        """Inside the block the variables hold their moving averages; after it, their trained values again.
-
-        The callback-free way to evaluate (or save) with the averages in the middle of
-        training. ``var_list`` defaults to every variable the optimizer updates; needs
-        ``use_ema=True``. Call it in cross-replica context (outside ``strategy.run``).
-
-        Example::
-
-            with optimizer.averaged_weights():
-                val_logs = trainer.evaluate(model, (x_val, y_val), batch_size=256, return_dict=True)
-        """
-        self._swap_in_averages(var_list, "averaged_weights()")
-        try:
-            yield
-        finally:
-            self._swap_out_averages()
-
-    def _swap_in_averages(self, var_list=None, caller: str = "averaged_weights()") -> None:
-        """Writes the averages into the variables, keeping their values for ``_swap_out_averages``."""
-        if not self.use_ema:
-            raise ValueError(
-                f"{caller} needs an optimizer with use_ema=True; {type(self).__name__} {self.name!r} keeps no "
-                "moving averages."
-            )
-        if self._swapped is not None:
-            raise RuntimeError(f"{caller}: the averages are swapped in already (averaged_weights() do not nest).")
-        variables = self._averaged(self._variables if var_list is None else var_list)
-        saved = [[_tensor_of(c).detach().clone() for c in local_results(v)] for v in variables]
-        for variable in variables:
-            self._strategy_of([variable]).extended.update(variable, self._take_average, group=False)
-        self._swapped = list(zip(variables, saved))
-
-    def _swap_out_averages(self) -> None:
-        """Puts back the values ``_swap_in_averages`` kept (nothing when nothing is swapped in)."""
-        swapped, self._swapped = self._swapped, None
-        for variable, values in swapped or ():
-            self._strategy_of([variable]).extended.update(variable, _take_saved, args=(values,), group=False)
-
-    def _keep_averages(self) -> None:
-        """Ends a swap without putting the trained values back (the averages stay: ``fit``'s end)."""
-        self._swapped = None
-
-    def _trained_values(self) -> dict:
-        """``{id(variable): its trained value}`` while averages are swapped in (what a backup must hold)."""
-        return {id(variable): values[0] for variable, values in self._swapped or ()}
-
-    def _averaged(self, var_list) -> list:
-        """The containers of ``var_list`` that have an ``"average"`` slot, each once, in order."""
-        found, seen = [], set()
-        for item in var_list:
-            entry = self._wrapped.get(id(item))
-            container = entry[1] if entry is not None and entry[0] is item else value_container(item)
-            if (id(container), "average") in self._slots and id(container) not in seen:
-                seen.add(id(container))
-                found.append(container)
-        return found
-
-    def _take_average(self, component) -> None:
-        with _no_grad():
-            _tensor_of(component).copy_(_tensor_of(self.get_slot(component, "average")))
 
     # --- applying gradients -------------------------------------------------------------------
     def apply_gradients(self, grads_and_vars):
@@ -647,15 +562,6 @@ class Optimizer:
         current = known is not None and known[1] == _counter_key(self.iterations)[1]
         _count_update(self.iterations)
         self._known_updates = (*_counter_key(self.iterations), known[2] + 1) if current else None
-
-    def _ema_step(self) -> tuple | None:
-        """``(momentum, overwrite)`` of this update's moving averages (Keras 3's rule), or None without EMA."""
-        if not self.use_ema:
-            return None
-        step = self._updates_so_far()  # before this update counts
-        momentum = self.ema_momentum if step else 0.0  # the first update: average = variable
-        frequency = self.ema_overwrite_frequency
-        return momentum, bool(frequency) and (step + 1) % frequency == 0
 
     def _prepared(self, grads: list, divisor) -> list | None:
         """The aggregated gradients divided by an accumulation window's weight and unscaled by a
@@ -998,20 +904,6 @@ class Optimizer:
         return f"{type(self).__name__}(name={self.name!r}, learning_rate={self._learning_rate!r})"
 
 
-def _with_average(entry: dict, names: list, variable) -> dict:
-    """A loaded slot entry fitted to ``use_ema``: an average saved by an optimizer with ``use_ema`` is
-    dropped by one without; one without gives an optimizer with ``use_ema`` the variable's current value
-    as its average (turning ``use_ema`` on when resuming a run starts the average there)."""
-    if ("average" in entry) == ("average" in names):
-        return entry
-    entry = dict(entry)
-    if "average" in entry:
-        del entry["average"]
-    else:
-        entry["average"] = _first_tensor(variable).detach().clone()
-    return entry
-
-
 def _assign_all(assignments) -> None:
     """Writes loaded values into slot variables (every copy of each)."""
     for slot, value in assignments:
@@ -1037,13 +929,6 @@ def _count_update(iterations) -> None:
                 tensor.add_(1)
         return
     iterations.assign_add(1)
-
-
-def _take_saved(component, values) -> None:
-    """``averaged_weights``' way back: the copy gets the value it held before."""
-    index = context.current_mode().update_replica or 0
-    with _no_grad():
-        _tensor_of(component).copy_(values[index])
 
 
 def _per_copy(strategy, grad, variable):
@@ -1072,21 +957,6 @@ def _merge_apply_window(strategy, optimizer, sums, variables):
     window = optimizer._window
     optimizer._window = None
     return _merge_apply(strategy, optimizer, sums, variables, divisor=window.weight)
-
-
-def check_ema(use_ema, momentum, overwrite_frequency) -> tuple:
-    """``(use_ema, ema_momentum, ema_overwrite_frequency)`` checked (Keras 3's ranges)."""
-    if not isinstance(use_ema, bool):
-        raise TypeError(f"`use_ema` must be True or False, got {use_ema!r}.")
-    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum <= 1:
-        raise ValueError(f"`ema_momentum` must be a number in [0, 1], got {momentum!r}.")
-    if overwrite_frequency is not None and (
-        isinstance(overwrite_frequency, bool) or not isinstance(overwrite_frequency, int) or overwrite_frequency < 1
-    ):
-        raise ValueError(
-            f"`ema_overwrite_frequency` must be None (never) or an integer >= 1, got {overwrite_frequency!r}."
-        )
-    return use_ema, float(momentum), overwrite_frequency
 
 
 def check_accumulation_steps(steps):
