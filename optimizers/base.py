@@ -81,7 +81,7 @@ from replicafit.strategies.values import local_results, value_container
 from . import schedules
 from . import state as state_format
 from .accumulation import GradientWindow
-from .ema import MovingAverages, _with_average, check_ema
+from .ema import MovingAverages, _with_average, check_ema, move_averages
 from .tensors import _first_tensor, _no_grad
 
 __all__ = ["Optimizer"]
@@ -590,13 +590,8 @@ class Optimizer(MovingAverages):
             if decay:
                 variable.assign_sub(variable.value() * (decay * learning_rate))
             self.update_step(gradient, variable, learning_rate)
-            if ema is not None:
-                momentum, overwrite = ema
-                weights = variable.value()
-                average = self.get_slot(variable, "average").value()
-                average.mul_(momentum).add_(weights, alpha=1.0 - momentum)
-                if overwrite:
-                    weights.copy_(average)
+            if ema is not None:  # lists of one: the rule is written once (ema.move_averages)
+                move_averages([self.get_slot(variable, "average").value()], [variable.value()], ema)
 
     def _prepare_step(self, learning_rate: float) -> None:
         """Computes per-apply constants once (before any variable is updated)."""
@@ -637,13 +632,8 @@ class Optimizer(MovingAverages):
                         group_params, torch._foreach_mul(group_params, self.weight_decay * learning_rate)
                     )
                 self._update_many(group_params, group_grads, group_slots, learning_rate)
-                if ema is not None:  # the same operations as _update_component's, one kernel per list
-                    momentum, overwrite = ema
-                    averages = group_slots["average"]
-                    torch._foreach_mul_(averages, momentum)
-                    torch._foreach_add_(averages, group_params, alpha=1.0 - momentum)
-                    if overwrite:
-                        torch._foreach_copy_(group_params, averages)
+                if ema is not None:
+                    move_averages(group_slots["average"], group_params, ema)
 
     def _plan(self, variables) -> list:
         """Groups every copy of every variable by (device, dtype, slots, decayed), once per variable list."""

@@ -4,21 +4,24 @@ Keras 3's rule: after each update ``average = ema_momentum * average + (1 - ema_
 variable``, except the first (``iterations == 0``), which sets ``average = variable``; after
 the update whose ``iterations + 1`` is a multiple of ``ema_overwrite_frequency`` the
 variables are overwritten with their averages. An average is the slot ``"average"``, living
-where its variable lives. ``MovingAverages`` gives the optimizer what is done with the
-averages: writing them into the variables for good (``finalize_variable_values``) or for a
-while (``averaged_weights``).
+where its variable lives; ``move_averages`` is the rule, written once for every path (the
+per-variable update, the multi-tensor plans, ``from_torch``). ``MovingAverages`` gives the
+optimizer what is done with the averages: writing them into the variables for good
+(``finalize_variable_values``) or for a while (``averaged_weights``).
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import torch
+
 from replicafit.strategies import context
 from replicafit.strategies.values import local_results, value_container
 
 from .tensors import _first_tensor, _no_grad, _tensor_of
 
-__all__ = ["MovingAverages", "check_ema"]
+__all__ = ["MovingAverages", "check_ema", "move_averages"]
 
 
 class MovingAverages:
@@ -125,6 +128,19 @@ class MovingAverages:
         momentum = self.ema_momentum if step else 0.0  # the first update: average = variable
         frequency = self.ema_overwrite_frequency
         return momentum, bool(frequency) and (step + 1) % frequency == 0
+
+
+# Why torch's private ``torch._foreach_*``: torch has no public multi-tensor operations; these are the
+# kernels torch.optim's own foreach implementations run, one kernel per list of tensors.
+def move_averages(averages: list, weights: list, ema: tuple) -> None:
+    """The rule, in place: ``average = momentum * average + (1 - momentum) * weight`` for each pair of
+    tensors, then, on an overwrite update, ``weight = average``. ``ema`` is ``(momentum, overwrite)``
+    (``MovingAverages._ema_step``). Call it with grad mode off."""
+    momentum, overwrite = ema
+    torch._foreach_mul_(averages, momentum)
+    torch._foreach_add_(averages, weights, alpha=1.0 - momentum)
+    if overwrite:
+        torch._foreach_copy_(weights, averages)
 
 
 def _take_saved(component, values) -> None:

@@ -23,6 +23,7 @@ from replicafit.strategies.values import local_results
 
 from . import state as state_format
 from .base import Optimizer, _assign_all
+from .ema import move_averages
 
 __all__ = ["TorchOptimizer", "from_torch"]
 
@@ -137,17 +138,13 @@ class TorchOptimizer(Optimizer):
 
     def _update_averages(self, variables, ema) -> None:
         """Every copy's moving average, from that copy (the operations of the built-ins' update)."""
-        momentum, overwrite = ema
         weights = [self._copy_tensor(v, c) for v in variables for c in range(len(local_results(v)))]
         averages = [
             local_results(self._slots[(id(v), "average")])[c]._read()
             for v in variables
             for c in range(len(local_results(v)))
         ]
-        torch._foreach_mul_(averages, momentum)
-        torch._foreach_add_(averages, weights, alpha=1.0 - momentum)
-        if overwrite:
-            torch._foreach_copy_(weights, averages)
+        move_averages(averages, weights, ema)
 
     def get_config(self) -> dict:
         config = super().get_config()
