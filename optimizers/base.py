@@ -82,6 +82,7 @@ from . import schedules
 from . import state as state_format
 from .accumulation import GradientWindow
 from .ema import MovingAverages, _with_average, check_ema, move_averages
+from .multi_tensor import MultiTensorUpdates
 from .tensors import _first_tensor, _no_grad
 
 __all__ = ["Optimizer"]
@@ -95,7 +96,7 @@ def _check_positive(name: str, value, allow_none: bool = True):
     return float(value)
 
 
-class Optimizer(MovingAverages):
+class Optimizer(MovingAverages, MultiTensorUpdates):
     """Base class of distribution-aware optimizers (see the module docstring for the pipeline).
 
     Args:
@@ -141,9 +142,6 @@ class Optimizer(MovingAverages):
         optimizer.exclude_from_weight_decay(var_names=["bias", "norm"])
     """
 
-    #: Built-ins implement ``_update_many`` over lists of tensors (one kernel per device/dtype).
-    _multi_tensor = False
-
     def __init__(
         self,
         learning_rate=0.001,
@@ -187,7 +185,6 @@ class Optimizer(MovingAverages):
         self._slots: dict = {}  # (id(container), slot name) -> slot variable
         self._slot_names: dict = {}  # id(container) -> [slot names]
         self._pending: state_format.PendingState | None = None  # loaded, for variables not built yet
-        self._plans: dict = {}  # multi-tensor plans per variable list
         self._known_updates: tuple | None = None  # the host's copy of ``iterations`` (``_updates_so_far``)
         self._wrapped: dict = {}  # id(raw tensor) -> (tensor, LocalVariable) for plain parameters
         self._last_resolved = None  # (the variables last given to apply_gradients, their containers)
@@ -199,6 +196,7 @@ class Optimizer(MovingAverages):
         self._decay_exclusions: tuple = ((), ())  # (variables or tensors, name substrings) not decayed
         self._no_decay: set = set()  # id(container) of the built variables excluded from weight decay
         self._init_averages()
+        self._init_plans()
 
     # --- learning rate ----------------------------------------------------------------------
     @staticmethod
@@ -524,7 +522,7 @@ class Optimizer(MovingAverages):
         learning_rate = self._current_learning_rate()
         self._prepare_step(learning_rate)
         ema = self._ema_step()
-        if self._multi_tensor and type(self)._update_many is not Optimizer._update_many:
+        if self._takes_multi_tensor_path():
             if spread:
                 grads = [_per_copy(strategy, g, v) for g, v in zip(grads, variables)]
             self._apply_multi_tensor(grads, variables, learning_rate, ema)
@@ -613,51 +611,6 @@ class Optimizer(MovingAverages):
             scale = self.global_clipnorm / torch.clamp(norm, min=self.global_clipnorm)
             return [g * scale for g in grads]
         return grads
-
-    # --- multi-tensor path ----------------------------------------------------------------------
-    def _update_many(self, params: list, grads: list, slots: dict, learning_rate: float) -> None:
-        """Built-ins: updates lists of same-device, same-dtype tensors (slots: name -> list)."""
-        raise NotImplementedError
-
-    def _apply_multi_tensor(self, grads, variables, learning_rate, ema=None) -> None:
-        plan = self._plan(variables)
-        with _no_grad():
-            for group_params, group_slots, positions, decayed in plan:
-                group_grads = [
-                    g if type(g) is torch.Tensor else local_results(g)[copy]
-                    for g, copy in ((grads[var_index], copy) for var_index, copy in positions)
-                ]
-                if self.weight_decay and decayed:
-                    torch._foreach_sub_(
-                        group_params, torch._foreach_mul(group_params, self.weight_decay * learning_rate)
-                    )
-                self._update_many(group_params, group_grads, group_slots, learning_rate)
-                if ema is not None:
-                    move_averages(group_slots["average"], group_params, ema)
-
-    def _plan(self, variables) -> list:
-        """Groups every copy of every variable by (device, dtype, slots, decayed), once per variable list."""
-        key = tuple(id(v) for v in variables)
-        plan = self._plans.get(key)
-        if plan is not None:
-            return plan
-        groups: dict = {}
-        for var_index, variable in enumerate(variables):
-            names = self._slot_names.get(id(variable), [])
-            slot_copies = {n: local_results(self._slots[(id(variable), n)]) for n in names}
-            decayed = id(variable) not in self._no_decay
-            for copy, component in enumerate(local_results(variable)):
-                tensor = component._read() if isinstance(component, ds.Variable) else component
-                group = groups.setdefault(
-                    (tensor.device, tensor.dtype, tuple(names), decayed), ([], {n: [] for n in names}, [], decayed)
-                )
-                group[0].append(tensor)
-                for n in names:
-                    group[1][n].append(slot_copies[n][copy]._read())
-                group[2].append((var_index, copy))
-        plan = list(groups.values())
-        self._plans[key] = plan
-        return plan
 
     # --- configuration and state --------------------------------------------------------------
     def get_config(self) -> dict:
