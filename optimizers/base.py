@@ -20,8 +20,10 @@ With ``gradient_accumulation_steps=N``, step 2 waits: each replica adds its loca
 gradients into its own sums for N steps without any communication, and the N-th step
 sends the sums through steps 2-5 (one batched reduction for the whole window, divided by
 the window's total weight; see ``replicafit.optimizers.accumulation``). ``iterations``
-counts updates. Wrapped in a ``LossScaleOptimizer``, the reduced gradients are unscaled
-and checked for infinities and NaNs between steps 2 and 3.
+counts updates. Between steps 2 and 3 the reduced gradients pass the optimizer's gradient
+stages (``_gradient_stages``, ``name -> stage(grads) -> grads``, or ``None`` to skip the
+update, which still counts): wrapped in a ``LossScaleOptimizer``, the one stage is the
+wrapper's, which unscales them and checks them for infinities and NaNs.
 
 Slot variables made with ``add_variable_from_reference`` live where their variable
 lives (mirrored under ``MirroredStrategy``, on the parameter device under
@@ -187,7 +189,7 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
         self._known_updates: tuple | None = None  # the host's copy of ``iterations`` (``_updates_so_far``)
         self._wrapped: dict = {}  # id(raw tensor) -> (tensor, LocalVariable) for plain parameters
         self._last_resolved = None  # (the variables last given to apply_gradients, their containers)
-        self._loss_scaler = None  # the LossScaleOptimizer wrapping this one, if any
+        self._gradient_stages: dict = {}  # name -> stage on the reduced gradients (a LossScaleOptimizer's)
         self._decay_exclusions: tuple = ((), ())  # (variables or tensors, name substrings) not decayed
         self._no_decay: set = set()  # id(container) of the built variables excluded from weight decay
         self._init_accumulation()
@@ -490,14 +492,14 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
         self._known_updates = (*_counter_key(self.iterations), known[2] + 1) if current else None
 
     def _prepared(self, grads: list, divisor) -> list | None:
-        """The aggregated gradients divided by an accumulation window's weight and unscaled by a
-        ``LossScaleOptimizer``; ``None`` when the loss scaler skips the step (non-finite values)."""
+        """The aggregated gradients divided by an accumulation window's weight, then through each gradient
+        stage (a ``LossScaleOptimizer``'s unscaling); ``None`` when a stage skips the step (non-finite values)."""
         if divisor is not None and divisor != 1:
             with _no_grad():
                 grads = torch._foreach_div(grads, float(divisor))
-        scaler = self._loss_scaler
-        if scaler is not None:
-            return scaler._unscale_or_skip(grads)
+        for stage in self._gradient_stages.values():
+            if (grads := stage(grads)) is None:
+                return None
         return grads
 
     def _build_for(self, variables) -> None:

@@ -2,7 +2,8 @@
 
 Keras 3's rule: the loss is multiplied by ``scale`` before backward (``scale_loss``), so small
 float16 gradients do not underflow; the wrapped optimizer then runs its own pipeline with one
-step added after the cross-replica reduction:
+step added after the cross-replica reduction (the scaler's stage, which it installs in the inner
+optimizer's gradient stages as ``"loss_scale"``; the inner optimizer knows its wrapper only as that stage):
 
     aggregate across replicas (one batched SUM; an accumulation window's sums once per window)
     → divide by the window's weight (when accumulating)
@@ -48,6 +49,8 @@ from .tensors import _no_grad
 
 __all__ = ["LossScaleOptimizer"]
 
+_STAGE = "loss_scale"  # the name of the scaler's stage in the inner optimizer's pipeline
+
 
 class LossScaleOptimizer(Optimizer):
     """Wraps ``inner_optimizer`` (any ``Optimizer``: built-in, subclass or ``from_torch``) with
@@ -71,7 +74,7 @@ class LossScaleOptimizer(Optimizer):
                 "LossScaleOptimizer wraps one of our optimizers (optimizers.get('adam'), optimizers.SGD(...), "
                 f"optimizers.from_torch(torch.optim.AdamW, lr=...)), got {type(inner_optimizer).__name__}."
             )
-        if isinstance(inner_optimizer, LossScaleOptimizer) or inner_optimizer._loss_scaler is not None:
+        if isinstance(inner_optimizer, LossScaleOptimizer) or _STAGE in inner_optimizer._gradient_stages:
             raise ValueError(f"{inner_optimizer!r} already has a LossScaleOptimizer: wrap an optimizer only once.")
         if isinstance(initial_scale, bool) or not isinstance(initial_scale, (int, float)):
             raise TypeError(f"`initial_scale` must be a number, got {initial_scale!r}.")
@@ -87,7 +90,8 @@ class LossScaleOptimizer(Optimizer):
         self.name = name or "loss_scale_optimizer"
         self._scale = self.initial_scale
         self._step_counter = 0
-        inner_optimizer._loss_scaler = self
+        # The scaler is a stage of the inner optimizer's pipeline, between the reduction and the transforms.
+        inner_optimizer._gradient_stages[_STAGE] = self._unscale_or_skip
 
     def __getattr__(self, name):
         # What the scaler does not define is the inner optimizer's (slots, plans, build state).
@@ -111,8 +115,8 @@ class LossScaleOptimizer(Optimizer):
         return loss * self._scale
 
     def _unscale_or_skip(self, grads: list) -> list | None:
-        """The reduced (still scaled) gradients unscaled, or ``None`` (and the scale halved) when
-        any value is infinite or NaN. Runs once per update, in cross-replica context."""
+        """The scaler's stage: the reduced (still scaled) gradients unscaled, or ``None`` (and the scale
+        halved) when any value is infinite or NaN. Runs once per update, in cross-replica context."""
         with _no_grad():
             unscaled = torch._foreach_div(grads, self._scale)
             # An infinity or NaN anywhere makes its tensor's L2 norm non-finite (one fused kernel,
