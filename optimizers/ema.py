@@ -7,7 +7,8 @@ variables are overwritten with their averages. An average is the slot ``"average
 where its variable lives; ``move_averages`` is the rule, written once for every path (the
 per-variable update, the multi-tensor plans, ``from_torch``). ``MovingAverages`` gives the
 optimizer what is done with the averages: writing them into the variables for good
-(``finalize_variable_values``) or for a while (``averaged_weights``).
+(``finalize_variable_values``) or for a while (``averaged_weights``, or ``swap_in_averages``
+then ``swap_out_averages``).
 """
 
 from __future__ import annotations
@@ -70,14 +71,41 @@ class MovingAverages:
             with optimizer.averaged_weights():
                 val_logs = trainer.evaluate(model, (x_val, y_val), batch_size=256, return_dict=True)
         """
-        self._swap_in_averages(var_list, "averaged_weights()")
+        self.swap_in_averages(var_list, "averaged_weights()")
         try:
             yield
         finally:
-            self._swap_out_averages()
+            self.swap_out_averages()
 
-    def _swap_in_averages(self, var_list=None, caller: str = "averaged_weights()") -> None:
-        """Writes the averages into the variables, keeping their values for ``_swap_out_averages``."""
+    @property
+    def averages_swapped_in(self) -> bool:
+        """Whether the variables hold their moving averages now: swapped in by ``swap_in_averages`` (or
+        ``averaged_weights``) and not swapped out or kept since.
+
+        Example::
+
+            if not optimizer.averages_swapped_in:
+                optimizer.swap_in_averages()
+        """
+        return self._swapped is not None
+
+    def swap_in_averages(self, var_list=None, caller: str = "swap_in_averages()") -> None:
+        """Writes the moving averages into the variables, keeping their trained values for ``swap_out_averages``.
+
+        ``averaged_weights`` for code whose start and end are apart (``SwapEMAWeights``' swap from
+        ``on_test_begin`` to ``on_test_end``). ``var_list`` defaults to every variable the optimizer
+        updates; ``caller`` names the caller in the errors: ``ValueError`` without ``use_ema``,
+        ``RuntimeError`` while the averages are swapped in already. Call it in cross-replica context
+        (outside ``strategy.run``).
+
+        Example::
+
+            optimizer.swap_in_averages()
+            try:
+                trainer.evaluate(model, (x_val, y_val), batch_size=256)
+            finally:
+                optimizer.swap_out_averages()
+        """
         if not self.use_ema:
             raise ValueError(
                 f"{caller} needs an optimizer with use_ema=True; {type(self).__name__} {self.name!r} keeps no "
@@ -91,19 +119,52 @@ class MovingAverages:
             self._strategy_of([variable]).extended.update(variable, self._take_average, group=False)
         self._swapped = list(zip(variables, saved))
 
-    def _swap_out_averages(self) -> None:
-        """Puts back the values ``_swap_in_averages`` kept (nothing when nothing is swapped in)."""
+    def swap_out_averages(self) -> None:
+        """Puts back the trained values ``swap_in_averages`` kept (nothing when nothing is swapped in).
+
+        Example::
+
+            optimizer.swap_out_averages()   # at the next epoch's start: training continues from the trained values
+        """
         swapped, self._swapped = self._swapped, None
         for variable, values in swapped or ():
             self._strategy_of([variable]).extended.update(variable, _take_saved, args=(values,), group=False)
 
-    def _keep_averages(self) -> None:
-        """Ends a swap without putting the trained values back (the averages stay: ``fit``'s end)."""
+    def keep_averages(self) -> None:
+        """Ends a swap without putting the trained values back: the averages stay in the variables.
+
+        For a swap that training's end makes final (``fit`` writes the averages into the model then,
+        ``finalize_variable_values``). Nothing happens when nothing is swapped in.
+
+        Example::
+
+            optimizer.swap_in_averages()
+            optimizer.keep_averages()   # the model keeps the averages; swap_out_averages() has nothing to put back
+        """
         self._swapped = None
 
-    def _trained_values(self) -> dict:
-        """``{id(variable): its trained value}`` while averages are swapped in (what a backup must hold)."""
+    def trained_values(self) -> dict:
+        """``{id(variable): its first copy's trained value}`` while the averages are swapped in, else ``{}``.
+
+        What a backup of the model must hold instead of the averages the variables hold then (a
+        resumed run trains on from the trained values).
+
+        Example::
+
+            with optimizer.averaged_weights():
+                trained = optimizer.trained_values()   # {id(variable): tensor}, the values training left
+        """
         return {id(variable): values[0] for variable, values in self._swapped or ()}
+
+    # The names trainer/callbacks.py still calls (SwapEMAWeights): remove them once it calls the public ones.
+    def _swap_in_averages(self, var_list=None, caller: str = "averaged_weights()") -> None:
+        self.swap_in_averages(var_list, caller)
+
+    def _swap_out_averages(self) -> None:
+        self.swap_out_averages()
+
+    def _keep_averages(self) -> None:
+        self.keep_averages()
 
     def _averaged(self, var_list) -> list:
         """The containers of ``var_list`` that have an ``"average"`` slot, each once, in order."""

@@ -167,17 +167,21 @@ class LossScaleOptimizer(Optimizer):
     def averaged_weights(self, var_list=None):
         return self.inner_optimizer.averaged_weights(var_list)
 
-    def _swap_in_averages(self, var_list=None, caller: str = "averaged_weights()") -> None:
-        self.inner_optimizer._swap_in_averages(var_list, caller)
+    @property
+    def averages_swapped_in(self) -> bool:
+        return self.inner_optimizer.averages_swapped_in
 
-    def _swap_out_averages(self) -> None:
-        self.inner_optimizer._swap_out_averages()
+    def swap_in_averages(self, var_list=None, caller: str = "swap_in_averages()") -> None:
+        self.inner_optimizer.swap_in_averages(var_list, caller)
 
-    def _keep_averages(self) -> None:
-        self.inner_optimizer._keep_averages()
+    def swap_out_averages(self) -> None:
+        self.inner_optimizer.swap_out_averages()
 
-    def _trained_values(self) -> dict:
-        return self.inner_optimizer._trained_values()
+    def keep_averages(self) -> None:
+        self.inner_optimizer.keep_averages()
+
+    def trained_values(self) -> dict:
+        return self.inner_optimizer.trained_values()
 
     @property
     def iterations(self):

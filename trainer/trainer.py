@@ -882,7 +882,7 @@ class Trainer:
         """``model_state_dict()`` with the trained values of variables whose moving averages are swapped in
         (``SwapEMAWeights(swap_on_epoch=True)`` between epochs): a resumed run trains on from those."""
         state = self.model_state_dict()
-        trained = self.optimizer._trained_values() if getattr(self.optimizer, "use_ema", False) else {}
+        trained = self.optimizer.trained_values() if getattr(self.optimizer, "use_ema", False) else {}
         if trained and self._distributed is not None:
             for name, variable in self._distributed.named_variables().items():
                 if id(variable) in trained:
