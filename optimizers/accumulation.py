@@ -86,6 +86,29 @@ class GradientAccumulation:
         self._pending_window: dict | None = None  # a loaded window, for variables not built yet
         self._step_weight = 1.0  # the weight of the next accumulated step (the trainer's: its examples)
 
+    @property
+    def step_weight(self) -> float:
+        """The weight of the next accumulated step: its gradients enter the window multiplied by it, and
+        a window's sums are divided by its steps' total weight.
+
+        1 by default, every step alike (Keras' mean of the N gradients). ``Trainer.fit`` sets it to
+        each step's global batch size while it accumulates (a window then equals one step on its
+        batches together, partial batches included), and back to 1 at its end.
+
+        Example::
+
+            optimizer = optimizers.SGD(0.1, gradient_accumulation_steps=4)
+            for x, y in batches:
+                optimizer.step_weight = float(len(x))   # each step weighs its examples
+                strategy.run(step, args=(x, y))
+            optimizer.apply_accumulated_gradients()
+        """
+        return self._step_weight
+
+    @step_weight.setter
+    def step_weight(self, value: float) -> None:
+        self._step_weight = value
+
     def _accumulate(self, ctx, grads, variables):
         """Adds this step's gradients to the window; its last step applies the window."""
         window = self._open_window(variables, aggregated=ctx is None)

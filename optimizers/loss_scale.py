@@ -200,12 +200,12 @@ class LossScaleOptimizer(Optimizer):
         return self.inner_optimizer.gradient_accumulation_steps
 
     @property
-    def _step_weight(self) -> float:
-        return self.inner_optimizer._step_weight
+    def step_weight(self) -> float:
+        return self.inner_optimizer.step_weight
 
-    @_step_weight.setter
-    def _step_weight(self, value: float) -> None:
-        self.inner_optimizer._step_weight = value
+    @step_weight.setter
+    def step_weight(self, value: float) -> None:
+        self.inner_optimizer.step_weight = value
 
     @property
     def variables(self) -> list:
