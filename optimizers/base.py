@@ -212,6 +212,21 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
     def learning_rate(self, value) -> None:
         self._learning_rate = self._check_learning_rate(value)
 
+    @property
+    def learning_rate_schedule(self):
+        """The schedule (or callable ``step -> float``) the learning rate follows, or ``None`` for a number.
+
+        A callback that sets the rate (``TorchLRScheduler``) asks it first: a rate that follows a
+        schedule is not a number to overwrite.
+
+        Example::
+
+            optimizer = optimizers.SGD(schedules.ExponentialDecay(0.1, decay_steps=100, decay_rate=0.5))
+            optimizer.learning_rate_schedule   # the ExponentialDecay (SGD(0.1)'s is None)
+        """
+        rate = self._learning_rate
+        return rate if callable(rate) else None
+
     def _current_learning_rate(self) -> float:
         rate = self._learning_rate
         if callable(rate):

@@ -196,6 +196,10 @@ class LossScaleOptimizer(Optimizer):
         self.inner_optimizer.learning_rate = value
 
     @property
+    def learning_rate_schedule(self):
+        return self.inner_optimizer.learning_rate_schedule
+
+    @property
     def gradient_accumulation_steps(self):
         return self.inner_optimizer.gradient_accumulation_steps
 

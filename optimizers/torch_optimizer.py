@@ -99,6 +99,43 @@ class TorchOptimizer(Optimizer):
                 optimizer.state.update(previous[copy].state)
             self._torch_optimizers.append(optimizer)
 
+    @property
+    def torch_class(self) -> type:
+        """The ``torch.optim.Optimizer`` class whose ``step()`` updates the variables.
+
+        Example::
+
+            optimizers.from_torch(torch.optim.SGD, lr=0.1).torch_class   # torch.optim.SGD
+        """
+        return self._torch_class
+
+    @property
+    def torch_kwargs(self) -> dict:
+        """The keyword arguments the torch optimizers are made with (a copy: ``set_torch_hyperparameters``
+        changes them).
+
+        Example::
+
+            optimizer = optimizers.from_torch(torch.optim.SGD, lr=0.1, momentum=0.9)
+            optimizer.torch_kwargs["momentum"]   # 0.9
+            defaults = optimizer.torch_class([torch.zeros(1, requires_grad=True)], **optimizer.torch_kwargs).defaults
+        """
+        return dict(self._torch_kwargs)
+
+    def set_torch_hyperparameters(self, **values) -> None:
+        """Sets hyper-parameters of torch's param groups (``momentum``, ``betas``, ...) in every copy's torch
+        optimizer, and in ``torch_kwargs`` for the copies built later. The learning rate is
+        ``learning_rate``'s: set that instead.
+
+        Example::
+
+            optimizer.set_torch_hyperparameters(momentum=0.85)   # TorchLRScheduler cycling OneCycleLR's momentum
+        """
+        self._torch_kwargs.update(values)
+        for copy in self._torch_optimizers:
+            for group in copy.param_groups:
+                group.update(values)
+
     @staticmethod
     def _copy_tensor(variable, copy: int) -> torch.Tensor:
         return local_results(variable)[copy]._read()
