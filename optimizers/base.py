@@ -21,9 +21,13 @@ gradients into its own sums for N steps without any communication, and the N-th 
 sends the sums through steps 2-5 (one batched reduction for the whole window, divided by
 the window's total weight; see ``replicafit.optimizers.accumulation``). ``iterations``
 counts updates. Between steps 2 and 3 the reduced gradients pass the optimizer's gradient
-stages (``_gradient_stages``, ``name -> stage(grads) -> grads``, or ``None`` to skip the
-update, which still counts): wrapped in a ``LossScaleOptimizer``, the one stage is the
-wrapper's, which unscales them and checks them for infinities and NaNs.
+stages (``_gradient_stages``: ``name -> stage(grads)``, which returns the gradients or
+``None`` to skip the update, which still counts): wrapped in a ``LossScaleOptimizer``, they
+are unscaled and checked for infinities and NaNs by the wrapper's stage there.
+
+This file is the pipeline; its parts live beside it, each a mixin of ``Optimizer``:
+``accumulation`` (the window of step 2), ``ema`` (the moving averages of step 4) and
+``multi_tensor`` (the built-ins' fast path of step 4).
 
 Slot variables made with ``add_variable_from_reference`` live where their variable
 lives (mirrored under ``MirroredStrategy``, on the parameter device under
@@ -360,7 +364,7 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
         """The optimizer's own variables: ``iterations`` and every slot."""
         return [self.iterations] + list(self._slots.values())
 
-    # --- applying gradients -------------------------------------------------------------------
+    # --- the pipeline (steps 1-5 of the module docstring) ------------------------------------
     def apply_gradients(self, grads_and_vars):
         """Applies gradients to variables (the pipeline of the module docstring).
 
@@ -395,7 +399,7 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
             return self._apply_aggregated(strategy, grads, variables)
 
     def _reduce_and_apply(self, strategy, grads, variables, divisor=None):
-        """Cross-replica part of a replica-context apply: one batched SUM of every gradient, then the update.
+        """Step 2 in cross-replica context: one batched SUM of every gradient, then steps 3-5.
 
         A gradient that is the very same object on every replica counts once per replica.
         """
@@ -404,6 +408,105 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
         reduced = strategy.extended.batch_reduce_to(ds.ReduceOp.SUM, list(zip(grads, variables)))
         return self._apply_aggregated(strategy, reduced, variables, divisor=divisor)
 
+    def _apply_aggregated(self, strategy, grads, variables, divisor=None):
+        """Cross-replica part: build, transform, update, count. ``grads`` are aggregated
+        (an accumulation window's sums, to be divided by ``divisor``)."""
+        self._build_for(variables)
+        plain = all(type(g) is torch.Tensor for g in grads)  # one copy each (the default strategy)
+        primaries = grads if plain else [_first_tensor(g) for g in grads]
+        prepared = self._prepared(primaries, divisor)
+        if prepared is None:  # a gradient stage skipped it (a loss scaler's infinities or NaNs): counted
+            self._count()
+            return self.iterations
+        transformed = self._transform(prepared, variables)
+        if transformed is not primaries:  # one value per variable now: each copy gets it below
+            grads, plain = transformed, True
+        # Gradients given once for a variable with several copies go to every copy.
+        spread = not (plain and all(type(v) is ds.LocalVariable for v in variables))
+        learning_rate = self._current_learning_rate()
+        self._prepare_step(learning_rate)
+        ema = self._ema_step()
+        if self._takes_multi_tensor_path():
+            if spread:
+                grads = [_per_copy(strategy, g, v) for g, v in zip(grads, variables)]
+            self._apply_multi_tensor(grads, variables, learning_rate, ema)
+            strategy.extended.after_direct_update(variables)
+        else:
+            if spread and plain:
+                grads = [_per_copy(strategy, g, v) for g, v in zip(grads, variables)]
+            decay, no_decay = self.weight_decay, self._no_decay
+            for grad, variable in zip(grads, variables):
+                strategy.extended.update(
+                    variable,
+                    self._update_component,
+                    args=(grad, learning_rate, None if id(variable) in no_decay else decay, ema),
+                    group=False,
+                )
+        self._count()
+        return self.iterations
+
+    def _prepared(self, grads: list, divisor) -> list | None:
+        """The aggregated gradients divided by an accumulation window's weight, then through each gradient
+        stage (a ``LossScaleOptimizer``'s unscaling); ``None`` when a stage skips the step (non-finite values)."""
+        if divisor is not None and divisor != 1:
+            with _no_grad():
+                grads = torch._foreach_div(grads, float(divisor))
+        for stage in self._gradient_stages.values():
+            if (grads := stage(grads)) is None:
+                return None
+        return grads
+
+    # Step 3, on the aggregated gradient (computed once, whatever the number of copies).
+    def _transform(self, grads: list, variables: list) -> list:
+        if self.clipvalue is not None:
+            return [g.clamp(-self.clipvalue, self.clipvalue) for g in grads]
+        if self.clipnorm is not None:
+            return [g * (self.clipnorm / torch.clamp(torch.linalg.vector_norm(g), min=self.clipnorm)) for g in grads]
+        if self.global_clipnorm is not None:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            scale = self.global_clipnorm / torch.clamp(norm, min=self.global_clipnorm)
+            return [g * scale for g in grads]
+        return grads
+
+    def _prepare_step(self, learning_rate: float) -> None:
+        """Computes per-apply constants once (before any variable is updated)."""
+
+    def update_step(self, gradient, variable, learning_rate) -> None:
+        """Updates one copy of ``variable`` (a ``LocalVariable``) from its aggregated ``gradient``."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement update_step(gradient, variable, learning_rate)."
+        )
+
+    def _update_component(self, variable, gradient, learning_rate, decay=None, ema=None):
+        """One copy's update: decay, ``update_step``, then its moving average (the per-variable path)."""
+        with torch.no_grad():
+            if decay:
+                variable.assign_sub(variable.value() * (decay * learning_rate))
+            self.update_step(gradient, variable, learning_rate)
+            if ema is not None:  # lists of one: the rule is written once (ema.move_averages)
+                move_averages([self.get_slot(variable, "average").value()], [variable.value()], ema)
+
+    def _count(self) -> None:
+        """``iterations += 1`` for one update (or a skipped loss-scaled step), the host copy too."""
+        known = self._known_updates
+        current = known is not None and known[1] == _counter_key(self.iterations)[1]
+        _count_update(self.iterations)
+        self._known_updates = (*_counter_key(self.iterations), known[2] + 1) if current else None
+
+    def _updates_so_far(self) -> int:
+        """``int(self.iterations)`` without reading the counter back every step (on an accelerator each
+        read would make the host wait for the device): a host copy kept current by ``_count``, valid while
+        the counter's tensors are the ones it saw at the version it left them; any other write
+        (``assign``, ``load_state_dict``) is read back once."""
+        key = _counter_key(self.iterations)
+        known = self._known_updates
+        if known is not None and known[1] == key[1]:
+            return known[2]
+        count = int(self.iterations)
+        self._known_updates = (*key, count)
+        return count
+
+    # --- around the pipeline: other entry points, and the variables it is given ------------------
     def scale_loss(self, loss):
         """The loss to differentiate: ``loss`` itself (a ``LossScaleOptimizer`` multiplies it by its scale)."""
         return loss
@@ -449,74 +552,6 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
             self._wrapped[id(variable)] = entry
         return entry[1]
 
-    def _apply_aggregated(self, strategy, grads, variables, divisor=None):
-        """Cross-replica part: build, transform, update, count. ``grads`` are aggregated
-        (an accumulation window's sums, to be divided by ``divisor``)."""
-        self._build_for(variables)
-        plain = all(type(g) is torch.Tensor for g in grads)  # one copy each (the default strategy)
-        primaries = grads if plain else [_first_tensor(g) for g in grads]
-        prepared = self._prepared(primaries, divisor)
-        if prepared is None:  # a loss-scaled step with infinities or NaNs: skipped, but counted
-            self._count()
-            return self.iterations
-        transformed = self._transform(prepared, variables)
-        if transformed is not primaries:  # one value per variable now: each copy gets it below
-            grads, plain = transformed, True
-        # Gradients given once for a variable with several copies go to every copy.
-        spread = not (plain and all(type(v) is ds.LocalVariable for v in variables))
-        learning_rate = self._current_learning_rate()
-        self._prepare_step(learning_rate)
-        ema = self._ema_step()
-        if self._takes_multi_tensor_path():
-            if spread:
-                grads = [_per_copy(strategy, g, v) for g, v in zip(grads, variables)]
-            self._apply_multi_tensor(grads, variables, learning_rate, ema)
-            strategy.extended.after_direct_update(variables)
-        else:
-            if spread and plain:
-                grads = [_per_copy(strategy, g, v) for g, v in zip(grads, variables)]
-            decay, no_decay = self.weight_decay, self._no_decay
-            for grad, variable in zip(grads, variables):
-                strategy.extended.update(
-                    variable,
-                    self._update_component,
-                    args=(grad, learning_rate, None if id(variable) in no_decay else decay, ema),
-                    group=False,
-                )
-        self._count()
-        return self.iterations
-
-    def _updates_so_far(self) -> int:
-        """``int(self.iterations)`` without reading the counter back every step (on an accelerator each
-        read would make the host wait for the device): a host copy kept current by ``_count``, valid while
-        the counter's tensors are the ones it saw at the version it left them; any other write
-        (``assign``, ``load_state_dict``) is read back once."""
-        key = _counter_key(self.iterations)
-        known = self._known_updates
-        if known is not None and known[1] == key[1]:
-            return known[2]
-        count = int(self.iterations)
-        self._known_updates = (*key, count)
-        return count
-
-    def _count(self) -> None:
-        """``iterations += 1`` for one update (or a skipped loss-scaled step), the host copy too."""
-        known = self._known_updates
-        current = known is not None and known[1] == _counter_key(self.iterations)[1]
-        _count_update(self.iterations)
-        self._known_updates = (*_counter_key(self.iterations), known[2] + 1) if current else None
-
-    def _prepared(self, grads: list, divisor) -> list | None:
-        """The aggregated gradients divided by an accumulation window's weight, then through each gradient
-        stage (a ``LossScaleOptimizer``'s unscaling); ``None`` when a stage skips the step (non-finite values)."""
-        if divisor is not None and divisor != 1:
-            with _no_grad():
-                grads = torch._foreach_div(grads, float(divisor))
-        for stage in self._gradient_stages.values():
-            if (grads := stage(grads)) is None:
-                return None
-        return grads
-
     def _build_for(self, variables) -> None:
         missing = [v for v in variables if id(v) not in self._built_ids]
         if missing:
@@ -526,36 +561,6 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
         # A loaded state waits for its variables (built here, or by a direct build() call).
         if self._pending is not None and self._pending.checked != len(self._variables):
             self._restore_pending()
-
-    def _update_component(self, variable, gradient, learning_rate, decay=None, ema=None):
-        """One copy's update: decay, ``update_step``, then its moving average (the per-variable path)."""
-        with torch.no_grad():
-            if decay:
-                variable.assign_sub(variable.value() * (decay * learning_rate))
-            self.update_step(gradient, variable, learning_rate)
-            if ema is not None:  # lists of one: the rule is written once (ema.move_averages)
-                move_averages([self.get_slot(variable, "average").value()], [variable.value()], ema)
-
-    def _prepare_step(self, learning_rate: float) -> None:
-        """Computes per-apply constants once (before any variable is updated)."""
-
-    def update_step(self, gradient, variable, learning_rate) -> None:
-        """Updates one copy of ``variable`` (a ``LocalVariable``) from its aggregated ``gradient``."""
-        raise NotImplementedError(
-            f"{type(self).__name__} must implement update_step(gradient, variable, learning_rate)."
-        )
-
-    # --- gradient transforms (on the aggregated gradient, computed once) ---------------------
-    def _transform(self, grads: list, variables: list) -> list:
-        if self.clipvalue is not None:
-            return [g.clamp(-self.clipvalue, self.clipvalue) for g in grads]
-        if self.clipnorm is not None:
-            return [g * (self.clipnorm / torch.clamp(torch.linalg.vector_norm(g), min=self.clipnorm)) for g in grads]
-        if self.global_clipnorm is not None:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-            scale = self.global_clipnorm / torch.clamp(norm, min=self.global_clipnorm)
-            return [g * scale for g in grads]
-        return grads
 
     # --- configuration and state --------------------------------------------------------------
     def get_config(self) -> dict:

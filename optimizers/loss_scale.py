@@ -2,8 +2,9 @@
 
 Keras 3's rule: the loss is multiplied by ``scale`` before backward (``scale_loss``), so small
 float16 gradients do not underflow; the wrapped optimizer then runs its own pipeline with one
-step added after the cross-replica reduction (the scaler's stage, which it installs in the inner
-optimizer's gradient stages as ``"loss_scale"``; the inner optimizer knows its wrapper only as that stage):
+step added after the cross-replica reduction (the scaler's stage, installed in the inner
+optimizer's gradient stages as ``"loss_scale"``: the inner optimizer knows its wrapper only as
+that stage):
 
     aggregate across replicas (one batched SUM; an accumulation window's sums once per window)
     → divide by the window's weight (when accumulating)
