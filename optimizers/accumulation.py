@@ -23,6 +23,9 @@ from replicafit.strategies.devices import torch_device
 
 from .tensors import _first_tensor, _no_grad
 
+# torch's privates used here, and why: ``torch._foreach_*`` (``GradientWindow.add``): torch has no public
+# multi-tensor operations; these are the kernels torch.optim's own foreach implementations run, one kernel per list
+# of tensors.
 __all__ = ["GradientAccumulation", "GradientWindow", "check_accumulation_steps"]
 
 

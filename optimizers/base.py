@@ -90,6 +90,10 @@ from .ema import MovingAverages, _with_average, check_ema, move_averages
 from .multi_tensor import MultiTensorUpdates
 from .tensors import _first_tensor, _no_grad
 
+# torch's privates used here, and why: ``Tensor._version`` (``_counter_key``), the in-place write counter autograd
+# keeps, tells the host copy of ``iterations`` that nothing else wrote the counter without reading it back from the
+# device; ``torch._foreach_div`` (``_prepared``): torch has no public multi-tensor operations; these are the kernels
+# torch.optim's own foreach implementations run, one kernel per list of tensors.
 __all__ = ["Optimizer"]
 
 

@@ -22,6 +22,8 @@ from replicafit.strategies.values import local_results, value_container
 
 from .tensors import _first_tensor, _no_grad, _tensor_of
 
+# torch's privates used here, and why: ``torch._foreach_*`` (``move_averages``): torch has no public multi-tensor
+# operations; these are the kernels torch.optim's own foreach implementations run, one kernel per list of tensors.
 __all__ = ["MovingAverages", "check_ema", "move_averages"]
 
 
@@ -191,8 +193,6 @@ class MovingAverages:
         return momentum, bool(frequency) and (step + 1) % frequency == 0
 
 
-# Why torch's private ``torch._foreach_*``: torch has no public multi-tensor operations; these are the
-# kernels torch.optim's own foreach implementations run, one kernel per list of tensors.
 def move_averages(averages: list, weights: list, ema: tuple) -> None:
     """The rule, in place: ``average = momentum * average + (1 - momentum) * weight`` for each pair of
     tensors, then, on an overwrite update, ``weight = average``. ``ema`` is ``(momentum, overwrite)``

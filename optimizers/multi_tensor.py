@@ -19,11 +19,12 @@ from replicafit.strategies.values import local_results
 from .ema import move_averages
 from .tensors import _no_grad, _tensor_of
 
+# torch's privates used here, and why: ``torch._foreach_*``: torch has no public multi-tensor operations; these are
+# the kernels torch.optim's own foreach implementations run, one kernel per list of tensors (the point of this
+# path).
 __all__ = ["MultiTensorUpdates"]
 
 
-# Why torch's private ``torch._foreach_*``: torch has no public multi-tensor operations; these are the
-# kernels torch.optim's own foreach implementations run, one kernel per list of tensors.
 class MultiTensorUpdates:
     """The multi-tensor path of ``Optimizer`` (a mixin): the plans, and the update that runs them.
 

@@ -12,11 +12,11 @@ import torch
 import replicafit.strategies as ds
 from replicafit.strategies.values import local_results
 
+# torch's private used here, and why: ``torch._C._set_grad_enabled`` is the switch ``torch.no_grad`` itself flips,
+# without the context-manager and decorator machinery around it, which shows in a per-step cost.
 __all__: list = []  # package-internal helpers
 
 
-# Why torch's private ``torch._C._set_grad_enabled``: it is the switch ``torch.no_grad`` itself flips, without
-# the context-manager and decorator machinery around it, which shows in a per-step cost.
 class _no_grad:  # noqa: N801 - torch.no_grad without its decorator machinery (a per-step cost)
     __slots__ = ("previous",)
 
