@@ -1,4 +1,4 @@
-"""Gradient accumulation: the open window of ``Optimizer(gradient_accumulation_steps=N)``.
+"""Gradient accumulation: the window of ``Optimizer(gradient_accumulation_steps=N)``, its sums and its logic.
 
 Each replica adds its own local gradients of a step into its own sums, weighted by the
 step's weight, with no communication; the N-th step of the window hands the sums to the
@@ -9,6 +9,10 @@ its batches together, whatever their sizes: the per-step loss ``sum / B_k`` time
 summed over the window, divided by ``sum(B_k)``, is the mean over every example of the
 window. A step of one's own (a custom loop) weighs 1, which gives Keras 3's rule, the mean
 of the N gradients.
+
+``GradientWindow`` holds one window's sums; ``GradientAccumulation``, a mixin of ``Optimizer``,
+opens and fills windows, hands a full one to the pipeline, and keeps an open one in the
+optimizer's state (saved, loaded, and restored once its variables are built).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from .tensors import _first_tensor, _no_grad
 # torch's privates used here, and why: ``torch._foreach_*`` (``GradientWindow.add``): torch has no public
 # multi-tensor operations; these are the kernels torch.optim's own foreach implementations run, one kernel per list
 # of tensors.
+
 __all__ = ["GradientAccumulation", "GradientWindow", "check_accumulation_steps"]
 
 

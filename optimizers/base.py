@@ -94,6 +94,7 @@ from .tensors import _first_tensor, _no_grad
 # keeps, tells the host copy of ``iterations`` that nothing else wrote the counter without reading it back from the
 # device; ``torch._foreach_div`` (``_prepared``): torch has no public multi-tensor operations; these are the kernels
 # torch.optim's own foreach implementations run, one kernel per list of tensors.
+
 __all__ = ["Optimizer"]
 
 

@@ -24,6 +24,7 @@ from .tensors import _first_tensor, _no_grad, _tensor_of
 
 # torch's privates used here, and why: ``torch._foreach_*`` (``move_averages``): torch has no public multi-tensor
 # operations; these are the kernels torch.optim's own foreach implementations run, one kernel per list of tensors.
+
 __all__ = ["MovingAverages", "check_ema", "move_averages"]
 
 

@@ -51,6 +51,7 @@ from .tensors import _no_grad
 # torch's privates used here, and why: ``torch._foreach_div`` and ``torch._foreach_norm`` (``_unscale_or_skip``):
 # torch has no public multi-tensor operations; these are the kernels torch.optim's own foreach implementations run,
 # one kernel per list of tensors.
+
 __all__ = ["LossScaleOptimizer"]
 
 _STAGE = "loss_scale"  # the name of the scaler's stage in the inner optimizer's pipeline

@@ -22,6 +22,7 @@ from .tensors import _no_grad, _tensor_of
 # torch's privates used here, and why: ``torch._foreach_*``: torch has no public multi-tensor operations; these are
 # the kernels torch.optim's own foreach implementations run, one kernel per list of tensors (the point of this
 # path).
+
 __all__ = ["MultiTensorUpdates"]
 
 

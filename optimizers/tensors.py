@@ -14,6 +14,7 @@ from replicafit.strategies.values import local_results
 
 # torch's private used here, and why: ``torch._C._set_grad_enabled`` is the switch ``torch.no_grad`` itself flips,
 # without the context-manager and decorator machinery around it, which shows in a per-step cost.
+
 __all__: list = []  # package-internal helpers
 
 
