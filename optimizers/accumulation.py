@@ -1,4 +1,4 @@
-"""Gradient accumulation: the open window of ``Optimizer(gradient_accumulation_steps=N)``.
+"""Gradient accumulation: the window of ``Optimizer(gradient_accumulation_steps=N)``, its sums and its logic.
 
 Each replica adds its own local gradients of a step into its own sums, weighted by the
 step's weight, with no communication; the N-th step of the window hands the sums to the
@@ -9,13 +9,29 @@ its batches together, whatever their sizes: the per-step loss ``sum / B_k`` time
 summed over the window, divided by ``sum(B_k)``, is the mean over every example of the
 window. A step of one's own (a custom loop) weighs 1, which gives Keras 3's rule, the mean
 of the N gradients.
+
+``GradientWindow`` holds one window's sums; ``GradientAccumulation``, a mixin of ``Optimizer``,
+opens and fills windows, hands a full one to the pipeline, and keeps an open one in the
+optimizer's state (saved, loaded, and restored once its variables are built).
 """
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
-__all__ = ["GradientWindow"]
+import replicafit.strategies as ds
+from replicafit.strategies import context
+from replicafit.strategies.devices import torch_device
+
+from .tensors import _first_tensor, _no_grad
+
+# torch's privates used here, and why: ``torch._foreach_*`` (``GradientWindow.add``): torch has no public
+# multi-tensor operations; these are the kernels torch.optim's own foreach implementations run, one kernel per list
+# of tensors.
+
+__all__ = ["GradientAccumulation", "GradientWindow", "check_accumulation_steps"]
 
 
 class GradientWindow:
@@ -59,3 +75,230 @@ class GradientWindow:
 
     def matches(self, variables: list) -> bool:
         return len(variables) == len(self.variables) and all(map(lambda a, b: a is b, variables, self.variables))
+
+
+class GradientAccumulation:
+    """The accumulation windows of ``Optimizer`` (a mixin): a step's gradients into the open window, the
+    window's last step into the optimizer's pipeline, and the open window in the optimizer's state.
+
+    Uses the optimizer's ``gradient_accumulation_steps``, ``iterations``, built variables
+    (``_variables``), ``_strategy_of`` and its pipeline past the window: ``_reduce_and_apply``
+    (per-replica sums) and ``_apply_aggregated`` (sums reduced already). Keeps ``_window`` (the
+    open window), ``_pending_window`` (a loaded one, for variables not built yet) and the weight
+    of the next step.
+    """
+
+    def _init_accumulation(self) -> None:
+        self._window: GradientWindow | None = None  # the open accumulation window
+        self._window_lock = threading.Lock()  # replicas on threads open a window once
+        self._pending_window: dict | None = None  # a loaded window, for variables not built yet
+        self._step_weight = 1.0  # the weight of the next accumulated step (the trainer's: its examples)
+
+    @property
+    def step_weight(self) -> float:
+        """The weight of the next accumulated step: its gradients enter the window multiplied by it, and
+        a window's sums are divided by its steps' total weight.
+
+        1 by default, every step alike (Keras' mean of the N gradients). ``Trainer.fit`` sets it to
+        each step's global batch size while it accumulates (a window then equals one step on its
+        batches together, partial batches included), and back to 1 at its end.
+
+        Example::
+
+            optimizer = optimizers.SGD(0.1, gradient_accumulation_steps=4)
+            for x, y in batches:
+                optimizer.step_weight = float(len(x))   # each step weighs its examples
+                strategy.run(step, args=(x, y))
+            optimizer.apply_accumulated_gradients()
+        """
+        return self._step_weight
+
+    @step_weight.setter
+    def step_weight(self, value: float) -> None:
+        self._step_weight = value
+
+    def _accumulate(self, ctx, grads, variables):
+        """Adds this step's gradients to the window; its last step applies the window."""
+        window = self._open_window(variables, aggregated=ctx is None)
+        if ctx is None:  # cross-replica context: the gradients are reduced already, one value each
+            grads, replica = [_first_tensor(g) for g in grads], 0
+        else:
+            replica = ctx._replica_id
+        if window.add(replica, grads, self._step_weight) < self.gradient_accumulation_steps:
+            return self.iterations
+        if ctx is not None:
+            return ctx.merge_call(_merge_apply_window, args=(self, window.sums[replica], variables))
+        strategy = self._strategy_of(variables)
+        with context.enter_or_assert_strategy(strategy):
+            return self._apply_window(strategy, window)
+
+    def _open_window(self, variables, aggregated: bool) -> GradientWindow:
+        with self._window_lock:
+            window = self._window
+            if window is None:
+                window = self._window = GradientWindow(variables, aggregated)
+                if self._pending_window is not None:
+                    self._restore_window(window)
+        if not window.matches(variables):
+            raise ValueError(
+                f"{type(self).__name__} {self.name!r} accumulates gradients over {self.gradient_accumulation_steps} "
+                f"steps, but this step gave gradients for other variables ({len(variables)}) than the window's "
+                f"first step ({len(window.variables)}): every step of a window must apply gradients to the same "
+                "variables, in the same order."
+            )
+        if window.aggregated != aggregated:
+            raise ValueError(
+                "Gradient accumulation cannot mix steps applied inside strategy.run() (per-replica gradients) and "
+                "outside it (reduced gradients) in one window; apply every step of a window the same way."
+            )
+        return window
+
+    def apply_accumulated_gradients(self):
+        """Applies the open accumulation window now, however many steps it holds (cross-replica context).
+
+        ``Trainer.fit`` calls it at the end of every epoch, so no step is ever dropped; call it
+        at the end of a loop of one's own. Nothing happens without an open window (and
+        without ``gradient_accumulation_steps``). Every worker must call it (the window's
+        reduction is a collective). Returns ``iterations``.
+
+        Example::
+
+            optimizer = optimizers.SGD(0.1, gradient_accumulation_steps=4)
+            for x, y in batches:                       # 10 batches: updates after 4, 8
+                strategy.run(step, args=(x, y))
+            optimizer.apply_accumulated_gradients()  # ... and the last 2
+        """
+        window = self._window
+        pending = self._pending_window
+        if window is None and pending is not None and pending["variables"] is not None:
+            window = self._open_window(pending["variables"], pending["aggregated"])  # loaded, not stepped since
+        if window is None or not window.count:
+            return self.iterations
+        ctx = ds.get_replica_context()
+        if ctx is not None and not ctx._is_default:
+            raise RuntimeError(
+                "apply_accumulated_gradients() must be called in cross-replica context (outside strategy.run()): "
+                "it reduces every replica's window at once."
+            )
+        strategy = self._strategy_of(window.variables)
+        with context.enter_or_assert_strategy(strategy):
+            return self._apply_window(strategy, window)
+
+    def _apply_window(self, strategy, window: GradientWindow):
+        """Reduces (unless reduced already) and applies ``window``'s sums; closes the window."""
+        self._window = None
+        variables, divisor = window.variables, window.weight
+        if window.aggregated:
+            return self._apply_aggregated(strategy, window.sums[0], variables, divisor=divisor)
+        replicas = sorted(window.sums)
+        grads = [ds.PerReplica([window.sums[r][i] for r in replicas]) for i in range(len(variables))]
+        return self._reduce_and_apply(strategy, grads, variables, divisor=divisor)
+
+    def _add_window_state(self, state: dict) -> None:
+        """``state["accumulation"]`` while a window is open: ``{"count", "weight", "aggregated",
+        "gradients": {position: [sum of each local replica]}}`` (this process's replicas;
+        ``Trainer`` checkpoints gather every worker's)."""
+        window = self._window
+        if window is None or not window.count:
+            if self._pending_window is not None:
+                state["accumulation"] = dict(self._pending_window["state"])
+            return
+        positions = {id(v): i for i, v in enumerate(self._variables)}
+        replicas = sorted(window.sums)
+        state["accumulation"] = {
+            "count": window.count,
+            "weight": float(window.weight),
+            "aggregated": window.aggregated,
+            "gradients": {
+                positions[id(v)]: [window.sums[r][i].detach().clone() for r in replicas]
+                for i, v in enumerate(window.variables)
+            },
+        }
+
+    def _checked_window_state(self, state: dict) -> dict | None:
+        window = state.get("accumulation")
+        if window is None:
+            return None
+        if not self.gradient_accumulation_steps:
+            raise ValueError(
+                "The optimizer state holds an open gradient accumulation window, but this optimizer does not "
+                "accumulate: pass the same gradient_accumulation_steps as the run that saved it."
+            )
+        try:
+            count, weight = int(window["count"]), float(window["weight"])
+            aggregated, gradients = bool(window["aggregated"]), dict(window["gradients"])
+            lists = [list(v) for v in gradients.values()]
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"The optimizer state's 'accumulation' entry is malformed ({error!r}).") from None
+        if not 0 < count < self.gradient_accumulation_steps or not all(
+            isinstance(t, torch.Tensor) for part in lists for t in part
+        ):
+            raise ValueError(
+                f"The optimizer state's accumulation window ({count} steps) does not fit "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps}, or holds other values than tensors."
+            )
+        return {"count": count, "weight": weight, "aggregated": aggregated, "gradients": gradients, "state": window}
+
+    def _load_window_state(self, window: dict | None) -> None:
+        self._window = None
+        self._pending_window = None
+        if window is None:
+            return
+        positions = sorted(window["gradients"])
+        if self._variables and positions and positions[-1] < len(self._variables):
+            window["variables"] = [self._variables[p] for p in positions]
+        else:
+            window["variables"] = None  # resolved when the variables are built
+        self._pending_window = window
+
+    def _restore_window(self, window: GradientWindow) -> None:
+        """Fills a new window from a loaded one: each local replica's own sums where the replica
+        count is the saver's, else the total on the first replica (zeros on the others)."""
+        pending, self._pending_window = self._pending_window, None
+        strategy = self._strategy_of(window.variables)
+        extended, cluster = strategy.extended, strategy.cluster
+        local, total, first = cluster.num_local_replicas, strategy.num_replicas_in_sync, cluster.first_replica_id
+        replicas = 1 if window.aggregated else local
+        positions = {id(v): i for i, v in enumerate(self._variables)}
+        devices = [torch_device(d) for d in extended.worker_devices] or [None]
+        with _no_grad():
+            for r in range(replicas):
+                sums = []
+                for variable in window.variables:
+                    saved = pending["gradients"].get(positions[id(variable)])
+                    if saved is None:
+                        raise ValueError(
+                            f"The loaded accumulation window has no sums for variable {variable.name!r}: it was "
+                            "saved for other variables."
+                        )
+                    device = devices[min(r, len(devices) - 1)]
+                    if len(saved) == total and not window.aggregated:
+                        value = saved[first + r]
+                    elif len(saved) == local and not window.aggregated:
+                        value = saved[r]
+                    elif r == 0 and first == 0:
+                        value = torch.stack([t.to(device) for t in saved]).sum(0)
+                    else:
+                        value = torch.zeros_like(saved[0])
+                    sums.append(value.detach().to(device).clone())
+                window.sums[r] = sums
+                window.counts[r] = pending["count"]
+                window.weights[r] = pending["weight"]
+
+
+def _merge_apply_window(strategy, optimizer, sums, variables):
+    """merge_fn of a window's last step: every replica's sums, reduced once and applied."""
+    window = optimizer._window
+    optimizer._window = None
+    return optimizer._reduce_and_apply(strategy, sums, variables, divisor=window.weight)
+
+
+def check_accumulation_steps(steps):
+    """``gradient_accumulation_steps`` checked: ``None`` or an int >= 2 (as Keras 3 asks)."""
+    if steps is None:
+        return None
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+        raise ValueError(
+            f"`gradient_accumulation_steps` must be None (no accumulation) or an integer >= 2, got {steps!r}."
+        )
+    return steps

@@ -8,6 +8,9 @@ import torch
 
 from .base import Optimizer
 
+# torch's privates used here, and why: ``torch._foreach_*`` (``_update_many``): torch has no public multi-tensor
+# operations; these are the kernels torch.optim's own foreach implementations run, one kernel per list of tensors.
+
 __all__ = ["Adam", "AdamW"]
 
 

@@ -20,8 +20,14 @@ With ``gradient_accumulation_steps=N``, step 2 waits: each replica adds its loca
 gradients into its own sums for N steps without any communication, and the N-th step
 sends the sums through steps 2-5 (one batched reduction for the whole window, divided by
 the window's total weight; see ``replicafit.optimizers.accumulation``). ``iterations``
-counts updates. Wrapped in a ``LossScaleOptimizer``, the reduced gradients are unscaled
-and checked for infinities and NaNs between steps 2 and 3.
+counts updates. Between steps 2 and 3 the reduced gradients pass the optimizer's gradient
+stages (``_gradient_stages``: ``name -> stage(grads)``, which returns the gradients or
+``None`` to skip the update, which still counts): wrapped in a ``LossScaleOptimizer``, they
+are unscaled and checked for infinities and NaNs by the wrapper's stage there.
+
+This file is the pipeline; its parts live beside it, each a mixin of ``Optimizer``:
+``accumulation`` (the window of step 2), ``ema`` (the moving averages of step 4) and
+``multi_tensor`` (the built-ins' fast path of step 4).
 
 Slot variables made with ``add_variable_from_reference`` live where their variable
 lives (mirrored under ``MirroredStrategy``, on the parameter device under
@@ -68,20 +74,26 @@ Used in a custom training loop::
 
 from __future__ import annotations
 
-import contextlib
 import operator
-import threading
 
 import torch
 
 import replicafit.strategies as ds
 from replicafit.strategies import context
-from replicafit.strategies.devices import canonicalize, torch_device
+from replicafit.strategies.devices import canonicalize
 from replicafit.strategies.values import local_results, value_container
 
 from . import schedules
 from . import state as state_format
-from .accumulation import GradientWindow
+from .accumulation import GradientAccumulation, check_accumulation_steps
+from .ema import MovingAverages, _with_average, check_ema, move_averages
+from .multi_tensor import MultiTensorUpdates
+from .tensors import _first_tensor, _no_grad
+
+# torch's privates used here, and why: ``Tensor._version`` (``_counter_key``), the in-place write counter autograd
+# keeps, tells the host copy of ``iterations`` that nothing else wrote the counter without reading it back from the
+# device; ``torch._foreach_div`` (``_prepared``): torch has no public multi-tensor operations; these are the kernels
+# torch.optim's own foreach implementations run, one kernel per list of tensors.
 
 __all__ = ["Optimizer"]
 
@@ -94,7 +106,7 @@ def _check_positive(name: str, value, allow_none: bool = True):
     return float(value)
 
 
-class Optimizer:
+class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
     """Base class of distribution-aware optimizers (see the module docstring for the pipeline).
 
     Args:
@@ -140,9 +152,6 @@ class Optimizer:
         optimizer.exclude_from_weight_decay(var_names=["bias", "norm"])
     """
 
-    #: Built-ins implement ``_update_many`` over lists of tensors (one kernel per device/dtype).
-    _multi_tensor = False
-
     def __init__(
         self,
         learning_rate=0.001,
@@ -186,18 +195,15 @@ class Optimizer:
         self._slots: dict = {}  # (id(container), slot name) -> slot variable
         self._slot_names: dict = {}  # id(container) -> [slot names]
         self._pending: state_format.PendingState | None = None  # loaded, for variables not built yet
-        self._plans: dict = {}  # multi-tensor plans per variable list
         self._known_updates: tuple | None = None  # the host's copy of ``iterations`` (``_updates_so_far``)
         self._wrapped: dict = {}  # id(raw tensor) -> (tensor, LocalVariable) for plain parameters
         self._last_resolved = None  # (the variables last given to apply_gradients, their containers)
-        self._window: GradientWindow | None = None  # the open accumulation window
-        self._window_lock = threading.Lock()  # replicas on threads open a window once
-        self._pending_window: dict | None = None  # a loaded window, for variables not built yet
-        self._step_weight = 1.0  # the weight of the next accumulated step (the trainer's: its examples)
-        self._loss_scaler = None  # the LossScaleOptimizer wrapping this one, if any
+        self._gradient_stages: dict = {}  # name -> stage on the reduced gradients (a LossScaleOptimizer's)
         self._decay_exclusions: tuple = ((), ())  # (variables or tensors, name substrings) not decayed
         self._no_decay: set = set()  # id(container) of the built variables excluded from weight decay
-        self._swapped: list | None = None  # (variable, its copies' trained values) while averages are swapped in
+        self._init_accumulation()
+        self._init_averages()
+        self._init_plans()
 
     # --- learning rate ----------------------------------------------------------------------
     @staticmethod
@@ -214,6 +220,21 @@ class Optimizer:
     @learning_rate.setter
     def learning_rate(self, value) -> None:
         self._learning_rate = self._check_learning_rate(value)
+
+    @property
+    def learning_rate_schedule(self):
+        """The schedule (or callable ``step -> float``) the learning rate follows, or ``None`` for a number.
+
+        A callback that sets the rate (``TorchLRScheduler``) asks it first: a rate that follows a
+        schedule is not a number to overwrite.
+
+        Example::
+
+            optimizer = optimizers.SGD(schedules.ExponentialDecay(0.1, decay_steps=100, decay_rate=0.5))
+            optimizer.learning_rate_schedule   # the ExponentialDecay (SGD(0.1)'s is None)
+        """
+        rate = self._learning_rate
+        return rate if callable(rate) else None
 
     def _current_learning_rate(self) -> float:
         rate = self._learning_rate
@@ -348,92 +369,7 @@ class Optimizer:
         """The optimizer's own variables: ``iterations`` and every slot."""
         return [self.iterations] + list(self._slots.values())
 
-    # --- moving averages (use_ema) ---------------------------------------------------------------
-    def finalize_variable_values(self, var_list) -> None:
-        """Keras 3's end-of-training hook: with ``use_ema``, writes each variable's moving average into it.
-
-        ``var_list``: variables or a module's parameters (``model.parameters()``); those the
-        optimizer keeps no average for (never updated by it) are left as they are. Every copy
-        of a variable gets its own copy's average (``extended.update``), so copies stay equal;
-        under ``MultiWorkerMirroredStrategy`` every worker calls it (no communication). Without
-        ``use_ema`` it does nothing. ``Trainer.fit`` calls it at its end, before ``on_train_end``
-        (as Keras' ``fit`` does), so the model holds the averages after training.
-
-        Example::
-
-            optimizer = optimizers.Adam(1e-3, use_ema=True)
-            ...                                       # a training loop of one's own
-            optimizer.finalize_variable_values(model.parameters())
-        """
-        if not self.use_ema:
-            return
-        for variable in self._averaged(var_list):
-            self._strategy_of([variable]).extended.update(variable, self._take_average, group=False)
-
-    @contextlib.contextmanager
-    def averaged_weights(self, var_list=None):
-        """Inside the block the variables hold their moving averages; after it, their trained values again.
-
-        The callback-free way to evaluate (or save) with the averages in the middle of
-        training. ``var_list`` defaults to every variable the optimizer updates; needs
-        ``use_ema=True``. Call it in cross-replica context (outside ``strategy.run``).
-
-        Example::
-
-            with optimizer.averaged_weights():
-                val_logs = trainer.evaluate(model, (x_val, y_val), batch_size=256, return_dict=True)
-        """
-        self._swap_in_averages(var_list, "averaged_weights()")
-        try:
-            yield
-        finally:
-            self._swap_out_averages()
-
-    def _swap_in_averages(self, var_list=None, caller: str = "averaged_weights()") -> None:
-        """Writes the averages into the variables, keeping their values for ``_swap_out_averages``."""
-        if not self.use_ema:
-            raise ValueError(
-                f"{caller} needs an optimizer with use_ema=True; {type(self).__name__} {self.name!r} keeps no "
-                "moving averages."
-            )
-        if self._swapped is not None:
-            raise RuntimeError(f"{caller}: the averages are swapped in already (averaged_weights() do not nest).")
-        variables = self._averaged(self._variables if var_list is None else var_list)
-        saved = [[_tensor_of(c).detach().clone() for c in local_results(v)] for v in variables]
-        for variable in variables:
-            self._strategy_of([variable]).extended.update(variable, self._take_average, group=False)
-        self._swapped = list(zip(variables, saved))
-
-    def _swap_out_averages(self) -> None:
-        """Puts back the values ``_swap_in_averages`` kept (nothing when nothing is swapped in)."""
-        swapped, self._swapped = self._swapped, None
-        for variable, values in swapped or ():
-            self._strategy_of([variable]).extended.update(variable, _take_saved, args=(values,), group=False)
-
-    def _keep_averages(self) -> None:
-        """Ends a swap without putting the trained values back (the averages stay: ``fit``'s end)."""
-        self._swapped = None
-
-    def _trained_values(self) -> dict:
-        """``{id(variable): its trained value}`` while averages are swapped in (what a backup must hold)."""
-        return {id(variable): values[0] for variable, values in self._swapped or ()}
-
-    def _averaged(self, var_list) -> list:
-        """The containers of ``var_list`` that have an ``"average"`` slot, each once, in order."""
-        found, seen = [], set()
-        for item in var_list:
-            entry = self._wrapped.get(id(item))
-            container = entry[1] if entry is not None and entry[0] is item else value_container(item)
-            if (id(container), "average") in self._slots and id(container) not in seen:
-                seen.add(id(container))
-                found.append(container)
-        return found
-
-    def _take_average(self, component) -> None:
-        with _no_grad():
-            _tensor_of(component).copy_(_tensor_of(self.get_slot(component, "average")))
-
-    # --- applying gradients -------------------------------------------------------------------
+    # --- the pipeline (steps 1-5 of the module docstring) ------------------------------------
     def apply_gradients(self, grads_and_vars):
         """Applies gradients to variables (the pipeline of the module docstring).
 
@@ -467,84 +403,115 @@ class Optimizer:
         with context.enter_or_assert_strategy(strategy):
             return self._apply_aggregated(strategy, grads, variables)
 
-    # --- gradient accumulation -------------------------------------------------------------------
-    def _accumulate(self, ctx, grads, variables):
-        """Adds this step's gradients to the window; its last step applies the window."""
-        window = self._open_window(variables, aggregated=ctx is None)
-        if ctx is None:  # cross-replica context: the gradients are reduced already, one value each
-            grads, replica = [_first_tensor(g) for g in grads], 0
-        else:
-            replica = ctx._replica_id
-        if window.add(replica, grads, self._step_weight) < self.gradient_accumulation_steps:
-            return self.iterations
-        if ctx is not None:
-            return ctx.merge_call(_merge_apply_window, args=(self, window.sums[replica], variables))
-        strategy = self._strategy_of(variables)
-        with context.enter_or_assert_strategy(strategy):
-            return self._apply_window(strategy, window)
+    def _reduce_and_apply(self, strategy, grads, variables, divisor=None):
+        """Step 2 in cross-replica context: one batched SUM of every gradient, then steps 3-5.
 
-    def _open_window(self, variables, aggregated: bool) -> GradientWindow:
-        with self._window_lock:
-            window = self._window
-            if window is None:
-                window = self._window = GradientWindow(variables, aggregated)
-                if self._pending_window is not None:
-                    self._restore_window(window)
-        if not window.matches(variables):
-            raise ValueError(
-                f"{type(self).__name__} {self.name!r} accumulates gradients over {self.gradient_accumulation_steps} "
-                f"steps, but this step gave gradients for other variables ({len(variables)}) than the window's "
-                f"first step ({len(window.variables)}): every step of a window must apply gradients to the same "
-                "variables, in the same order."
-            )
-        if window.aggregated != aggregated:
-            raise ValueError(
-                "Gradient accumulation cannot mix steps applied inside strategy.run() (per-replica gradients) and "
-                "outside it (reduced gradients) in one window; apply every step of a window the same way."
-            )
-        return window
-
-    def apply_accumulated_gradients(self):
-        """Applies the open accumulation window now, however many steps it holds (cross-replica context).
-
-        ``Trainer.fit`` calls it at the end of every epoch, so no step is ever dropped; call it
-        at the end of a loop of one's own. Nothing happens without an open window (and
-        without ``gradient_accumulation_steps``). Every worker must call it (the window's
-        reduction is a collective). Returns ``iterations``.
-
-        Example::
-
-            optimizer = optimizers.SGD(0.1, gradient_accumulation_steps=4)
-            for x, y in batches:                       # 10 batches: updates after 4, 8
-                strategy.run(step, args=(x, y))
-            optimizer.apply_accumulated_gradients()  # ... and the last 2
+        A gradient that is the very same object on every replica counts once per replica.
         """
-        window = self._window
-        pending = self._pending_window
-        if window is None and pending is not None and pending["variables"] is not None:
-            window = self._open_window(pending["variables"], pending["aggregated"])  # loaded, not stepped since
-        if window is None or not window.count:
+        count = strategy.cluster.num_local_replicas  # the components of this worker
+        grads = [g if isinstance(g, ds.DistributedValues) else ds.PerReplica([g] * count) for g in grads]
+        reduced = strategy.extended.batch_reduce_to(ds.ReduceOp.SUM, list(zip(grads, variables)))
+        return self._apply_aggregated(strategy, reduced, variables, divisor=divisor)
+
+    def _apply_aggregated(self, strategy, grads, variables, divisor=None):
+        """Cross-replica part: build, transform, update, count. ``grads`` are aggregated
+        (an accumulation window's sums, to be divided by ``divisor``)."""
+        self._build_for(variables)
+        plain = all(type(g) is torch.Tensor for g in grads)  # one copy each (the default strategy)
+        primaries = grads if plain else [_first_tensor(g) for g in grads]
+        prepared = self._prepared(primaries, divisor)
+        if prepared is None:  # a gradient stage skipped it (a loss scaler's infinities or NaNs): counted
+            self._count()
             return self.iterations
-        ctx = ds.get_replica_context()
-        if ctx is not None and not ctx._is_default:
-            raise RuntimeError(
-                "apply_accumulated_gradients() must be called in cross-replica context (outside strategy.run()): "
-                "it reduces every replica's window at once."
-            )
-        strategy = self._strategy_of(window.variables)
-        with context.enter_or_assert_strategy(strategy):
-            return self._apply_window(strategy, window)
+        transformed = self._transform(prepared, variables)
+        if transformed is not primaries:  # one value per variable now: each copy gets it below
+            grads, plain = transformed, True
+        # Gradients given once for a variable with several copies go to every copy.
+        spread = not (plain and all(type(v) is ds.LocalVariable for v in variables))
+        learning_rate = self._current_learning_rate()
+        self._prepare_step(learning_rate)
+        ema = self._ema_step()
+        if self._takes_multi_tensor_path():
+            if spread:
+                grads = [_per_copy(strategy, g, v) for g, v in zip(grads, variables)]
+            self._apply_multi_tensor(grads, variables, learning_rate, ema)
+            strategy.extended.after_direct_update(variables)
+        else:
+            if spread and plain:
+                grads = [_per_copy(strategy, g, v) for g, v in zip(grads, variables)]
+            decay, no_decay = self.weight_decay, self._no_decay
+            for grad, variable in zip(grads, variables):
+                strategy.extended.update(
+                    variable,
+                    self._update_component,
+                    args=(grad, learning_rate, None if id(variable) in no_decay else decay, ema),
+                    group=False,
+                )
+        self._count()
+        return self.iterations
 
-    def _apply_window(self, strategy, window: GradientWindow):
-        """Reduces (unless reduced already) and applies ``window``'s sums; closes the window."""
-        self._window = None
-        variables, divisor = window.variables, window.weight
-        if window.aggregated:
-            return self._apply_aggregated(strategy, window.sums[0], variables, divisor=divisor)
-        replicas = sorted(window.sums)
-        grads = [ds.PerReplica([window.sums[r][i] for r in replicas]) for i in range(len(variables))]
-        return _merge_apply(strategy, self, grads, variables, divisor=divisor)
+    def _prepared(self, grads: list, divisor) -> list | None:
+        """The aggregated gradients divided by an accumulation window's weight, then through each gradient
+        stage (a ``LossScaleOptimizer``'s unscaling); ``None`` when a stage skips the step (non-finite values)."""
+        if divisor is not None and divisor != 1:
+            with _no_grad():
+                grads = torch._foreach_div(grads, float(divisor))
+        for stage in self._gradient_stages.values():
+            if (grads := stage(grads)) is None:
+                return None
+        return grads
 
+    # Step 3, on the aggregated gradient (computed once, whatever the number of copies).
+    def _transform(self, grads: list, variables: list) -> list:
+        if self.clipvalue is not None:
+            return [g.clamp(-self.clipvalue, self.clipvalue) for g in grads]
+        if self.clipnorm is not None:
+            return [g * (self.clipnorm / torch.clamp(torch.linalg.vector_norm(g), min=self.clipnorm)) for g in grads]
+        if self.global_clipnorm is not None:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            scale = self.global_clipnorm / torch.clamp(norm, min=self.global_clipnorm)
+            return [g * scale for g in grads]
+        return grads
+
+    def _prepare_step(self, learning_rate: float) -> None:
+        """Computes per-apply constants once (before any variable is updated)."""
+
+    def update_step(self, gradient, variable, learning_rate) -> None:
+        """Updates one copy of ``variable`` (a ``LocalVariable``) from its aggregated ``gradient``."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement update_step(gradient, variable, learning_rate)."
+        )
+
+    def _update_component(self, variable, gradient, learning_rate, decay=None, ema=None):
+        """One copy's update: decay, ``update_step``, then its moving average (the per-variable path)."""
+        with torch.no_grad():
+            if decay:
+                variable.assign_sub(variable.value() * (decay * learning_rate))
+            self.update_step(gradient, variable, learning_rate)
+            if ema is not None:  # lists of one: the rule is written once (ema.move_averages)
+                move_averages([self.get_slot(variable, "average").value()], [variable.value()], ema)
+
+    def _count(self) -> None:
+        """``iterations += 1`` for one update (or a skipped loss-scaled step), the host copy too."""
+        known = self._known_updates
+        current = known is not None and known[1] == _counter_key(self.iterations)[1]
+        _count_update(self.iterations)
+        self._known_updates = (*_counter_key(self.iterations), known[2] + 1) if current else None
+
+    def _updates_so_far(self) -> int:
+        """``int(self.iterations)`` without reading the counter back every step (on an accelerator each
+        read would make the host wait for the device): a host copy kept current by ``_count``, valid while
+        the counter's tensors are the ones it saw at the version it left them; any other write
+        (``assign``, ``load_state_dict``) is read back once."""
+        key = _counter_key(self.iterations)
+        known = self._known_updates
+        if known is not None and known[1] == key[1]:
+            return known[2]
+        count = int(self.iterations)
+        self._known_updates = (*key, count)
+        return count
+
+    # --- around the pipeline: other entry points, and the variables it is given ------------------
     def scale_loss(self, loss):
         """The loss to differentiate: ``loss`` itself (a ``LossScaleOptimizer`` multiplies it by its scale)."""
         return loss
@@ -590,83 +557,6 @@ class Optimizer:
             self._wrapped[id(variable)] = entry
         return entry[1]
 
-    def _apply_aggregated(self, strategy, grads, variables, divisor=None):
-        """Cross-replica part: build, transform, update, count. ``grads`` are aggregated
-        (an accumulation window's sums, to be divided by ``divisor``)."""
-        self._build_for(variables)
-        plain = all(type(g) is torch.Tensor for g in grads)  # one copy each (the default strategy)
-        primaries = grads if plain else [_first_tensor(g) for g in grads]
-        prepared = self._prepared(primaries, divisor)
-        if prepared is None:  # a loss-scaled step with infinities or NaNs: skipped, but counted
-            self._count()
-            return self.iterations
-        transformed = self._transform(prepared, variables)
-        if transformed is not primaries:  # one value per variable now: each copy gets it below
-            grads, plain = transformed, True
-        # Gradients given once for a variable with several copies go to every copy.
-        spread = not (plain and all(type(v) is ds.LocalVariable for v in variables))
-        learning_rate = self._current_learning_rate()
-        self._prepare_step(learning_rate)
-        ema = self._ema_step()
-        if self._multi_tensor and type(self)._update_many is not Optimizer._update_many:
-            if spread:
-                grads = [_per_copy(strategy, g, v) for g, v in zip(grads, variables)]
-            self._apply_multi_tensor(grads, variables, learning_rate, ema)
-            strategy.extended.after_direct_update(variables)
-        else:
-            if spread and plain:
-                grads = [_per_copy(strategy, g, v) for g, v in zip(grads, variables)]
-            decay, no_decay = self.weight_decay, self._no_decay
-            for grad, variable in zip(grads, variables):
-                strategy.extended.update(
-                    variable,
-                    self._update_component,
-                    args=(grad, learning_rate, None if id(variable) in no_decay else decay, ema),
-                    group=False,
-                )
-        self._count()
-        return self.iterations
-
-    def _updates_so_far(self) -> int:
-        """``int(self.iterations)`` without reading the counter back every step (on an accelerator each
-        read would make the host wait for the device): a host copy kept current by ``_count``, valid while
-        the counter's tensors are the ones it saw at the version it left them; any other write
-        (``assign``, ``load_state_dict``) is read back once."""
-        key = _counter_key(self.iterations)
-        known = self._known_updates
-        if known is not None and known[1] == key[1]:
-            return known[2]
-        count = int(self.iterations)
-        self._known_updates = (*key, count)
-        return count
-
-    def _count(self) -> None:
-        """``iterations += 1`` for one update (or a skipped loss-scaled step), the host copy too."""
-        known = self._known_updates
-        current = known is not None and known[1] == _counter_key(self.iterations)[1]
-        _count_update(self.iterations)
-        self._known_updates = (*_counter_key(self.iterations), known[2] + 1) if current else None
-
-    def _ema_step(self) -> tuple | None:
-        """``(momentum, overwrite)`` of this update's moving averages (Keras 3's rule), or None without EMA."""
-        if not self.use_ema:
-            return None
-        step = self._updates_so_far()  # before this update counts
-        momentum = self.ema_momentum if step else 0.0  # the first update: average = variable
-        frequency = self.ema_overwrite_frequency
-        return momentum, bool(frequency) and (step + 1) % frequency == 0
-
-    def _prepared(self, grads: list, divisor) -> list | None:
-        """The aggregated gradients divided by an accumulation window's weight and unscaled by a
-        ``LossScaleOptimizer``; ``None`` when the loss scaler skips the step (non-finite values)."""
-        if divisor is not None and divisor != 1:
-            with _no_grad():
-                grads = torch._foreach_div(grads, float(divisor))
-        scaler = self._loss_scaler
-        if scaler is not None:
-            return scaler._unscale_or_skip(grads)
-        return grads
-
     def _build_for(self, variables) -> None:
         missing = [v for v in variables if id(v) not in self._built_ids]
         if missing:
@@ -676,91 +566,6 @@ class Optimizer:
         # A loaded state waits for its variables (built here, or by a direct build() call).
         if self._pending is not None and self._pending.checked != len(self._variables):
             self._restore_pending()
-
-    def _update_component(self, variable, gradient, learning_rate, decay=None, ema=None):
-        """One copy's update: decay, ``update_step``, then its moving average (the per-variable path)."""
-        with torch.no_grad():
-            if decay:
-                variable.assign_sub(variable.value() * (decay * learning_rate))
-            self.update_step(gradient, variable, learning_rate)
-            if ema is not None:
-                momentum, overwrite = ema
-                weights = variable.value()
-                average = self.get_slot(variable, "average").value()
-                average.mul_(momentum).add_(weights, alpha=1.0 - momentum)
-                if overwrite:
-                    weights.copy_(average)
-
-    def _prepare_step(self, learning_rate: float) -> None:
-        """Computes per-apply constants once (before any variable is updated)."""
-
-    def update_step(self, gradient, variable, learning_rate) -> None:
-        """Updates one copy of ``variable`` (a ``LocalVariable``) from its aggregated ``gradient``."""
-        raise NotImplementedError(
-            f"{type(self).__name__} must implement update_step(gradient, variable, learning_rate)."
-        )
-
-    # --- gradient transforms (on the aggregated gradient, computed once) ---------------------
-    def _transform(self, grads: list, variables: list) -> list:
-        if self.clipvalue is not None:
-            return [g.clamp(-self.clipvalue, self.clipvalue) for g in grads]
-        if self.clipnorm is not None:
-            return [g * (self.clipnorm / torch.clamp(torch.linalg.vector_norm(g), min=self.clipnorm)) for g in grads]
-        if self.global_clipnorm is not None:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-            scale = self.global_clipnorm / torch.clamp(norm, min=self.global_clipnorm)
-            return [g * scale for g in grads]
-        return grads
-
-    # --- multi-tensor path ----------------------------------------------------------------------
-    def _update_many(self, params: list, grads: list, slots: dict, learning_rate: float) -> None:
-        """Built-ins: updates lists of same-device, same-dtype tensors (slots: name -> list)."""
-        raise NotImplementedError
-
-    def _apply_multi_tensor(self, grads, variables, learning_rate, ema=None) -> None:
-        plan = self._plan(variables)
-        with _no_grad():
-            for group_params, group_slots, positions, decayed in plan:
-                group_grads = [
-                    g if type(g) is torch.Tensor else local_results(g)[copy]
-                    for g, copy in ((grads[var_index], copy) for var_index, copy in positions)
-                ]
-                if self.weight_decay and decayed:
-                    torch._foreach_sub_(
-                        group_params, torch._foreach_mul(group_params, self.weight_decay * learning_rate)
-                    )
-                self._update_many(group_params, group_grads, group_slots, learning_rate)
-                if ema is not None:  # the same operations as _update_component's, one kernel per list
-                    momentum, overwrite = ema
-                    averages = group_slots["average"]
-                    torch._foreach_mul_(averages, momentum)
-                    torch._foreach_add_(averages, group_params, alpha=1.0 - momentum)
-                    if overwrite:
-                        torch._foreach_copy_(group_params, averages)
-
-    def _plan(self, variables) -> list:
-        """Groups every copy of every variable by (device, dtype, slots, decayed), once per variable list."""
-        key = tuple(id(v) for v in variables)
-        plan = self._plans.get(key)
-        if plan is not None:
-            return plan
-        groups: dict = {}
-        for var_index, variable in enumerate(variables):
-            names = self._slot_names.get(id(variable), [])
-            slot_copies = {n: local_results(self._slots[(id(variable), n)]) for n in names}
-            decayed = id(variable) not in self._no_decay
-            for copy, component in enumerate(local_results(variable)):
-                tensor = component._read() if isinstance(component, ds.Variable) else component
-                group = groups.setdefault(
-                    (tensor.device, tensor.dtype, tuple(names), decayed), ([], {n: [] for n in names}, [], decayed)
-                )
-                group[0].append(tensor)
-                for n in names:
-                    group[1][n].append(slot_copies[n][copy]._read())
-                group[2].append((var_index, copy))
-        plan = list(groups.values())
-        self._plans[key] = plan
-        return plan
 
     # --- configuration and state --------------------------------------------------------------
     def get_config(self) -> dict:
@@ -863,98 +668,6 @@ class Optimizer:
         pending.discard(taken, self._variables)
         self._pending = None if pending.done(len(self._variables)) else pending
 
-    # --- the accumulation window in the state ----------------------------------------------------
-    def _add_window_state(self, state: dict) -> None:
-        """``state["accumulation"]`` while a window is open: ``{"count", "weight", "aggregated",
-        "gradients": {position: [sum of each local replica]}}`` (this process's replicas;
-        ``Trainer`` checkpoints gather every worker's)."""
-        window = self._window
-        if window is None or not window.count:
-            if self._pending_window is not None:
-                state["accumulation"] = dict(self._pending_window["state"])
-            return
-        positions = {id(v): i for i, v in enumerate(self._variables)}
-        replicas = sorted(window.sums)
-        state["accumulation"] = {
-            "count": window.count,
-            "weight": float(window.weight),
-            "aggregated": window.aggregated,
-            "gradients": {
-                positions[id(v)]: [window.sums[r][i].detach().clone() for r in replicas]
-                for i, v in enumerate(window.variables)
-            },
-        }
-
-    def _checked_window_state(self, state: dict) -> dict | None:
-        window = state.get("accumulation")
-        if window is None:
-            return None
-        if not self.gradient_accumulation_steps:
-            raise ValueError(
-                "The optimizer state holds an open gradient accumulation window, but this optimizer does not "
-                "accumulate: pass the same gradient_accumulation_steps as the run that saved it."
-            )
-        try:
-            count, weight = int(window["count"]), float(window["weight"])
-            aggregated, gradients = bool(window["aggregated"]), dict(window["gradients"])
-            lists = [list(v) for v in gradients.values()]
-        except (KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"The optimizer state's 'accumulation' entry is malformed ({error!r}).") from None
-        if not 0 < count < self.gradient_accumulation_steps or not all(
-            isinstance(t, torch.Tensor) for part in lists for t in part
-        ):
-            raise ValueError(
-                f"The optimizer state's accumulation window ({count} steps) does not fit "
-                f"gradient_accumulation_steps={self.gradient_accumulation_steps}, or holds other values than tensors."
-            )
-        return {"count": count, "weight": weight, "aggregated": aggregated, "gradients": gradients, "state": window}
-
-    def _load_window_state(self, window: dict | None) -> None:
-        self._window = None
-        self._pending_window = None
-        if window is None:
-            return
-        positions = sorted(window["gradients"])
-        if self._variables and positions and positions[-1] < len(self._variables):
-            window["variables"] = [self._variables[p] for p in positions]
-        else:
-            window["variables"] = None  # resolved when the variables are built
-        self._pending_window = window
-
-    def _restore_window(self, window: GradientWindow) -> None:
-        """Fills a new window from a loaded one: each local replica's own sums where the replica
-        count is the saver's, else the total on the first replica (zeros on the others)."""
-        pending, self._pending_window = self._pending_window, None
-        strategy = self._strategy_of(window.variables)
-        extended, cluster = strategy.extended, strategy.cluster
-        local, total, first = cluster.num_local_replicas, strategy.num_replicas_in_sync, cluster.first_replica_id
-        replicas = 1 if window.aggregated else local
-        positions = {id(v): i for i, v in enumerate(self._variables)}
-        devices = [torch_device(d) for d in extended.worker_devices] or [None]
-        with _no_grad():
-            for r in range(replicas):
-                sums = []
-                for variable in window.variables:
-                    saved = pending["gradients"].get(positions[id(variable)])
-                    if saved is None:
-                        raise ValueError(
-                            f"The loaded accumulation window has no sums for variable {variable.name!r}: it was "
-                            "saved for other variables."
-                        )
-                    device = devices[min(r, len(devices) - 1)]
-                    if len(saved) == total and not window.aggregated:
-                        value = saved[first + r]
-                    elif len(saved) == local and not window.aggregated:
-                        value = saved[r]
-                    elif r == 0 and first == 0:
-                        value = torch.stack([t.to(device) for t in saved]).sum(0)
-                    else:
-                        value = torch.zeros_like(saved[0])
-                    sums.append(value.detach().to(device).clone())
-                window.sums[r] = sums
-                window.counts[r] = pending["count"]
-                window.weights[r] = pending["weight"]
-
     def _restore_pending(self) -> None:
         """Restores the loaded entries of variables built since ``load_state_dict``."""
         if not self._variables:
@@ -997,37 +710,12 @@ class Optimizer:
         return f"{type(self).__name__}(name={self.name!r}, learning_rate={self._learning_rate!r})"
 
 
-def _with_average(entry: dict, names: list, variable) -> dict:
-    """A loaded slot entry fitted to ``use_ema``: an average saved by an optimizer with ``use_ema`` is
-    dropped by one without; one without gives an optimizer with ``use_ema`` the variable's current value
-    as its average (turning ``use_ema`` on when resuming a run starts the average there)."""
-    if ("average" in entry) == ("average" in names):
-        return entry
-    entry = dict(entry)
-    if "average" in entry:
-        del entry["average"]
-    else:
-        entry["average"] = _first_tensor(variable).detach().clone()
-    return entry
-
-
 def _assign_all(assignments) -> None:
     """Writes loaded values into slot variables (every copy of each)."""
     for slot, value in assignments:
         strategy = getattr(slot, "_distribute_strategy", None) or context.get_strategy()
         with context.enter_or_assert_strategy(strategy):
             slot.assign(value)
-
-
-class _no_grad:  # noqa: N801 - torch.no_grad without its decorator machinery (a per-step cost)
-    __slots__ = ("previous",)
-
-    def __enter__(self):
-        self.previous = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-
-    def __exit__(self, *exc):
-        torch._C._set_grad_enabled(self.previous)
 
 
 def _counter_key(iterations) -> tuple:
@@ -1049,26 +737,6 @@ def _count_update(iterations) -> None:
     iterations.assign_add(1)
 
 
-def _tensor_of(component) -> torch.Tensor:
-    return component._read() if isinstance(component, ds.Variable) else component
-
-
-def _take_saved(component, values) -> None:
-    """``averaged_weights``' way back: the copy gets the value it held before."""
-    index = context.current_mode().update_replica or 0
-    with _no_grad():
-        _tensor_of(component).copy_(values[index])
-
-
-def _first_tensor(value) -> torch.Tensor:
-    if type(value) is torch.Tensor:
-        return value
-    first = local_results(value)[0]
-    if isinstance(first, ds.Variable):
-        first = first._read()
-    return first if isinstance(first, torch.Tensor) else torch.as_tensor(first)
-
-
 def _per_copy(strategy, grad, variable):
     if (
         type(variable) is ds.LocalVariable
@@ -1079,45 +747,6 @@ def _per_copy(strategy, grad, variable):
     return strategy.extended.broadcast_to(grad, variable)
 
 
-def _merge_apply(strategy, optimizer, grads, variables, divisor=None):
-    """merge_fn of a replica-context apply: one batched SUM of every gradient, then the update.
-
-    A gradient that is the very same object on every replica counts once per replica.
-    """
-    count = strategy.cluster.num_local_replicas  # the components of this worker
-    grads = [g if isinstance(g, ds.DistributedValues) else ds.PerReplica([g] * count) for g in grads]
-    reduced = strategy.extended.batch_reduce_to(ds.ReduceOp.SUM, list(zip(grads, variables)))
-    return optimizer._apply_aggregated(strategy, reduced, variables, divisor=divisor)
-
-
-def _merge_apply_window(strategy, optimizer, sums, variables):
-    """merge_fn of a window's last step: every replica's sums, reduced once and applied."""
-    window = optimizer._window
-    optimizer._window = None
-    return _merge_apply(strategy, optimizer, sums, variables, divisor=window.weight)
-
-
-def check_ema(use_ema, momentum, overwrite_frequency) -> tuple:
-    """``(use_ema, ema_momentum, ema_overwrite_frequency)`` checked (Keras 3's ranges)."""
-    if not isinstance(use_ema, bool):
-        raise TypeError(f"`use_ema` must be True or False, got {use_ema!r}.")
-    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum <= 1:
-        raise ValueError(f"`ema_momentum` must be a number in [0, 1], got {momentum!r}.")
-    if overwrite_frequency is not None and (
-        isinstance(overwrite_frequency, bool) or not isinstance(overwrite_frequency, int) or overwrite_frequency < 1
-    ):
-        raise ValueError(
-            f"`ema_overwrite_frequency` must be None (never) or an integer >= 1, got {overwrite_frequency!r}."
-        )
-    return use_ema, float(momentum), overwrite_frequency
-
-
-def check_accumulation_steps(steps):
-    """``gradient_accumulation_steps`` checked: ``None`` or an int >= 2 (as Keras 3 asks)."""
-    if steps is None:
-        return None
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
-        raise ValueError(
-            f"`gradient_accumulation_steps` must be None (no accumulation) or an integer >= 2, got {steps!r}."
-        )
-    return steps
+def _merge_apply(strategy, optimizer, grads, variables):
+    """merge_fn of a replica-context apply: the optimizer's ``_reduce_and_apply``, once."""
+    return optimizer._reduce_and_apply(strategy, grads, variables)

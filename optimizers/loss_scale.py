@@ -2,7 +2,9 @@
 
 Keras 3's rule: the loss is multiplied by ``scale`` before backward (``scale_loss``), so small
 float16 gradients do not underflow; the wrapped optimizer then runs its own pipeline with one
-step added after the cross-replica reduction:
+step added after the cross-replica reduction (the scaler's stage, installed in the inner
+optimizer's gradient stages as ``"loss_scale"``: the inner optimizer knows its wrapper only as
+that stage):
 
     aggregate across replicas (one batched SUM; an accumulation window's sums once per window)
     → divide by the window's weight (when accumulating)
@@ -43,9 +45,16 @@ import math
 
 import torch
 
-from .base import Optimizer, _no_grad
+from .base import Optimizer
+from .tensors import _no_grad
+
+# torch's privates used here, and why: ``torch._foreach_div`` and ``torch._foreach_norm`` (``_unscale_or_skip``):
+# torch has no public multi-tensor operations; these are the kernels torch.optim's own foreach implementations run,
+# one kernel per list of tensors.
 
 __all__ = ["LossScaleOptimizer"]
+
+_STAGE = "loss_scale"  # the name of the scaler's stage in the inner optimizer's pipeline
 
 
 class LossScaleOptimizer(Optimizer):
@@ -70,7 +79,7 @@ class LossScaleOptimizer(Optimizer):
                 "LossScaleOptimizer wraps one of our optimizers (optimizers.get('adam'), optimizers.SGD(...), "
                 f"optimizers.from_torch(torch.optim.AdamW, lr=...)), got {type(inner_optimizer).__name__}."
             )
-        if isinstance(inner_optimizer, LossScaleOptimizer) or inner_optimizer._loss_scaler is not None:
+        if isinstance(inner_optimizer, LossScaleOptimizer) or _STAGE in inner_optimizer._gradient_stages:
             raise ValueError(f"{inner_optimizer!r} already has a LossScaleOptimizer: wrap an optimizer only once.")
         if isinstance(initial_scale, bool) or not isinstance(initial_scale, (int, float)):
             raise TypeError(f"`initial_scale` must be a number, got {initial_scale!r}.")
@@ -86,7 +95,8 @@ class LossScaleOptimizer(Optimizer):
         self.name = name or "loss_scale_optimizer"
         self._scale = self.initial_scale
         self._step_counter = 0
-        inner_optimizer._loss_scaler = self
+        # The scaler is a stage of the inner optimizer's pipeline, between the reduction and the transforms.
+        inner_optimizer._gradient_stages[_STAGE] = self._unscale_or_skip
 
     def __getattr__(self, name):
         # What the scaler does not define is the inner optimizer's (slots, plans, build state).
@@ -110,8 +120,8 @@ class LossScaleOptimizer(Optimizer):
         return loss * self._scale
 
     def _unscale_or_skip(self, grads: list) -> list | None:
-        """The reduced (still scaled) gradients unscaled, or ``None`` (and the scale halved) when
-        any value is infinite or NaN. Runs once per update, in cross-replica context."""
+        """The scaler's stage: the reduced (still scaled) gradients unscaled, or ``None`` (and the scale
+        halved) when any value is infinite or NaN. Runs once per update, in cross-replica context."""
         with _no_grad():
             unscaled = torch._foreach_div(grads, self._scale)
             # An infinity or NaN anywhere makes its tensor's L2 norm non-finite (one fused kernel,
@@ -162,17 +172,21 @@ class LossScaleOptimizer(Optimizer):
     def averaged_weights(self, var_list=None):
         return self.inner_optimizer.averaged_weights(var_list)
 
-    def _swap_in_averages(self, var_list=None, caller: str = "averaged_weights()") -> None:
-        self.inner_optimizer._swap_in_averages(var_list, caller)
+    @property
+    def averages_swapped_in(self) -> bool:
+        return self.inner_optimizer.averages_swapped_in
 
-    def _swap_out_averages(self) -> None:
-        self.inner_optimizer._swap_out_averages()
+    def swap_in_averages(self, var_list=None, caller: str = "swap_in_averages()") -> None:
+        self.inner_optimizer.swap_in_averages(var_list, caller)
 
-    def _keep_averages(self) -> None:
-        self.inner_optimizer._keep_averages()
+    def swap_out_averages(self) -> None:
+        self.inner_optimizer.swap_out_averages()
 
-    def _trained_values(self) -> dict:
-        return self.inner_optimizer._trained_values()
+    def keep_averages(self) -> None:
+        self.inner_optimizer.keep_averages()
+
+    def trained_values(self) -> dict:
+        return self.inner_optimizer.trained_values()
 
     @property
     def iterations(self):
@@ -187,16 +201,20 @@ class LossScaleOptimizer(Optimizer):
         self.inner_optimizer.learning_rate = value
 
     @property
+    def learning_rate_schedule(self):
+        return self.inner_optimizer.learning_rate_schedule
+
+    @property
     def gradient_accumulation_steps(self):
         return self.inner_optimizer.gradient_accumulation_steps
 
     @property
-    def _step_weight(self) -> float:
-        return self.inner_optimizer._step_weight
+    def step_weight(self) -> float:
+        return self.inner_optimizer.step_weight
 
-    @_step_weight.setter
-    def _step_weight(self, value: float) -> None:
-        self.inner_optimizer._step_weight = value
+    @step_weight.setter
+    def step_weight(self, value: float) -> None:
+        self.inner_optimizer.step_weight = value
 
     @property
     def variables(self) -> list:

@@ -24,6 +24,7 @@ from replicafit.strategies.values import local_results
 
 from . import state as state_format
 from .base import Optimizer, _assign_all
+from .ema import move_averages
 
 __all__ = ["TorchOptimizer", "from_torch"]
 
@@ -99,6 +100,43 @@ class TorchOptimizer(Optimizer):
                 optimizer.state.update(previous[copy].state)
             self._torch_optimizers.append(optimizer)
 
+    @property
+    def torch_class(self) -> type:
+        """The ``torch.optim.Optimizer`` class whose ``step()`` updates the variables.
+
+        Example::
+
+            optimizers.from_torch(torch.optim.SGD, lr=0.1).torch_class   # torch.optim.SGD
+        """
+        return self._torch_class
+
+    @property
+    def torch_kwargs(self) -> dict:
+        """The keyword arguments the torch optimizers are made with (a copy: ``set_torch_hyperparameters``
+        changes them).
+
+        Example::
+
+            optimizer = optimizers.from_torch(torch.optim.SGD, lr=0.1, momentum=0.9)
+            optimizer.torch_kwargs["momentum"]   # 0.9
+            defaults = optimizer.torch_class([torch.zeros(1, requires_grad=True)], **optimizer.torch_kwargs).defaults
+        """
+        return dict(self._torch_kwargs)
+
+    def set_torch_hyperparameters(self, **values) -> None:
+        """Sets hyper-parameters of torch's param groups (``momentum``, ``betas``, ...) in every copy's torch
+        optimizer, and in ``torch_kwargs`` for the copies built later. The learning rate is
+        ``learning_rate``'s: set that instead.
+
+        Example::
+
+            optimizer.set_torch_hyperparameters(momentum=0.85)   # TorchLRScheduler cycling OneCycleLR's momentum
+        """
+        self._torch_kwargs.update(values)
+        for copy in self._torch_optimizers:
+            for group in copy.param_groups:
+                group.update(values)
+
     @staticmethod
     def _copy_tensor(variable, copy: int) -> torch.Tensor:
         return local_results(variable)[copy]._read()
@@ -107,7 +145,7 @@ class TorchOptimizer(Optimizer):
         self._build_for(variables)
         primaries = [g if type(g) is torch.Tensor else local_results(g)[0] for g in grads]
         prepared = self._prepared(primaries, divisor)
-        if prepared is None:  # a loss-scaled step with infinities or NaNs: skipped, but counted
+        if prepared is None:  # a gradient stage skipped it (a loss scaler's infinities or NaNs): counted
             self._count()
             return self.iterations
         transformed = self._transform(prepared, variables)
@@ -138,17 +176,13 @@ class TorchOptimizer(Optimizer):
 
     def _update_averages(self, variables, ema) -> None:
         """Every copy's moving average, from that copy (the operations of the built-ins' update)."""
-        momentum, overwrite = ema
         weights = [self._copy_tensor(v, c) for v in variables for c in range(len(local_results(v)))]
         averages = [
             local_results(self._slots[(id(v), "average")])[c]._read()
             for v in variables
             for c in range(len(local_results(v)))
         ]
-        torch._foreach_mul_(averages, momentum)
-        torch._foreach_add_(averages, weights, alpha=1.0 - momentum)
-        if overwrite:
-            torch._foreach_copy_(weights, averages)
+        move_averages(averages, weights, ema)
 
     def get_config(self) -> dict:
         config = super().get_config()

@@ -527,7 +527,7 @@ class Trainer:
                         callback_list.call("on_train_batch_begin", step, {})
                     self._set_global_batch(batch)
                     if accumulating:  # a window's steps weigh their examples: it equals one step on them all
-                        self.optimizer._step_weight = float(self._global_batch)
+                        self.optimizer.step_weight = float(self._global_batch)
                     with overlap(self._trainable) if overlap is not None else contextlib.nullcontext():
                         self.strategy.run(self.train_step, args=(batch,))
                     step += 1
@@ -564,7 +564,7 @@ class Trainer:
             cursor.close()
             extended.release_gradient_hooks()  # the model's parameters keep no hooks of ours
             if accumulating:
-                self.optimizer._step_weight = 1.0  # a loop of one's own after fit weighs its steps alike
+                self.optimizer.step_weight = 1.0  # a loop of one's own after fit weighs its steps alike
         if getattr(self.optimizer, "use_ema", False):  # as Keras' fit: the model ends with the averages
             self.optimizer.finalize_variable_values(self._trainable)
         callback_list.call("on_train_end", logs)
@@ -884,7 +884,7 @@ class Trainer:
         """``model_state_dict()`` with the trained values of variables whose moving averages are swapped in
         (``SwapEMAWeights(swap_on_epoch=True)`` between epochs): a resumed run trains on from those."""
         state = self.model_state_dict()
-        trained = self.optimizer._trained_values() if getattr(self.optimizer, "use_ema", False) else {}
+        trained = self.optimizer.trained_values() if getattr(self.optimizer, "use_ema", False) else {}
         if trained and self._distributed is not None:
             for name, variable in self._distributed.named_variables().items():
                 if id(variable) in trained:

@@ -98,6 +98,19 @@ def test_a_loop_of_ones_own_takes_the_mean_of_the_window_gradients():
     assert int(optimizer.iterations) == 2
 
 
+@pytest.mark.parametrize("wrap", [False, True], ids=["plain", "loss_scaled"])
+def test_step_weight_weighs_each_step_of_the_window(wrap):
+    variable = ds.Variable(torch.zeros(2))
+    inner = optimizers.SGD(1.0, gradient_accumulation_steps=2)
+    optimizer = optimizers.LossScaleOptimizer(inner, initial_scale=1.0) if wrap else inner
+    assert optimizer.step_weight == 1.0
+    for weight, g in ((1.0, [4.0, 0.0]), (3.0, [0.0, 4.0])):
+        optimizer.step_weight = weight  # as Trainer.fit sets it: the step's examples
+        optimizer.apply_gradients([(torch.tensor(g), variable)])
+    assert inner.step_weight == 3.0
+    np.testing.assert_allclose(variable.numpy(), [-1.0, -3.0], rtol=1e-6)  # (1 * g1 + 3 * g2) / 4
+
+
 def test_the_schedule_advances_per_update():
     rates = []
     schedule = schedules.PiecewiseConstantDecay([0, 1], [1.0, 0.5, 0.25])  # by iterations: 0, 1, then 2+

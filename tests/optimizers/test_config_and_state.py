@@ -186,7 +186,7 @@ def test_get_from_keras_config_dict():
     rebuilt = optimizers.get({"class_name": "RMSprop", "config": source.get_config()})
     assert type(rebuilt) is optimizers.RMSprop
     assert rebuilt.get_config() == source.get_config()
-    assert isinstance(rebuilt._learning_rate, schedules.ExponentialDecay)
+    assert isinstance(rebuilt.learning_rate_schedule, schedules.ExponentialDecay)
 
 
 def test_get_instance_is_itself():
@@ -597,6 +597,19 @@ def test_custom_callable_learning_rate():
     adam = optimizers.Adam(lambda step: 0.01 * (step + 1))
     adam.apply_gradients([(torch.ones(2), variable)])
     assert adam.learning_rate == pytest.approx(0.02)
+
+
+def test_the_learning_rate_schedule_and_the_torch_hyperparameters_are_public():
+    schedule = schedules.ExponentialDecay(0.1, 2, 0.5)
+    assert optimizers.SGD(schedule).learning_rate_schedule is schedule
+    assert optimizers.SGD(0.1).learning_rate_schedule is None
+    assert optimizers.LossScaleOptimizer(optimizers.SGD(schedule)).learning_rate_schedule is schedule
+    optimizer = optimizers.from_torch(torch.optim.SGD, lr=0.1, momentum=0.9)
+    assert optimizer.torch_class is torch.optim.SGD and optimizer.torch_kwargs == {"lr": 0.1, "momentum": 0.9}
+    optimizer.apply_gradients([(torch.ones(2), ds.Variable(torch.zeros(2), name="x"))])  # builds torch's
+    optimizer.set_torch_hyperparameters(momentum=0.5)
+    assert optimizer.torch_kwargs["momentum"] == 0.5
+    assert [group["momentum"] for o in optimizer._torch_optimizers for group in o.param_groups] == [0.5]
 
 
 def test_minimize_applies_the_gradients_of_the_loss():

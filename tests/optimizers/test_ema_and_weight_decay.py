@@ -365,6 +365,33 @@ def test_averaged_weights_swaps_in_and_back_and_finalize_writes_the_averages(str
         assert all(torch.equal(c, average) for c in copies(variable))
 
 
+@pytest.mark.parametrize("strategy_name", ["default", "mirrored2"])
+def test_the_public_swap_methods_swap_in_out_and_keep(strategy_name):
+    strategy = make_strategy(strategy_name)
+    variables = make_variables(strategy)
+    inner = optimizers.SGD(0.1, momentum=0.9, use_ema=True, ema_momentum=0.5)
+    optimizer = optimizers.LossScaleOptimizer(inner)  # forwards to the inner optimizer
+    train(strategy, optimizer, variables, steps=3)
+    trained = [[c.clone() for c in copies(v)] for v in variables]
+    averages = [copies(a)[0].clone() for a in averages_of(inner, variables)]
+    assert not optimizer.averages_swapped_in and optimizer.trained_values() == {}
+    optimizer.swap_in_averages()
+    assert optimizer.averages_swapped_in and inner.averages_swapped_in
+    assert all(torch.equal(optimizer.trained_values()[id(v)], t[0]) for v, t in zip(variables, trained))
+    assert all(torch.equal(c, a) for v, a in zip(variables, averages) for c in copies(v))
+    with pytest.raises(RuntimeError, match=r"swap_in_averages\(\): the averages are swapped in already"):
+        optimizer.swap_in_averages()
+    optimizer.swap_out_averages()
+    assert not optimizer.averages_swapped_in
+    assert all(torch.equal(c, t) for v, ts in zip(variables, trained) for c, t in zip(copies(v), ts))
+    optimizer.swap_in_averages()
+    optimizer.keep_averages()  # the averages stay; nothing to put back
+    optimizer.swap_out_averages()
+    assert all(torch.equal(c, a) for v, a in zip(variables, averages) for c in copies(v))
+    with pytest.raises(ValueError, match="SwapEMAWeights needs an optimizer with use_ema=True"):
+        optimizers.SGD(0.1).swap_in_averages(caller="SwapEMAWeights")
+
+
 def test_without_use_ema_finalize_does_nothing_and_averaged_weights_says_why():
     variables = make_variables(make_strategy("default"))
     optimizer = optimizers.SGD(0.1)
@@ -410,5 +437,5 @@ def test_a_loss_scale_optimizer_gives_exclusions_and_swaps_to_its_inner_optimize
     train(make_strategy("default"), wrapped, variables, steps=2)
     assert [v.name for v in variables if id(v) in inner._no_decay] == ["dense/bias"]
     with wrapped.averaged_weights():
-        assert inner._swapped is not None and "_swapped" not in vars(wrapped)
-    assert inner._swapped is None
+        assert inner.averages_swapped_in and "_swapped" not in vars(wrapped)
+    assert not inner.averages_swapped_in

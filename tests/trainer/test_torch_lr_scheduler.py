@@ -51,9 +51,9 @@ class Recorder(Callback):
     def on_train_batch_begin(self, batch, logs=None):
         optimizer = self.trainer.optimizer
         self.rates.append(optimizer.learning_rate)
-        if hasattr(optimizer, "_torch_kwargs"):  # from_torch: every copy's torch optimizer (built at the first step)
+        if hasattr(optimizer, "torch_kwargs"):  # from_torch: every copy's torch optimizer (built at the first step)
             groups = [g["momentum"] for o in optimizer._torch_optimizers for g in o.param_groups]
-            self.momenta.append(groups or [optimizer._torch_kwargs["momentum"]])
+            self.momenta.append(groups or [optimizer.torch_kwargs["momentum"]])
         else:
             self.momenta.append(getattr(optimizer, "momentum", None) or getattr(optimizer, "beta_1", None))
 

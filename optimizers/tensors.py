@@ -1,0 +1,42 @@
+"""The tensors behind a variable, reached the cheap way: the small helpers every part of the optimizer shares.
+
+A variable's value is read from its first copy (``_first_tensor``) or from one copy
+(``_tensor_of``), and the per-step updates switch grad mode off with ``_no_grad``, which
+costs less than ``torch.no_grad``'s decorator machinery on every step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import replicafit.strategies as ds
+from replicafit.strategies.values import local_results
+
+# torch's private used here, and why: ``torch._C._set_grad_enabled`` is the switch ``torch.no_grad`` itself flips,
+# without the context-manager and decorator machinery around it, which shows in a per-step cost.
+
+__all__: list = []  # package-internal helpers
+
+
+class _no_grad:  # noqa: N801 - torch.no_grad without its decorator machinery (a per-step cost)
+    __slots__ = ("previous",)
+
+    def __enter__(self):
+        self.previous = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+
+    def __exit__(self, *exc):
+        torch._C._set_grad_enabled(self.previous)
+
+
+def _tensor_of(component) -> torch.Tensor:
+    return component._read() if isinstance(component, ds.Variable) else component
+
+
+def _first_tensor(value) -> torch.Tensor:
+    if type(value) is torch.Tensor:
+        return value
+    first = local_results(value)[0]
+    if isinstance(first, ds.Variable):
+        first = first._read()
+    return first if isinstance(first, torch.Tensor) else torch.as_tensor(first)
