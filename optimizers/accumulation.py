@@ -123,7 +123,7 @@ class GradientAccumulation:
         if ctx is None:  # cross-replica context: the gradients are reduced already, one value each
             grads, replica = [_first_tensor(g) for g in grads], 0
         else:
-            replica = ctx._replica_id
+            replica = ctx.replica_id_in_sync_group - ctx.strategy.cluster.first_replica_id  # this worker's
         if window.add(replica, grads, self._step_weight) < self.gradient_accumulation_steps:
             return self.iterations
         if ctx is not None:
@@ -174,8 +174,7 @@ class GradientAccumulation:
             window = self._open_window(pending["variables"], pending["aggregated"])  # loaded, not stepped since
         if window is None or not window.count:
             return self.iterations
-        ctx = ds.get_replica_context()
-        if ctx is not None and not ctx._is_default:
+        if context.in_replica_function():
             raise RuntimeError(
                 "apply_accumulated_gradients() must be called in cross-replica context (outside strategy.run()): "
                 "it reduces every replica's window at once."

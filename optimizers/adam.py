@@ -57,7 +57,7 @@ class Adam(Optimizer):
                 self.add_variable_from_reference(variable, "velocity_hat")
 
     def _prepare_step(self, learning_rate: float) -> None:
-        step = self._updates_so_far() + 1  # (no read of the counter back from the device)
+        step = self.updates_so_far() + 1  # (no read of the counter back from the device)
         self._alpha = learning_rate * math.sqrt(1 - self.beta_2**step) / (1 - self.beta_1**step)
 
     def update_step(self, gradient, variable, learning_rate) -> None:

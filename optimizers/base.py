@@ -195,7 +195,7 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
         self._slots: dict = {}  # (id(container), slot name) -> slot variable
         self._slot_names: dict = {}  # id(container) -> [slot names]
         self._pending: state_format.PendingState | None = None  # loaded, for variables not built yet
-        self._known_updates: tuple | None = None  # the host's copy of ``iterations`` (``_updates_so_far``)
+        self._known_updates: tuple | None = None  # the host's copy of ``iterations`` (``updates_so_far``)
         self._wrapped: dict = {}  # id(raw tensor) -> (tensor, LocalVariable) for plain parameters
         self._last_resolved = None  # (the variables last given to apply_gradients, their containers)
         self._gradient_stages: dict = {}  # name -> stage on the reduced gradients (a LossScaleOptimizer's)
@@ -239,7 +239,7 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
     def _current_learning_rate(self) -> float:
         rate = self._learning_rate
         if callable(rate):
-            step = self._updates_so_far()
+            step = self.updates_so_far()
             return state_format.check_learning_rate(float(rate(step)), f"learning_rate (the schedule at step {step})")
         return rate
 
@@ -316,7 +316,7 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
         for component in local_results(value_container(variable)):
             candidates.add(id(component))
             if isinstance(component, ds.Variable):
-                candidates.add(id(component._read()))
+                candidates.add(id(component.value()))
         return any(id(item) in candidates for item in objects)
 
     def add_variable_from_reference(self, reference_variable, name: str, initializer="zeros"):
@@ -392,7 +392,7 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
             variables = [self._as_variable(v, i) for i, v in enumerate(raw)]
             self._last_resolved = (raw, variables)
         ctx = ds.get_replica_context()
-        in_replica = ctx is not None and not ctx._is_default
+        in_replica = context.in_replica_function()
         if self.gradient_accumulation_steps:
             return self._accumulate(ctx if in_replica else None, grads, variables)
         if in_replica:
@@ -498,11 +498,17 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
         _count_update(self.iterations)
         self._known_updates = (*_counter_key(self.iterations), known[2] + 1) if current else None
 
-    def _updates_so_far(self) -> int:
+    def updates_so_far(self) -> int:
         """``int(self.iterations)`` without reading the counter back every step (on an accelerator each
         read would make the host wait for the device): a host copy kept current by ``_count``, valid while
         the counter's tensors are the ones it saw at the version it left them; any other write
-        (``assign``, ``load_state_dict``) is read back once."""
+        (``assign``, ``load_state_dict``) is read back once.
+
+        Example::
+
+            optimizer.apply_gradients(zip(grads, variables))
+            optimizer.updates_so_far()   # 1, with no read from the device
+        """
         key = _counter_key(self.iterations)
         known = self._known_updates
         if known is not None and known[1] == key[1]:
@@ -621,7 +627,7 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
         slots: dict = {}
         for position, variable in enumerate(self._variables):
             slots[position] = {
-                name: local_results(self._slots[(id(variable), name)])[0]._read().detach().clone()
+                name: local_results(self._slots[(id(variable), name)])[0].value().detach().clone()
                 for name in self._slot_names.get(id(variable), [])
             }
         pending = self._pending
@@ -721,7 +727,7 @@ def _assign_all(assignments) -> None:
 def _counter_key(iterations) -> tuple:
     """``(tensors, (id, version) of each)``: changes with any write to the counter's tensors (and holding
     them keeps their ids from being reused)."""
-    tensors = iterations._component_tensors()
+    tensors = iterations.copy_tensors()
     return tensors, tuple((id(t), t._version) for t in tensors)
 
 
@@ -731,7 +737,7 @@ def _count_update(iterations) -> None:
     kind = type(iterations)
     if kind is ds.LocalVariable or kind is ds.MirroredVariable:
         with _no_grad():
-            for tensor in iterations._component_tensors():
+            for tensor in iterations.copy_tensors():
                 tensor.add_(1)
         return
     iterations.assign_add(1)

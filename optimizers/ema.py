@@ -34,7 +34,7 @@ class MovingAverages:
 
     Uses the optimizer's ``use_ema``, ``ema_momentum``, ``ema_overwrite_frequency``, slots
     (``_slots``, ``get_slot``), built variables (``_variables``, ``_wrapped``), ``_strategy_of`` and
-    ``_updates_so_far``; keeps ``_swapped``, the trained values while the averages are swapped in.
+    ``updates_so_far``; keeps ``_swapped``, the trained values while the averages are swapped in.
     """
 
     def _init_averages(self) -> None:
@@ -159,16 +159,6 @@ class MovingAverages:
         """
         return {id(variable): values[0] for variable, values in self._swapped or ()}
 
-    # The names trainer/callbacks.py still calls (SwapEMAWeights): remove them once it calls the public ones.
-    def _swap_in_averages(self, var_list=None, caller: str = "averaged_weights()") -> None:
-        self.swap_in_averages(var_list, caller)
-
-    def _swap_out_averages(self) -> None:
-        self.swap_out_averages()
-
-    def _keep_averages(self) -> None:
-        self.keep_averages()
-
     def _averaged(self, var_list) -> list:
         """The containers of ``var_list`` that have an ``"average"`` slot, each once, in order."""
         found, seen = [], set()
@@ -188,7 +178,7 @@ class MovingAverages:
         """``(momentum, overwrite)`` of this update's moving averages (Keras 3's rule), or None without EMA."""
         if not self.use_ema:
             return None
-        step = self._updates_so_far()  # before this update counts
+        step = self.updates_so_far()  # before this update counts
         momentum = self.ema_momentum if step else 0.0  # the first update: average = variable
         frequency = self.ema_overwrite_frequency
         return momentum, bool(frequency) and (step + 1) % frequency == 0

@@ -81,7 +81,7 @@ class MultiTensorUpdates:
                 )
                 group[0].append(tensor)
                 for n in names:
-                    group[1][n].append(slot_copies[n][copy]._read())
+                    group[1][n].append(slot_copies[n][copy].value())
                 group[2].append((var_index, copy))
         plan = list(groups.values())
         self._plans[key] = plan

@@ -30,7 +30,7 @@ class _no_grad:  # noqa: N801 - torch.no_grad without its decorator machinery (a
 
 
 def _tensor_of(component) -> torch.Tensor:
-    return component._read() if isinstance(component, ds.Variable) else component
+    return component.value() if isinstance(component, ds.Variable) else component
 
 
 def _first_tensor(value) -> torch.Tensor:
@@ -38,5 +38,5 @@ def _first_tensor(value) -> torch.Tensor:
         return value
     first = local_results(value)[0]
     if isinstance(first, ds.Variable):
-        first = first._read()
+        first = first.value()
     return first if isinstance(first, torch.Tensor) else torch.as_tensor(first)

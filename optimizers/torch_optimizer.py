@@ -139,7 +139,7 @@ class TorchOptimizer(Optimizer):
 
     @staticmethod
     def _copy_tensor(variable, copy: int) -> torch.Tensor:
-        return local_results(variable)[copy]._read()
+        return local_results(variable)[copy].value()
 
     def _apply_aggregated(self, strategy, grads, variables, divisor=None):
         self._build_for(variables)
@@ -178,7 +178,7 @@ class TorchOptimizer(Optimizer):
         """Every copy's moving average, from that copy (the operations of the built-ins' update)."""
         weights = [self._copy_tensor(v, c) for v in variables for c in range(len(local_results(v)))]
         averages = [
-            local_results(self._slots[(id(v), "average")])[c]._read()
+            local_results(self._slots[(id(v), "average")])[c].value()
             for v in variables
             for c in range(len(local_results(v)))
         ]
@@ -242,7 +242,7 @@ class TorchOptimizer(Optimizer):
     def _average_entries(self, records) -> dict:
         """``{position: {"average": tensor}}``: the moving averages (``use_ema``), as the built-ins keep them."""
         slots = {
-            position: {"average": local_results(self._slots[(id(v), "average")])[0]._read().detach().clone()}
+            position: {"average": local_results(self._slots[(id(v), "average")])[0].value().detach().clone()}
             for position, v in enumerate(self._variables)
         }
         pending = self._pending_slots

@@ -262,14 +262,21 @@ class Variable(metaclass=_VariableMeta):
                 )
         return func(*_unwrap(args), **_unwrap(kwargs))
 
-    def _component_tensors(self) -> tuple:
-        """Every tensor that holds a copy of this variable."""
+    def copy_tensors(self) -> tuple:
+        """Every tensor that holds a copy of this variable: its components' (live) tensors, and with
+        central storage the central value and its replicas' copies. For code that writes every copy
+        in one kernel (then ``strategy.extended.after_direct_update``), or checks them all.
+
+        Example::
+
+            all(t.grad is None for t in variable.copy_tensors())
+        """
         raise NotImplementedError
 
     def __setattr__(self, name, value):
         if name in ("grad", "requires_grad"):
             # Gradient bookkeeping belongs to every copy, not to this wrapper.
-            for tensor in self._component_tensors():
+            for tensor in self.copy_tensors():
                 setattr(tensor, name, value)
             return
         object.__setattr__(self, name, value)
@@ -417,7 +424,7 @@ class LocalVariable(Variable):
     def _read(self) -> torch.Tensor:
         return self._tensor
 
-    def _component_tensors(self) -> tuple:
+    def copy_tensors(self) -> tuple:
         return (self._tensor,)
 
     def _primary_tensor(self) -> torch.Tensor:
@@ -513,7 +520,7 @@ class DistributedVariable(DistributedValues, Variable):
     def _primary_tensor(self) -> torch.Tensor:
         return self._values[0]._tensor
 
-    def _component_tensors(self) -> tuple:
+    def copy_tensors(self) -> tuple:
         return tuple(c._tensor for c in self._values)
 
     def _device_name(self) -> str:
@@ -741,7 +748,7 @@ class CentralStorageVariable(Variable):
     def _primary_tensor(self) -> torch.Tensor:
         return self._primary._tensor
 
-    def _component_tensors(self) -> tuple:
+    def copy_tensors(self) -> tuple:
         tensors = [self._primary._tensor]
         tensors += [t for t in self._replica_tensors if t is not tensors[0]]
         return tuple(tensors)

@@ -44,8 +44,8 @@ def _train(name: str, fast: bool, steps: int = 5):
             strategy.run(step)
     finally:
         base._count_update = counted
-    copies = [[t.clone() for t in v._component_tensors()] for v in variables]
-    iterations = [int(t) for t in optimizer.iterations._component_tensors()]
+    copies = [[t.clone() for t in v.copy_tensors()] for v in variables]
+    iterations = [int(t) for t in optimizer.iterations.copy_tensors()]
     return copies, iterations
 
 
@@ -89,7 +89,7 @@ def test_the_host_count_of_updates_equals_reading_the_counter_every_step(name, m
     # accelerator reading ``iterations`` back would make the host wait for the device each time.
     def run(read_back: bool):
         if read_back:
-            monkeypatch.setattr(base.Optimizer, "_updates_so_far", lambda self: int(self.iterations))
+            monkeypatch.setattr(base.Optimizer, "updates_so_far", lambda self: int(self.iterations))
         strategy, optimizer, variables, step = _adam_with_schedule(name)
         rates = []
         for k in range(7):
@@ -99,7 +99,7 @@ def test_the_host_count_of_updates_equals_reading_the_counter_every_step(name, m
             step()
             rates.append(optimizer.learning_rate)
         monkeypatch.undo()
-        return rates, [[t.clone() for t in v._component_tensors()] for v in variables], int(optimizer.iterations)
+        return rates, [[t.clone() for t in v.copy_tensors()] for v in variables], int(optimizer.iterations)
 
     host, device = run(False), run(True)
     assert host[0] == device[0] and host[2] == device[2] == 14
@@ -124,4 +124,4 @@ def test_steps_do_not_read_the_update_count_back(name, monkeypatch):
     state = optimizer.state_dict()  # saving reads the counter itself
     assert state["iterations"] == 6
     optimizer.load_state_dict({**state, "iterations": 2})
-    assert optimizer._updates_so_far() == 2  # a load is read back
+    assert optimizer.updates_so_far() == 2  # a load is read back

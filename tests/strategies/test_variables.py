@@ -1012,9 +1012,9 @@ def test_setting_grad_reaches_every_copy(multi_strategy):
     with multi_strategy.scope():
         v = ds.Variable(torch.ones(2))
     multi_strategy.run(lambda: (v * 2).sum().backward())
-    assert all(t.grad is not None for t in v._component_tensors())
+    assert all(t.grad is not None for t in v.copy_tensors())
     v.grad = None
-    assert all(t.grad is None for t in v._component_tensors())
+    assert all(t.grad is None for t in v.copy_tensors())
 
 
 def test_distributed_module_zero_grad_clears_every_replica():

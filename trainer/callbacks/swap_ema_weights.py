@@ -52,22 +52,22 @@ class SwapEMAWeights(Callback):
 
     def _swap_in(self, why: str) -> None:
         optimizer = self._optimizer()
-        if optimizer._swapped is None:
+        if not optimizer.averages_swapped_in:
             with _in_strategy(self.trainer):
-                optimizer._swap_in_averages(None, "SwapEMAWeights")
+                optimizer.swap_in_averages(None, "SwapEMAWeights")
             self._mine = why
 
     def _swap_out(self, why: str) -> None:
         if self._mine == why:
             self._mine = None
             with _in_strategy(self.trainer):
-                self._optimizer()._swap_out_averages()
+                self._optimizer().swap_out_averages()
 
     def on_train_begin(self, logs=None):
         optimizer = self._optimizer()  # a missing use_ema is an error before the first epoch, not after it
-        if optimizer._swapped is not None:  # left swapped in by a fit that failed between epochs
+        if optimizer.averages_swapped_in:  # left swapped in by a fit that failed between epochs
             with _in_strategy(self.trainer):
-                optimizer._swap_out_averages()
+                optimizer.swap_out_averages()
         self._mine = None
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -92,7 +92,7 @@ class SwapEMAWeights(Callback):
     def on_train_end(self, logs=None):
         if self._mine == "epoch":  # fit has written the averages into the model: they stay
             self._mine = None
-            self.trainer.optimizer._keep_averages()
+            self.trainer.optimizer.keep_averages()
 
 
 def _in_strategy(trainer):

@@ -13,7 +13,7 @@ from .monitor_callback import MonitorCallback
 
 def _updates(optimizer) -> int:
     """The optimizer's update count, from its host copy where it keeps one (no read from the device)."""
-    count = getattr(optimizer, "_updates_so_far", None)
+    count = getattr(optimizer, "updates_so_far", None)
     return count() if count is not None else int(optimizer.iterations)
 
 
@@ -90,7 +90,7 @@ class TorchLRScheduler(MonitorCallback):
 
     def _make(self) -> None:
         optimizer = self._optimizer()
-        if callable(optimizer._learning_rate):
+        if optimizer.learning_rate_schedule is not None:
             raise ValueError(
                 "TorchLRScheduler sets the learning rate, but the optimizer's learning_rate is a schedule already: "
                 "give the optimizer a number."
@@ -239,13 +239,8 @@ class _OptimizerView(torch.optim.Optimizer):
     def write_back(self, optimizer) -> None:
         group = self.param_groups[0]
         optimizer.learning_rate = float(group["lr"])
-        torch_optimizers = getattr(optimizer, "_torch_optimizers", None)
-        if torch_optimizers is not None:  # from_torch: torch's own param groups, and the copies built later
-            changed = {k: group[k] for k in ("momentum", "betas") if k in group}
-            optimizer._torch_kwargs.update(changed)
-            for copy in torch_optimizers:
-                for torch_group in copy.param_groups:
-                    torch_group.update(changed)
+        if hasattr(optimizer, "set_torch_hyperparameters"):  # from_torch: every copy, and those built later
+            optimizer.set_torch_hyperparameters(**{k: group[k] for k in ("momentum", "betas") if k in group})
         elif "betas" in group:
             optimizer.beta_1, optimizer.beta_2 = (float(b) for b in group["betas"])
         elif "momentum" in group:
@@ -254,8 +249,8 @@ class _OptimizerView(torch.optim.Optimizer):
 
 def _hyper_parameters(optimizer) -> dict:
     """The momentum or betas of ``optimizer`` a scheduler may cycle (only those it really uses)."""
-    if hasattr(optimizer, "_torch_class"):
-        defaults = optimizer._torch_class([torch.zeros(1, requires_grad=True)], **optimizer._torch_kwargs).defaults
+    if hasattr(optimizer, "torch_class"):
+        defaults = optimizer.torch_class([torch.zeros(1, requires_grad=True)], **optimizer.torch_kwargs).defaults
         return {k: defaults[k] for k in ("momentum", "betas") if k in defaults}
     if hasattr(optimizer, "beta_1") and hasattr(optimizer, "beta_2"):
         return {"betas": (optimizer.beta_1, optimizer.beta_2)}
