@@ -1,6 +1,6 @@
 """Optimizer configs, ``replicafit.optimizers.get``, validation, iterations, variables and state dicts.
 
-Reference: API.md section 3; Keras 3 optimizer defaults and ``get``.
+Reference: Keras 3 optimizer defaults and ``get``.
 """
 
 from __future__ import annotations

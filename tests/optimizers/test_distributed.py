@@ -1,7 +1,7 @@
 """Optimizers under distribution strategies: the same training on every strategy.
 
-Reference: API.md sections 1 and 3, DESIGN.md ("The optimizer pipeline"),
-reference/tf_distribute.md sections 7.1-7.2. The pipeline under test: in a replica
+Reference: the pipeline in optimizers/base.py's docstring and TensorFlow 2.21's observed
+behaviour of apply_gradients under a strategy. The pipeline under test: in a replica
 context ``apply_gradients`` merges, SUMs the replicas' gradients once, clips the
 aggregate, and updates every copy of every variable (slots colocated), so that a
 training loop whose loss is "per-example sum / global batch size" takes the same steps
@@ -73,7 +73,7 @@ def make_batches(sizes=BATCH_SIZES, seed: int = 1) -> list:
 
 
 def expected_empty_replica_steps(sizes, replicas: int) -> int:
-    """Replica batches that are empty under the split rule of API.md section 2."""
+    """Replica batches that are empty under the split rule (data/input_lib.py)."""
     count = 0
     for size in sizes:
         k = math.ceil(size / replicas)
@@ -187,7 +187,9 @@ def assert_replicas_identical(run: Run) -> None:
 
 
 def set_per_variable_path(optimizer) -> None:
-    optimizer._multi_tensor = False  # private switch: no public flag exists (DESIGN.md)
+    optimizer._multi_tensor = (
+        False  # private switch: the fast path is chosen automatically, never through a public flag
+    )
 
 
 # --- same weights under every strategy --------------------------------------------------------
@@ -266,7 +268,7 @@ def test_default_strategy_run_matches_a_plain_torch_loop(name, clip):
 @pytest.mark.parametrize("strategy_name", ["mirrored2", "central_storage2"])
 def test_seed_pattern_sum_then_clip(strategy_name, clip, expected, per_variable):
     """reference 7.1: local grads [1,2] and [2,4], SGD lr=1 -> [-3,-6]; Keras 3 clips before
-    summing ([-0.894, -1.789]); we clip the sum ([-0.447, -0.894]), as API.md section 5 says."""
+    summing ([-0.894, -1.789]); we clip the sum ([-0.447, -0.894]), as docs/differences.md says."""
     strategy = make_strategy(strategy_name)
     with strategy.scope():
         variable = ds.Variable(torch.zeros(2))

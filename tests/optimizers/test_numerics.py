@@ -4,7 +4,7 @@ Also: gradient transforms, weight decay and schedules inside the update, the mul
 path against the per-variable path (bit for bit), and ``from_torch`` against the bare
 ``torch.optim`` optimizer (bit for bit).
 
-Reference: API.md section 3; Keras 3 ``SGD``/``Adam``/``AdamW``/``RMSprop``/``Adagrad``.
+Reference: Keras 3 ``SGD``/``Adam``/``AdamW``/``RMSprop``/``Adagrad``.
 """
 
 from __future__ import annotations

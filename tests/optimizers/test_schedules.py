@@ -1,6 +1,6 @@
 """Learning-rate schedules: Keras 3 formulas, configs, serialization, validation, use by optimizers.
 
-Reference: API.md section 3; Keras 3 ``keras.optimizers.schedules``.
+Reference: Keras 3 ``keras.optimizers.schedules``.
 """
 
 from __future__ import annotations
