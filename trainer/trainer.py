@@ -1001,10 +1001,10 @@ class Trainer:
         """
         states = {
             f"{metric.name}/{name}": [
-                c._read().detach().clone() for c in self.strategy.experimental_local_results(variable)
+                c.value().detach().clone() for c in self.strategy.experimental_local_results(variable)
             ]
             for metric in self._all_metrics()
-            for name, variable in metric._states.items()
+            for name, variable in metric.state_variables().items()
         }
         parts = self.strategy.cluster.all_gather(states)  # every worker's replicas, in order
         return {key: [t for part in parts for t in part[key]] for key in states}
@@ -1013,15 +1013,14 @@ class Trainer:
         cluster = self.strategy.cluster
         first, count = cluster.first_replica_id, cluster.num_local_replicas
         for metric in self._all_metrics():
-            for name, variable in metric._states.items():
+            for name, variable in metric.state_variables().items():
                 saved = replicas.get(f"{metric.name}/{name}")
                 components = self.strategy.experimental_local_results(variable)
                 if not isinstance(saved, list) or len(saved) != self.strategy.num_replicas_in_sync:
                     continue  # another replica count: the aggregate, divided among the replicas, stands
-                with torch.no_grad():
-                    for component, value in zip(components, saved[first : first + count]):
-                        if isinstance(value, torch.Tensor) and value.shape == component._tensor.shape:
-                            component._tensor.copy_(value)
+                for index, (component, value) in enumerate(zip(components, saved[first : first + count])):
+                    if isinstance(value, torch.Tensor) and value.shape == component.shape:
+                        variable.assign_component(index, value)
 
 
 def _device_type(x) -> str:
@@ -1055,7 +1054,7 @@ def _history_with(history, epoch_logs) -> dict:
 
 
 def _metric_variables(metrics) -> list:
-    return [variable for metric in metrics for variable in metric._states.values()]
+    return [variable for metric in metrics for variable in metric.variables]
 
 
 def _own_rng_state(state: dict, cluster):
