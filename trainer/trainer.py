@@ -365,10 +365,17 @@ class Trainer:
             rows = known or cluster.sum(rows, "reduce (the global row count)")
         self._global_batch = max(1, rows)
 
-    def _chief_write(self, what: str, write, default=None):
+    def write_on_chief(self, what: str, write, default=None):
         """``write()`` on the chief only (the one worker that writes files), then every worker waits
         for it, so none races ahead of a file being written. Returns ``write()``'s result (``default``
-        elsewhere)."""
+        elsewhere). ``what`` names the barrier in errors and timeouts. Every worker must call it, in
+        the same order (the barrier is a collective); in one process it is ``write()``.
+
+        Example::
+
+            state = trainer.model_state_dict()  # every worker takes part in the read
+            trainer.write_on_chief("my weights", lambda: checkpoint.save(state, "weights.pt"))
+        """
         result = write() if self.strategy.extended.should_checkpoint else default
         self.strategy.cluster.barrier(what)
         return result
@@ -782,7 +789,7 @@ class Trainer:
             **self._replica_rng_states(),
             "callbacks": self._callback_states(),
         }
-        return self._chief_write("save_checkpoint", lambda: checkpoint.save(state, path), os.fspath(path))
+        return self.write_on_chief("save_checkpoint", lambda: checkpoint.save(state, path), os.fspath(path))
 
     def load_checkpoint(self, path, model=None) -> dict:
         """Restores a ``save_checkpoint`` file into ``model`` (or the model last used) and the optimizer.
@@ -854,9 +861,21 @@ class Trainer:
             ) from error
 
     # --- backup and restore ----------------------------------------------------------------------
-    def _training_state(self, epoch: int, step: int, epoch_logs=None) -> dict:
-        """Everything a resumed fit needs; ``epoch_logs`` is ``(epoch, logs)`` of an epoch that
-        ends now and that the History callback (which runs last) has not recorded yet."""
+    def training_state(self, epoch: int, step: int, epoch_logs=None) -> dict:
+        """Everything a resumed fit needs, as a backup holds it (``BackupAndRestore`` saves it): model,
+        optimizer, metric accumulators (aggregated and per replica), history, random streams, the
+        callbacks' states and where the data stands; to resume at ``step`` of ``epoch`` (``step=0``:
+        that epoch's start). ``epoch_logs`` is ``(epoch, logs)`` of an epoch that ends now and that the
+        History callback (which runs last) has not recorded yet. Called during a ``fit``, on every
+        worker alike (it gathers across workers).
+
+        Example::
+
+            class Backup(Callback):
+                def on_epoch_end(self, epoch, logs=None):
+                    state = self.trainer.training_state(epoch + 1, 0, (epoch, dict(logs)))
+                    self.trainer.write_on_chief("Backup", lambda: checkpoint.save(state, "backup.pt"))
+        """
         cursor = self._cursor
         position = (
             (cursor.pass_index, cursor.position)
@@ -941,11 +960,20 @@ class Trainer:
             streams.seed(int(saved["seed"]), salt=tuple(int(p) for p in position))
         return True
 
-    def _restore_training_state(self, state: dict, path) -> None:
-        """Restores a backup read by ``checkpoint.load(path, kind="backup")`` (its structure is checked there).
+    def restore_training_state(self, state: dict, path) -> None:
+        """Restores a backup read by ``checkpoint.load(path, kind="backup")`` (its structure is checked there):
+        the running ``fit`` goes on from the epoch and step of ``training_state``. Called from
+        ``on_train_begin`` (before the first step), on every worker alike; ``path`` names the file in errors.
 
         A backup that does not fit this model, optimizer or metrics raises
         ``CheckpointError`` before anything is restored.
+
+        Example::
+
+            class Resume(Callback):
+                def on_train_begin(self, logs=None):
+                    if os.path.exists("backup.pt"):
+                        self.trainer.restore_training_state(checkpoint.load("backup.pt", kind="backup"), "backup.pt")
         """
         self._check_metric_states(state["metrics"], path)
         self._load_model_and_optimizer(state, path, "backup")
