@@ -553,14 +553,7 @@ class Trainer:
                 dm.sync_buffers()  # replica-mean statistics for validation and in the user's module
                 logs = self._logs()
                 if validation_data is not None:
-                    val_logs = self.evaluate(
-                        model,
-                        validation_data,
-                        batch_size=batch_size,
-                        verbose=0,
-                        return_dict=True,
-                        _fitting=callback_list,
-                    )
+                    val_logs = self._validate(validation_data, batch_size, callback_list)
                     logs.update({f"val_{k}": v for k, v in val_logs.items()})
                 callback_list.call("on_epoch_end", epoch, logs)
                 if cluster.num_workers > 1:  # a callback on any worker stops every worker
@@ -698,32 +691,43 @@ class Trainer:
         callbacks=None,
         verbose="auto",
         return_dict: bool = False,
-        _fitting: bool = False,
     ):
         """Loss and metrics of ``model`` on ``dataset``, each example counted exactly once.
 
         Returns ``{"loss": ..., metric: ...}`` with ``return_dict``, else a list in that
         order (a float when there are no metrics). Data with no batch raises ``ValueError``.
         """
-        if not _fitting:
-            check_arguments("evaluate", EVALUATE_ARGUMENTS, batch_size=batch_size, steps=steps)
+        check_arguments("evaluate", EVALUATE_ARGUMENTS, batch_size=batch_size, steps=steps)
         source = self._source(dataset, batch_size, False, None)
-        if not _fitting:  # fit checked its validation data once, before training
-            source, first = _first_batch(source, "evaluation data", "evaluate()", self._probes_outputs())
-        dm = self._distribute(model) if not _fitting else self._distributed
-        if not _fitting:
-            self._first_batch_structure(first, dm, "evaluate()", _in_memory_labels(dataset))
-        saved = None
-        if _fitting:  # validation must not disturb the training accumulators
-            saved = {m.name: m.state_dict() for m in self._all_metrics()}
+        source, first = _first_batch(source, "evaluation data", "evaluate()", self._probes_outputs())
+        dm = self._distribute(model)
+        self._first_batch_structure(first, dm, "evaluate()", _in_memory_labels(dataset))
         was_training = dm.training
         dm.eval()
-        if isinstance(_fitting, callbacks_module.CallbackList):  # validation inside fit: fit's callbacks
-            callback_list = _fitting
-        else:
-            callback_list = callbacks_module.CallbackList(
-                list(callbacks or []), trainer=self, model=model, params={"steps": steps, "verbose": verbose}
-            )
+        callback_list = callbacks_module.CallbackList(
+            list(callbacks or []), trainer=self, model=model, params={"steps": steps, "verbose": verbose}
+        )
+        logs = self._test_loop(dm, was_training, source, steps, callback_list)
+        if return_dict:
+            return logs
+        values = list(logs.values())
+        return values[0] if len(values) == 1 else values
+
+    def _validate(self, validation_data, batch_size, callback_list) -> dict:
+        """The validation logs of an epoch of ``fit`` (its callbacks get the test hooks). ``fit`` checked its
+        validation data once, before training, and built the metrics; validation must not disturb the
+        training accumulators, so they are put back afterwards."""
+        source = self._source(validation_data, batch_size, False, None)
+        saved = {m.name: m.state_dict() for m in self._all_metrics()}
+        dm = self._distributed
+        was_training = dm.training
+        dm.eval()
+        return self._test_loop(dm, was_training, source, None, callback_list, saved)
+
+    def _test_loop(self, dm, was_training: bool, source, steps, callback_list, saved=None) -> dict:
+        """``test_step`` over ``source`` (``steps`` batches at most) with the test hooks, ``dm`` in eval mode
+        (``was_training`` is put back); the logs. ``saved`` metric states, if any, are loaded back before
+        ``on_test_end``."""
         callback_list.call("on_test_begin", {})
         try:
             self._reset_metrics()
@@ -740,10 +744,7 @@ class Trainer:
                 for metric in self._all_metrics():
                     metric.load_state_dict(saved[metric.name])
         callback_list.call("on_test_end", logs)
-        if return_dict:
-            return logs
-        values = list(logs.values())
-        return values[0] if len(values) == 1 else values
+        return logs
 
     def predict(self, model, dataset, batch_size=None, steps=None, verbose="auto"):
         """The model's outputs for every example of ``dataset``, in input order, concatenated
