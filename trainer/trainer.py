@@ -211,6 +211,10 @@ class Trainer(FitLoop, TrainingState, InputChecks):
     def _all_metrics(self) -> list:
         return list(self._loss_trackers.values()) + [m for _, m in self._metrics]
 
+    def _metric_variables(self) -> list:
+        """Every accumulator of the loss trackers and metrics (read together: ``aggregated_reads``)."""
+        return [variable for metric in self._all_metrics() for variable in metric.variables]
+
     def _reset_metrics(self) -> None:
         for metric in self._all_metrics():
             metric.reset_state()
@@ -218,10 +222,7 @@ class Trainer(FitLoop, TrainingState, InputChecks):
     def _logs(self) -> dict:
         metrics = self._all_metrics()
         # One batched reduction for every accumulator (across workers: one collective, not one per read).
-        with (
-            context.enter_or_assert_strategy(self.strategy),
-            aggregated_reads([variable for metric in metrics for variable in metric.variables]),
-        ):
+        with context.enter_or_assert_strategy(self.strategy), aggregated_reads(self._metric_variables()):
             return {metric.name: float(metric.result()) for metric in metrics}
 
     # --- per-replica steps ---------------------------------------------------------------------

@@ -288,7 +288,7 @@ class TrainingState:
 
     def _metric_states(self) -> dict:
         metrics = self._all_metrics()
-        with aggregated_reads([variable for metric in metrics for variable in metric.variables]):
+        with aggregated_reads(self._metric_variables()):
             return {m.name: m.state_dict() for m in metrics}
 
     def _restore_metrics(self, states: dict, replicas=None) -> None:
