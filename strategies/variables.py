@@ -237,6 +237,31 @@ class Variable(metaclass=_VariableMeta):
         result = self._assign("assign_sub", delta)
         return result if read_value else None
 
+    def assign_component(self, index: int, value) -> None:
+        """Writes ``value`` into one of this worker's components alone: ``experimental_local_results(v)[index]``
+        (a ``LocalVariable`` is its own only component), with no aggregation and no communication; the
+        other components keep theirs. For restoring one replica's own value, such as a ``SyncOnRead``
+        metric accumulator saved per replica (a cross-replica ``assign`` of a ``SUM`` variable gives each
+        replica a share instead). ``value`` must have the variable's shape.
+
+        Example::
+
+            strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+            with strategy.scope():
+                total = ds.Variable(0.0, synchronization="ON_READ", aggregation="SUM")
+            total.assign_component(1, 3.0)
+            [float(c) for c in strategy.experimental_local_results(total)]  # [0.0, 3.0]
+        """
+        component = self._local_results()[index]
+        tensor = as_assign_value(value, component._tensor, self._name)
+        with torch.no_grad():
+            component._tensor.copy_(tensor)
+        cached = getattr(_aggregates, "values", None)
+        if cached:
+            cached.pop(id(self), None)  # an aggregate read up front is stale after a write
+        if self._after_update is not None:
+            self._after_update()  # a copy kept beside the stored value is refreshed
+
     def value(self) -> torch.Tensor:
         """The tensor this variable stands for here (live: later writes show in it)."""
         return self._read()

@@ -109,7 +109,28 @@ class Metric:
 
     @property
     def variables(self) -> list:
+        """The accumulators (``SyncOnRead`` variables), in the order ``build_state`` added them; empty before
+        ``build``. Keras' ``metric.variables``.
+
+        Example::
+
+            with aggregated_reads([v for m in metrics for v in m.variables]):  # one reduction for them all
+                logs = {m.name: float(m.result()) for m in metrics}
+        """
         return list(self._states.values())
+
+    def state_variables(self) -> dict:
+        """``{name: variable}`` of the accumulators, by the names ``add_state`` gave them (the keys of
+        ``state_dict()``); empty before ``build``. Each variable has one component per replica.
+
+        Example::
+
+            m = Mean()
+            m.build(strategy)
+            sorted(m.state_variables())  # ["count", "total"]
+            per_replica = [c.value() for c in strategy.experimental_local_results(m.state_variables()["total"])]
+        """
+        return dict(self._states)
 
     def state_dict(self) -> dict:
         """The aggregated accumulators (restoring divides SUM totals among the replicas)."""

@@ -15,6 +15,7 @@ from conftest import make_strategy
 import replicafit.strategies as ds
 from replicafit.strategies import VariableAggregation as Agg
 from replicafit.strategies import VariableSynchronization as Sync
+from replicafit.strategies.variables import aggregated_reads
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -577,6 +578,27 @@ def test_sync_on_read_none_cross_replica_assign_writes_components(multi_strategy
     v = make_sync_on_read(multi_strategy, "NONE")
     v.assign(4.0, read_value=False)
     assert component_values(v) == [4.0, 4.0]
+
+
+def test_assign_component_writes_one_replicas_copy_alone(multi_strategy):
+    v = make_sync_on_read(multi_strategy, "SUM", init=1.0)
+    v.assign_component(1, torch.tensor(5.0))
+    assert component_values(v) == [1.0, 5.0]
+    assert float(v) == 6.0  # no share of a SUM: the copy holds the value given
+    with pytest.raises(ValueError, match="the shapes must match"):
+        v.assign_component(0, torch.zeros(2))
+    assert component_values(v) == [1.0, 5.0]
+
+
+def test_assign_component_of_a_local_variable_and_after_an_aggregated_read(strategy):
+    with strategy.scope():
+        v = ds.Variable(torch.zeros(2), synchronization="ON_READ", aggregation="SUM")
+    last = len(strategy.experimental_local_results(v)) - 1
+    with aggregated_reads([v]):
+        float(v.read_value().sum())
+        v.assign_component(last, torch.ones(2))
+        assert v.read_value().tolist() == [1.0, 1.0]  # the aggregate read before the write is not reused
+    assert strategy.experimental_local_results(v)[last].numpy().tolist() == [1.0, 1.0]
 
 
 def test_extended_update_bypasses_division_reference_case_29(multi_strategy):

@@ -683,6 +683,31 @@ def test_reduce_lr_on_plateau_rejects_factor_one():
         ReduceLROnPlateau(factor=1.0)
 
 
+def test_a_callback_says_which_batch_logs_it_reads_and_an_override_of_the_private_hook_still_counts():
+    class EveryBatch(callbacks_module.Callback):
+        def on_train_batch_end(self, batch, logs=None): ...
+
+    class EveryThird(callbacks_module.Callback):  # decides itself, as a display that redraws now and then
+        def __init__(self):
+            super().__init__()
+            self.seen = 0
+
+        def _wants_logs(self, hook):
+            return hook == "on_train_batch_end"
+
+        def _wants_logs_now(self, hook):
+            self.seen += 1
+            return self.seen % 3 == 0
+
+    hook = "on_train_batch_end"
+    assert EveryBatch().wants_logs(hook) and EveryBatch().wants_logs_now(hook)
+    assert not callbacks_module.Callback().wants_logs(hook)
+    third = EveryThird()
+    listed = callbacks_module.CallbackList([third])
+    assert listed.wants_batch_logs[hook] and not listed.wants_batch_logs["on_train_batch_begin"]
+    assert [listed.wants_logs_now(hook) for _ in range(6)] == [False, False, True, False, False, True]
+
+
 # --- CSVLogger ------------------------------------------------------------------------------------------
 
 

@@ -18,7 +18,7 @@ from conftest import make_strategy
 
 from replicafit import optimizers
 from replicafit.optimizers import schedules
-from replicafit.trainer import BackupAndRestore, Callback, CheckpointError, LambdaCallback, Trainer
+from replicafit.trainer import BackupAndRestore, Callback, CheckpointError, LambdaCallback, Trainer, checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -331,6 +331,34 @@ def test_backup_resumes_mid_epoch_bit_identical(tmp_path, strategy, reuse):
     assert_same_run(trainer, history, ref_trainer, ref_history)
     assert_same_state(model.state_dict(), ref_trainer.model_state_dict())
     assert not (backup / "backup.pt").exists()  # deleted after a normal finish
+
+
+class OwnBackup(Callback):
+    """A backup of one's own through the trainer's public state methods (as their docstrings show)."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = str(path)
+
+    def on_train_begin(self, logs=None):
+        if os.path.exists(self.path):
+            self.trainer.restore_training_state(checkpoint.load(self.path, kind="backup"), self.path)
+
+    def on_epoch_end(self, epoch, logs=None):
+        state = self.trainer.training_state(epoch + 1, 0, (epoch, dict(logs)))
+        self.trainer.write_on_chief("OwnBackup", lambda: checkpoint.save(state, self.path))
+
+
+@pytest.mark.timeout(120)
+def test_a_callback_of_ones_own_backs_up_and_resumes_with_the_public_state_methods(tmp_path):
+    path = tmp_path / "own.pt"
+    ref_trainer, ref_history, _ = reference_run("mirrored2")
+    with pytest.raises(Crash):
+        fit(make_trainer("mirrored2"), make_model(), [OwnBackup(path), CrashAt(13)])
+    assert torch.load(path, weights_only=True)["epoch"] == 2
+    trainer = make_trainer("mirrored2")
+    history = fit(trainer, make_model(seed=5), [OwnBackup(path)])
+    assert_same_run(trainer, history, ref_trainer, ref_history)
 
 
 @pytest.mark.timeout(120)

@@ -269,6 +269,20 @@ def test_mean_and_sum_stream_like_keras():
     assert float(total.result()) == 0.0
 
 
+@pytest.mark.parametrize("strategy_name", ["default", "mirrored2"])
+def test_a_metrics_state_variables_are_its_accumulators_by_name(strategy_name):
+    strategy = make_strategy(strategy_name)
+    mean = metrics.Mean()
+    assert mean.state_variables() == {} and mean.variables == []
+    mean.build(strategy)
+    states = mean.state_variables()
+    assert list(states) == list(mean.state_dict()) == ["total", "count"]
+    assert [id(v) for v in states.values()] == [id(v) for v in mean.variables]
+    states.clear()  # a copy: the metric keeps its own
+    assert list(mean.state_variables()) == ["total", "count"]
+    assert len(strategy.experimental_local_results(mean.state_variables()["total"])) == strategy.num_replicas_in_sync
+
+
 SCORES = RNG.standard_normal((9, 5)).astype(np.float32)
 CLASSES = np.array([0, 1, 2, 3, 4, 4, 3, 2, 1])
 CLASSES[:4] = SCORES[:4].argmax(-1)  # some hits for sure

@@ -25,14 +25,14 @@ def _same_run(expected: dict, got: dict, what: str) -> None:
 
 def _mirrored_with_data_seed(data_seed, **settings) -> dict:
     """``fit_run`` under Mirrored(2), its seedless data seed the one the workers agreed on."""
-    import replicafit.trainer.trainer as trainer_module
+    import replicafit.trainer.fit_loop as fit_module
 
-    draw = trainer_module.random.randrange
-    trainer_module.random.randrange = lambda n: data_seed
+    draw = fit_module.random.randrange
+    fit_module.random.randrange = lambda n: data_seed
     try:
         return scenarios.fit_run(ds.MirroredStrategy(["cpu:0", "cpu:1"]), **settings)
     finally:
-        trainer_module.random.randrange = draw
+        fit_module.random.randrange = draw
 
 
 @pytest.mark.timeout(120)

@@ -177,7 +177,7 @@ def test_a_plateau_monitor_missing_from_the_logs_warns_once():
 
 def test_only_a_per_step_plateau_reads_the_logs_every_step():
     def wants(callback):
-        return callback._wants_logs("on_train_batch_end")
+        return callback.wants_logs("on_train_batch_end")
 
     assert not wants(TorchLRScheduler(functools.partial(L.OneCycleLR, max_lr=0.1, total_steps=10), interval="step"))
     assert wants(TorchLRScheduler("ReduceLROnPlateau", interval="step", monitor="loss"))

@@ -48,20 +48,20 @@ class BackupAndRestore(_Periodic):
         self._steps = 0
         # The chief decides whether to resume, for every worker (file systems may disagree on exists()).
         if self.trainer.strategy.cluster.broadcast(os.path.exists(self.path)):
-            self.trainer._restore_training_state(checkpoint.load(self.path, kind="backup"), self.path)
+            self.trainer.restore_training_state(checkpoint.load(self.path, kind="backup"), self.path)
 
     def _on_step(self, epoch, batch, logs):
-        self._save(self.trainer._training_state(epoch, batch + 1))
+        self._save(self.trainer.training_state(epoch, batch + 1))
 
     def _on_epoch(self, epoch, logs):
-        self._save(self.trainer._training_state(epoch + 1, 0, (epoch, dict(logs))))
+        self._save(self.trainer.training_state(epoch + 1, 0, (epoch, dict(logs))))
 
     def _save(self, state) -> None:
-        self.trainer._chief_write("BackupAndRestore", lambda: checkpoint.save(state, self.path))
+        self.trainer.write_on_chief("BackupAndRestore", lambda: checkpoint.save(state, self.path))
 
     def on_train_end(self, logs=None):
         if self.delete_checkpoint:
-            self.trainer._chief_write("BackupAndRestore (delete)", self._delete)
+            self.trainer.write_on_chief("BackupAndRestore (delete)", self._delete)
 
     def _delete(self) -> None:
         if os.path.exists(self.path):

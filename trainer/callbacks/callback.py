@@ -41,6 +41,31 @@ class Callback:
     # its own step: the callbacks after it see the value), or None. Recipes check a monitor of it with this.
     logs_learning_rate: str | None = None
 
+    def wants_logs(self, hook: str) -> bool:
+        """Whether this callback reads the logs of the per-batch ``hook`` (``"on_train_batch_end"``...): the
+        trainer reads the metrics every step only when one does. A callback says so by overriding the hook,
+        or ``_wants_logs`` to decide otherwise.
+
+        Example::
+
+            class EveryBatch(Callback):
+                def on_train_batch_end(self, batch, logs=None): ...
+
+            EveryBatch().wants_logs("on_train_batch_end"), Callback().wants_logs("on_train_batch_end")  # True, False
+        """
+        return self._wants_logs(hook)
+
+    def wants_logs_now(self, hook: str) -> bool:
+        """Whether this callback reads the logs of the batch about to end (``wants_logs`` says whether it ever
+        does; a display that redraws now and then reads them only when it will redraw).
+
+        Example::
+
+            if any(cb.wants_logs_now("on_train_batch_end") for cb in callbacks):
+                logs = read_the_metrics()
+        """
+        return self._wants_logs_now(hook)
+
     def _wants_logs(self, hook: str) -> bool:
         """Whether this callback reads the logs of the per-batch ``hook`` (only then are metrics read every step)."""
         return _overrides(self, hook) or hook in vars(self)

@@ -33,12 +33,12 @@ class CallbackList:
     def refresh(self) -> None:
         """Asks the callbacks again which per-batch logs they read (``fit`` does after ``on_train_begin``,
         when a callback may know more, e.g. which scheduler it built)."""
-        self.wants_batch_logs = {hook: any(cb._wants_logs(hook) for cb in self.callbacks) for hook in _BATCH_HOOKS}
+        self.wants_batch_logs = {hook: any(cb.wants_logs(hook) for cb in self.callbacks) for hook in _BATCH_HOOKS}
 
     def wants_logs_now(self, hook: str) -> bool:
         """Whether any callback reads the logs of the batch about to end (``wants_batch_logs`` says
         whether any ever does)."""
-        return self.wants_batch_logs[hook] and any(cb._wants_logs_now(hook) for cb in self.callbacks)
+        return self.wants_batch_logs[hook] and any(cb.wants_logs_now(hook) for cb in self.callbacks)
 
     def stateful(self) -> dict:
         """``{key: callback}`` of the callbacks that keep state in checkpoints and backups (``state_dict``/

@@ -59,7 +59,7 @@ class ModelCheckpoint(_Periodic, MonitorCallback):
             self.best = current
         if self.save_weights_only:
             state = self.trainer.model_state_dict()  # every worker takes part; the chief writes
-            self.trainer._chief_write("ModelCheckpoint", lambda: checkpoint.save(state, path))
+            self.trainer.write_on_chief("ModelCheckpoint", lambda: checkpoint.save(state, path))
         else:
             self.trainer.save_checkpoint(path)
         if self.verbose:

@@ -1,0 +1,223 @@
+"""The checks at ``fit``'s and ``evaluate``'s entry on the data (``arguments.py`` checks the plain arguments):
+the data yields a batch at all; batches are ``x``, ``(x, y)`` or ``(x, y, sample_weight)`` with the labels
+the loss needs; the loss takes the first batch (labels in range, torch's argument order). Each problem is
+said before any replica runs, with the fix. The first batch's outputs also tell the metrics the model's
+outputs and their shapes (``"accuracy"`` is resolved from them).
+
+``InputChecks`` is a part of ``Trainer`` (``trainer.py``), which it reads: ``loss``, the metric specs,
+the model's float type, ``_prepare_metrics`` and ``_is_builtin``.
+
+Example::
+
+    source, first = first_batch(source, "training data", "fit()", want_batch=True)  # ValueError if empty
+    labels = in_memory_labels((x, y))  # y: every label of in-memory data is checked against the loss
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+import replicafit.data as data_layer
+from replicafit.strategies import nest
+from replicafit.strategies.describe import describe_structure
+
+from . import losses, metrics
+from .inputs import as_dtype, batch_source, length_of, rows, unpack
+
+__all__ = ["InputChecks", "first_batch", "in_memory_labels", "one_shot"]
+
+_NOTHING = object()
+
+
+class InputChecks:
+    """The entry checks on the data, and the metrics built from the first batch (a part of ``Trainer``)."""
+
+    def _probes_outputs(self) -> bool:
+        """Whether the metrics need the model's outputs on a first batch: to know the outputs (unless the
+        loss names them), or the shapes that resolve ``"accuracy"``."""
+        resolved = any(metrics.resolved_by_shapes(spec) for spec in self._metric_specs)
+        return resolved or not isinstance(self.loss, (Mapping, list))
+
+    def _checked_validation(self, validation_data, batch_size):
+        """``validation_data``, checked to yield a batch (a one-shot iterator comes back re-chained)."""
+        source = batch_source(validation_data, batch_size, False, None)
+        checked, _ = first_batch(source, "validation data", "fit()", False)
+        return checked if one_shot(source) else validation_data
+
+    def _first_batch_structure(self, first, dm, caller: str = "fit()", all_labels=None) -> None:
+        """Builds the metrics, which need to know whether the model has several outputs, and the shapes of
+        each output's labels and predictions (``"accuracy"`` is resolved from them, as in Keras 3).
+
+        The model (in eval mode, no gradients) is probed with one example of the first
+        batch ``first``, unless the loss is a dict or list, which names the outputs, and no
+        metric needs shapes.
+        """
+        structure = output = labels = None
+        if isinstance(self.loss, Mapping):
+            structure = dict.fromkeys(self.loss)
+        elif isinstance(self.loss, list):
+            structure = [None] * len(self.loss)
+        built_in = self._built_in_loss_step(caller)
+        if first is not None and built_in:
+            self._check_labels_present(first, caller)
+        if first is not None and self._probes_outputs():
+            x, y, _ = unpack(first)
+            if x is not None and rows(x) > 0:
+                was_training = dm.module.training
+                dm.module.eval()
+                try:
+                    with torch.no_grad():
+                        probe = nest.map_structure(lambda t: data_layer.as_tensor(t)[:1], x)
+                        output = dm.module(as_dtype(probe, self._float_dtype))
+                except (TypeError, AttributeError) as error:
+                    if not isinstance(x, Mapping):
+                        raise
+                    raise TypeError(
+                        f"The model cannot take the inputs of the first batch of {caller}: {describe_structure(x)} "
+                        f"({type(error).__name__}: {error}). {_structures(caller)}"
+                    ) from None
+                finally:
+                    dm.module.train(was_training)
+                if structure is None:
+                    structure = output if isinstance(output, (Mapping, tuple, list)) else None
+                if y is not None:
+                    labels = nest.map_structure(lambda t: data_layer.as_tensor(t)[:1], y)
+                    labels = as_dtype(labels, self._float_dtype)
+                    if built_in and structure is None:
+                        whole = all_labels if all_labels is not None else y
+                        self._check_loss_on_first_batch(whole, labels, output, caller)
+        self._prepare_metrics(structure, labels, output)
+
+    def _built_in_loss_step(self, caller: str) -> bool:
+        """Whether the step that ``caller`` runs is the built-in one with the built-in ``compute_loss`` (only
+        then do batches have to be ``x``, ``(x, y)`` or ``(x, y, sample_weight)`` and meet ``loss``)."""
+        step = "test_step" if caller.startswith("evaluate") else "train_step"
+        return self._is_builtin(step, "compute_loss")
+
+    def _check_labels_present(self, first, caller: str) -> None:
+        """A loss that needs labels, batches without: say which structures are understood and what arrived."""
+        _, y, _ = unpack(first)
+        if y is not None or not _needs_labels(self.loss):
+            return
+        named = [k for k in first if str(k).lower() in _LABEL_KEYS] if isinstance(first, Mapping) else []
+        hint = (
+            f" The labels look like they are in the dict under {named[0]!r}: yield (inputs, batch[{named[0]!r}])."
+            if named
+            else ""
+        )
+        raise ValueError(
+            f"{caller} got batches without labels: the first batch is {describe_structure(first)}, which is taken as "
+            f"the model's inputs x alone, and the loss {_loss_name(self.loss)} needs labels.{hint} "
+            f"{_structures(caller)}"
+        )
+
+    def _check_loss_on_first_batch(self, y, labels, output, caller: str) -> None:
+        """The loss on one example of the first batch, before any replica runs: labels out of range for a
+        class-index loss (``y``: every label of in-memory data, else the first batch's), and a callable in
+        torch's ``(input, target)`` order, are said here with the fix."""
+        loss = self.loss
+        if not isinstance(output, torch.Tensor) or not isinstance(labels, torch.Tensor):
+            return
+        classes = losses.class_count(loss, output)
+        if classes is not None:
+            target = data_layer.as_tensor(y) if not isinstance(y, (Mapping, tuple, list)) else None
+            if target is not None and not target.is_floating_point() and target.numel():
+                ignore = losses.ignore_index(loss)
+                outside = (target < 0) | (target >= classes)
+                if ignore is not None:
+                    outside &= target != ignore
+                if bool(outside.any()):
+                    raise losses.labels_out_of_range(_loss_name(loss), target, classes, ignore)
+        try:
+            loss(labels, output)
+        except Exception as error:  # noqa: BLE001 - diagnosed below, else raised as it is
+            fn = loss.fn if isinstance(loss, losses._Callable) else None  # a callable of one's own
+            if fn is None or not _works(fn, output, labels):
+                raise
+            raise ValueError(
+                f"The loss {_loss_name(loss)} takes its arguments in torch's order (input, target): replicafit "
+                f"calls loss(y_true, y_pred), as Keras does, and it failed on the first batch of {caller} "
+                f"({type(error).__name__}: {error}). Pass loss=lambda y_true, y_pred: {_call_name(fn)}"
+                f"(y_pred, y_true), or a torch loss module (torch.nn.CrossEntropyLoss()), which is called in "
+                "torch's order."
+            ) from None
+
+
+def first_batch(source, what: str, caller: str, want_batch: bool):
+    """``(source, first batch or None)``, after checking that ``source`` yields a batch at all.
+
+    A sized source is checked by its length (and read only when ``want_batch``); others
+    are read for one batch, and a one-shot iterator gets it put back in front. An empty
+    source raises ``ValueError`` naming ``what`` was empty.
+    """
+    length = length_of(source)
+    first = None
+    if length != 0 and (length is None or want_batch):
+        if one_shot(source):
+            first = next(source, _NOTHING)
+            if first is not _NOTHING:
+                source = itertools.chain([first], source)
+        else:
+            first = next(source.iterate(0, 0) if hasattr(source, "iterate") else iter(source), _NOTHING)
+    if length == 0 or first is _NOTHING:
+        raise ValueError(
+            f"The {what} of {caller} is empty: it yields no batch. Pass at least one example "
+            "(check the arrays, Dataset or iterable, and any filtering or splitting before it)."
+        )
+    return source, first
+
+
+def one_shot(source) -> bool:
+    """An iterator that is its own iterator (a generator) can be read once only."""
+    return iter(source) is source
+
+
+def in_memory_labels(data):
+    """The labels of ``(x, y[, w])`` arrays or tensors (checked whole at the entry), else None."""
+    if isinstance(data, (tuple, list)) and len(data) in (2, 3) and isinstance(data[1], (np.ndarray, torch.Tensor)):
+        return data[1]
+    return None
+
+
+def _structures(caller: str) -> str:
+    """Which batch structures the built-in steps understand, and the fix, for ``caller`` ("fit()")."""
+    return (
+        "Batches are understood as x, (x, y) or (x, y, sample_weight) (tuples or lists); a dict is the "
+        "model's inputs x, as in Keras (its keys are the model's input names): pass "
+        f"{caller.removesuffix('()')}(model, (x, y)), or a DataLoader that yields (inputs, labels)."
+    )
+
+
+_LABEL_KEYS = {"y", "label", "labels", "target", "targets"}
+
+
+def _loss_name(loss) -> str:
+    if isinstance(loss, (Mapping, list)):
+        return "given per output"
+    return getattr(loss, "name", type(loss).__name__)
+
+
+def _call_name(fn) -> str:
+    name = getattr(fn, "__name__", "")
+    return name if name.isidentifier() else "your_loss"
+
+
+def _needs_labels(loss) -> bool:
+    """Whether ``loss`` certainly needs labels (a built-in or torch loss; a callable of one's own may not)."""
+    if isinstance(loss, Mapping):
+        return any(_needs_labels(v) for v in loss.values())
+    if isinstance(loss, list):
+        return any(_needs_labels(v) for v in loss)
+    return not isinstance(loss, losses._Callable)
+
+
+def _works(fn, *args) -> bool:
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - only whether it works is asked
+        return False
+    return True
