@@ -1,6 +1,6 @@
 """The ``replicafit`` command (also ``python -m replicafit``): fit, evaluate, predict, validate, list, plot.
 
-API.md section 4: ``replicafit fit RECIPE [--set a.b=value ...]``, ``replicafit evaluate RECIPE
+The contract: ``replicafit fit RECIPE [--set a.b=value ...]``, ``replicafit evaluate RECIPE
 --checkpoint P``, ``replicafit validate RECIPE``, ``replicafit list``; a bad recipe gets one
 message with the key path, exit status 2, no traceback.
 """

@@ -1,6 +1,6 @@
 """Trainer.fit / evaluate / predict: the same numbers under every strategy, Keras' arguments.
 
-API.md section 4: the loss of a step is the per-example loss summed and divided by the
+The contract: the loss of a step is the per-example loss summed and divided by the
 step's global batch size, so every strategy takes the same steps as one device on the
 same global batches, partial last batch included; the user's own module holds the
 trained weights; batch-norm statistics are aggregated as their cross-replica mean.

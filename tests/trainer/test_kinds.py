@@ -1,7 +1,7 @@
 """Code a recipe names (trainer/kinds.py): `validate` never calls it, `fit` refuses what is not of the section's
 kind, and a recipe's own dataset factory may return any form `fit` takes.
 
-API.md section 4: a recipe names code to run (``module:attr``), so it is trusted like a script; but only
+The contract: a recipe names code to run (``module:attr``), so it is trusted like a script; but only
 ``fit``/``evaluate``/``predict`` run it: ``validate`` imports it, checks that it is of the section's kind and
 that the arguments bind, and constructs only replicafit's own built-ins.
 """

@@ -547,5 +547,5 @@ def test_metrics_accumulated_inside_strategy_run_are_global(strategy_name):
 @pytest.mark.parametrize("strategy_name", ["mirrored2", "mirrored3", "central_storage2"])
 def test_metrics_accept_empty_replica_slices(strategy_name):
     """Batches of 4: the partial last batch leaves a replica an empty slice (Mirrored(3): every batch),
-    which must count for nothing, as API.md promises for partial and empty replica batches."""
+    which must count for nothing, as the trainer promises for partial and empty replica batches."""
     check_every_metric(make_strategy(strategy_name), batch_size=4)

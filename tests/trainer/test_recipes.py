@@ -1,4 +1,4 @@
-"""YAML recipes (API.md section 4, "Recipes"): loading, validation errors, --set, ${VAR}, registries.
+"""YAML recipes: loading, validation errors, --set, ${VAR}, registries.
 
 A bad recipe gets one message ``file:line: key.path: problem`` (a did-you-mean for a misspelt
 key or name), exit status 2 and no traceback. Most tests call ``replicafit.trainer.cli.main`` directly;
