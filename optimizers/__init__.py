@@ -8,6 +8,12 @@ Example::
     optimizer = optimizers.from_torch(torch.optim.AdamW, lr=1e-3)
     optimizer = optimizers.Adam(1e-3, gradient_accumulation_steps=4)    # one update per 4 steps
     optimizer = optimizers.LossScaleOptimizer(optimizers.SGD(0.1))       # float16 loss scaling
+
+Rooms: ``base.py`` (the pipeline every optimizer runs), ``accumulation.py`` (the gradient
+accumulation window), ``ema.py`` (moving averages), ``multi_tensor.py`` (the grouped
+``torch._foreach_*`` fast path), ``loss_scale.py`` (loss scaling, a stage of the pipeline),
+``state.py`` (the saved state's format), the update rules (``sgd.py``, ``adam.py``,
+``rmsprop.py``), ``schedules.py`` and ``torch_optimizer.py`` (``from_torch``).
 """
 
 from difflib import get_close_matches

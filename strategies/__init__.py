@@ -21,6 +21,15 @@ strategy's private state::
     >>> cluster = strategy.cluster
     >>> cluster.is_chief, cluster.num_workers, cluster.all_gather("mine"), cluster.any(False)
     (True, 1, ['mine'], False)
+
+Rooms: the strategies (``distribute_lib.py``'s ``Strategy``/``StrategyExtended``, ``one_device.py``,
+``mirrored.py``, ``central_storage.py``, ``multi_worker_mirrored.py``); contexts (``context.py``);
+values and variables (``values.py``, ``variables.py``, ``module.py``); the replica runner
+(``runner.py``, with ``replica_context.py``, ``rendezvous.py`` for ``merge_call``,
+``cooperative.py`` for replicas taking turns on one thread, ``thread_state.py``, ``merge_fns.py``);
+reductions (``cross_device_ops.py``, ``buckets.py``, ``step_values.py``); across processes
+(``cluster_resolver.py``, ``collective.py``, ``cluster.py``); devices and randomness
+(``devices.py``, ``rng.py``); and helpers (``nest.py``, ``describe.py``, ``reduce_util.py``).
 """
 
 from .central_storage import CentralStorageStrategy

@@ -5,6 +5,14 @@ Example::
     from replicafit.trainer import Trainer
     trainer = Trainer(strategy=strategy, optimizer="adam", loss="cross_entropy", metrics=["accuracy"], seed=0)
     history = trainer.fit(model, (x, y), batch_size=64, epochs=10, validation_split=0.2)
+
+Rooms: ``trainer.py`` (``Trainer`` and its steps, evaluate, predict), ``fit_loop.py`` (fit and its
+per-fit plan), ``training_state.py`` (what checkpoints and backups keep), ``arguments.py`` and
+``input_checks.py`` (the checks at the entry), ``inputs.py`` (the data as the trainer reads it),
+``callbacks/`` (one callback per file, a shared monitor base), ``losses.py``, ``metrics.py``,
+``checkpoint.py`` (the file format), the recipes (``recipes.py``, ``recipe_loader.py``,
+``registry.py``, ``kinds.py``, ``builtins.py``) and the ``replicafit`` command (``cli.py``,
+``launch.py``).
 """
 
 from . import callbacks, checkpoint, losses, metrics
