@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import inspect
 import os
-import re
 from dataclasses import dataclass
 
 from . import builtins, kinds  # noqa: F401 - importing builtins registers the built-in names
 from .arguments import EVALUATE_ARGUMENTS, FIT_ARGUMENTS, PRECISIONS, argument_problem, resolve_precision
-from .recipe_entries import _default, _entry_name, _first_line, _parameters, _type_problem, check_entry
+from .recipe_calls import _built, _call, _dataset_info, _model_inputs, _named, _type_at
+from .recipe_entries import _default, _entry_name, _parameters, _type_problem, check_entry
 from .recipe_loader import RecipeError
 from .recipe_source import SECTIONS, Recipe, _short, describe, load, locate, shipped
 from .registry import did_you_mean
@@ -175,23 +175,6 @@ def _decay_exclusions(recipe: Recipe, optimizer) -> tuple:
     return {k: v for k, v in optimizer.items() if k != "exclude_from_weight_decay"}, list(names)
 
 
-def _call(recipe: Recipe, key: tuple, factory, args, *, ours: bool = False, **extra):
-    """Calls the factory of the entry at ``key`` with the recipe's values; an error about those values (a
-    ``ValueError``, ``TypeError``...) is reported at the argument it names, in one line. ``ours``: one of
-    replicafit's own built-ins, called during validation, where whatever it raises is about the recipe's
-    values (a device that does not exist, a split out of range); a user's factory's other errors keep their
-    traceback."""
-    try:
-        return factory(**args, **extra)
-    except Exception as error:  # noqa: BLE001 - ours, called with the recipe's values: one line, no traceback
-        known = isinstance(error, (ValueError, TypeError, RuntimeError, OverflowError, MemoryError))
-        if not known and not ours:
-            raise
-        message = _first_line(error)
-        message = message if known and message else f"{type(error).__name__}: {message}".rstrip(": ")
-        raise recipe.error(_blame(key, args, message), message) from None
-
-
 def _check_builtin_model(recipe: Recipe, checked: dict) -> None:
     """Builds a built-in model on the ``meta`` device (no memory, no time): its sizes and names are checked."""
     import torch
@@ -205,28 +188,6 @@ def _check_builtin_model(recipe: Recipe, checked: dict) -> None:
             extra[name] = 1
     with torch.device("meta"):
         _call(recipe, ("model",), factory, args, ours=True, **extra)
-
-
-def _blame(key: tuple, args: dict, message: str) -> tuple:
-    """The argument an error message is about: the one whose quoted value comes first in it,
-    else one it names."""
-    quoted = []
-    for name, value in args.items():
-        for item in value if isinstance(value, (list, tuple)) else [value]:
-            position = message.find(f"'{item}'") if isinstance(item, str) else -1
-            if position >= 0:
-                quoted.append((position, name))
-    if quoted:
-        return key + (min(quoted)[1],)
-    for name in args:
-        if not isinstance(name, str):
-            continue
-        item = re.search(rf"\b{re.escape(name)}\[(\d+)\]", message)  # "hidden[1] must be ...": that item
-        if item and isinstance(args[name], (list, tuple)) and int(item.group(1)) < len(args[name]):
-            return key + (name, int(item.group(1)))
-        if re.search(rf"\b{re.escape(name)}\b", message):
-            return key + (name,)
-    return key
 
 
 def _check_metric(recipe, index, value):
@@ -475,55 +436,6 @@ class Run:
         return self.info.get("validation")
 
 
-def _built(recipe: Recipe, key: tuple, section: str, factory, args, **extra):
-    """Calls the factory of the entry at ``key`` and refuses what it returns unless it is of ``section``'s kind."""
-    value = _call(recipe, key, factory, args, **extra)
-    problem = kinds.result_problem(section, value)
-    if problem:
-        type_key, type_name = _type_at(recipe, key)
-        raise recipe.error(type_key, f"{type_name!r} {problem}")
-    return value
-
-
-_DEFAULT_ENTRIES = {("strategy",): "default", ("optimizer",): "adam", ("loss",): "cross_entropy"}
-
-
-def _type_at(recipe: Recipe, key: tuple) -> tuple:
-    """``(key of the type, type name)`` of the entry at ``key`` (``("model", "type"), "mypkg:make"``)."""
-    entry = recipe.data
-    for part in key:
-        try:
-            entry = entry[part]
-        except (KeyError, IndexError, TypeError):
-            entry = _DEFAULT_ENTRIES.get(key)
-            break
-    return (key + ("type",) if isinstance(entry, dict) else key), _entry_name(entry)
-
-
-def _dataset_info(recipe: Recipe, value) -> dict:
-    """What the dataset factory returned as ``{"train": ..., "validation": ..., "inputs": ..., ...}``."""
-    from . import datasets
-
-    try:
-        return datasets.as_info(value)
-    except ValueError as error:
-        type_key, type_name = _type_at(recipe, ("data",))
-        raise recipe.error(type_key, f"{type_name!r} {error}") from None
-
-
-def _model_inputs(factory, args: dict, info: dict) -> dict:
-    """The model's ``inputs``/``outputs`` taken from the data, where the recipe leaves them out."""
-    params, _ = _parameters(factory)
-    extra = {}
-    if "inputs" in params and "inputs" not in args and info.get("inputs"):
-        extra["inputs"] = info["inputs"]
-    if "outputs" in params and "outputs" not in args:
-        outputs = info.get("classes") or _target_width(info)
-        if outputs:
-            extra["outputs"] = outputs
-    return extra
-
-
 TENSORBOARD_DIR = "tensorboard"
 
 
@@ -635,18 +547,3 @@ def _in_run_dir(factory, args: dict, run_dir) -> dict:
     if run_dir is not None and "log_dir" in _parameters(factory)[0] and "log_dir" not in args:
         return dict(args, log_dir=os.path.join(run_dir, TENSORBOARD_DIR))
     return args
-
-
-def _named(args: dict, factory, name) -> dict:
-    """Logs use the name the recipe wrote (``mae``), as ``Trainer(metrics=["mae"])`` does."""
-    params, _ = _parameters(factory)
-    if "name" in params and "name" not in args and isinstance(name, str):
-        return dict(args, name=name)
-    return args
-
-
-def _target_width(info):
-    train = info.get("train")
-    if isinstance(train, tuple) and len(train) >= 2 and getattr(train[1], "ndim", 1) == 2:
-        return int(train[1].shape[1])
-    return None
