@@ -1,0 +1,156 @@
+"""Building a run from a validated recipe: ``build`` calls the code the recipe names and returns a ``Run``.
+
+The strategy, the data, the model (its sizes from the data where the recipe leaves them out), the optimizer
+(in the strategy's scope, with its schedule and weight-decay exclusions), the loss, the metrics and the
+callbacks (``SwapEMAWeights`` first with ``use_ema``), and the ``Trainer``; each factory's result is refused
+unless it is of its section's kind (``recipe_calls``), and the data's form is checked against the batch size
+before ``fit`` would refuse it mid-call.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass
+
+from .recipe_calls import _built, _dataset_info, _model_inputs, _named, _type_at
+from .recipe_entries import _entry_name, _parameters
+from .recipe_source import Recipe
+from .recipe_validation import validate
+
+__all__ = ["build", "Run", "TENSORBOARD_DIR"]
+
+
+@dataclass
+class Run:
+    """Everything a recipe builds."""
+
+    recipe: Recipe
+    strategy: object
+    model: object
+    info: dict
+    trainer: object
+    callbacks: list
+    fit_kwargs: dict
+    evaluate_kwargs: dict
+
+    @property
+    def train(self):
+        return self.info["train"]
+
+    @property
+    def validation(self):
+        return self.info.get("validation")
+
+
+TENSORBOARD_DIR = "tensorboard"
+
+
+def build(recipe: Recipe, checked: dict | None = None, run_dir=None) -> Run:
+    """Validates (unless given the result) and constructs the strategy, data, model, trainer and callbacks.
+
+    This calls the code the recipe names, and refuses what a factory returns unless it is of its
+    section's kind (see ``kinds``). With ``run_dir``, a callback whose ``log_dir`` the recipe leaves
+    out (``{type: tensorboard}``) logs into ``run_dir/tensorboard``.
+    """
+    import torch
+
+    from .callbacks import SwapEMAWeights
+    from .trainer import Trainer
+
+    checked = checked or validate(recipe)
+    data = recipe.data
+    seed = data.get("seed")
+    strategy = checked.get("strategy_instance")
+    if strategy is None:
+        strategy = _built(recipe, ("strategy",), "strategy", *checked["strategy"])
+    info = checked.get("data_instance")
+    if info is None:
+        info = _dataset_info(recipe, _built(recipe, ("data",), "dataset", *checked["data"]))
+    model_factory, model_args = checked["model"]
+    extra = _model_inputs(model_factory, model_args, info)
+    _check_model_inputs(recipe, model_factory, model_args, extra)
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = _built(recipe, ("model",), "model", model_factory, model_args, **extra)
+    with strategy.scope():
+        optimizer_factory, optimizer_args = checked["optimizer"]
+        if "schedule" in checked:
+            schedule = _built(recipe, ("optimizer", "learning_rate"), "schedule", *checked["schedule"])
+            optimizer_args = dict(optimizer_args, learning_rate=schedule)
+        optimizer = _built(recipe, ("optimizer",), "optimizer", optimizer_factory, optimizer_args)
+        if checked["decay_exclusions"]:
+            optimizer.exclude_from_weight_decay(var_names=checked["decay_exclusions"])
+    loss = _built(recipe, ("loss",), "loss", *checked["loss"])
+    metric_names = [_entry_name(m) for m in data.get("metrics", []) or []]
+    metrics = [
+        factory
+        if factory in ("accuracy", "crossentropy")
+        else _built(recipe, ("metrics", i), "metric", factory, _named(args, factory, metric_names[i]))
+        for i, (factory, args) in enumerate(checked["metrics"])
+    ]
+    callbacks = [
+        _built(recipe, ("callbacks", i), "callback", f, _in_run_dir(f, a, run_dir))
+        for i, (f, a) in enumerate(checked["callbacks"])
+    ]
+    if getattr(optimizer, "use_ema", False) and not any(isinstance(c, SwapEMAWeights) for c in callbacks):
+        # With use_ema the averaged model is the result: validation, best checkpoints and early stopping
+        # judge (and keep) the averages. A recipe that lists swap_ema_weights itself decides.
+        callbacks.insert(0, SwapEMAWeights(swap_on_epoch=True))
+    precision = str(data.get("precision", "32"))
+    trainer = Trainer(
+        strategy=strategy, optimizer=optimizer, loss=loss, metrics=metrics, seed=seed, precision=precision
+    )
+    fit_kwargs = dict(checked["fit"])
+    fit_kwargs.update(checked["data_batch"])
+    _check_training_data(recipe, info, fit_kwargs, checked["data_batch"])
+    if info.get("validation") is not None and "validation_split" not in fit_kwargs:
+        fit_kwargs["validation_data"] = info["validation"]
+    return Run(recipe, strategy, model, info, trainer, callbacks, fit_kwargs, dict(checked["evaluate"]))
+
+
+def _check_model_inputs(recipe: Recipe, factory, args: dict, extra: dict) -> None:
+    """A model size the recipe leaves out and the data does not give: refused here, with the fix."""
+    params, _ = _parameters(factory)
+    for name, entry in (("inputs", "inputs"), ("outputs", "classes")):
+        param = params.get(name)
+        if param is None or param.default is not inspect.Parameter.empty or name in args or name in extra:
+            continue
+        raise recipe.error(
+            ("model",),
+            f"the model needs {name!r} and the data does not tell it: write `{name}: N` in the model section "
+            f"(or have the dataset factory return {{'train': ..., '{entry}': N}})",
+        )
+
+
+def _check_training_data(recipe: Recipe, info: dict, fit_kwargs: dict, data_batch: dict) -> None:
+    """What ``fit`` would refuse mid-call about the data's form and the batch size, refused now at its key."""
+    from .datasets import training_data_form
+
+    form = training_data_form(info["train"])
+    batch_key = ("data", "batch_size") if "batch_size" in data_batch else ("fit", "batch_size")
+    type_key, type_name = _type_at(recipe, ("data",))
+    if form == "dataset" and fit_kwargs.get("batch_size") is None:
+        raise recipe.error(
+            type_key,
+            f"{type_name!r} gives a torch Dataset of single examples: set data.batch_size (or fit.batch_size) "
+            "to cut it into batches",
+        )
+    if form == "batches" and fit_kwargs.get("batch_size") is not None:
+        raise recipe.error(
+            batch_key,
+            f"{type_name!r} gives batches already (a DataLoader or another iterable of batches): remove "
+            "batch_size here and set it where the batches are made",
+        )
+    if form == "batches" and fit_kwargs.get("validation_split"):
+        raise recipe.error(
+            ("fit", "validation_split"),
+            f"validation_split needs arrays or a torch Dataset, and {type_name!r} gives batches: have the "
+            "dataset factory return {'train': ..., 'validation': ...} instead",
+        )
+
+
+def _in_run_dir(factory, args: dict, run_dir) -> dict:
+    if run_dir is not None and "log_dir" in _parameters(factory)[0] and "log_dir" not in args:
+        return dict(args, log_dir=os.path.join(run_dir, TENSORBOARD_DIR))
+    return args

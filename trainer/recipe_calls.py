@@ -1,0 +1,119 @@
+"""Calling what a recipe names, with the recipe's values.
+
+An error about those values is reported at the argument it names, in one line (``_call``); what a factory
+returns is refused unless it is of its section's kind, at the entry's ``type`` (``_built``); and the arguments
+a run fills in itself are worked out here: a model's ``inputs``/``outputs`` from the data (``_model_inputs``),
+a metric's ``name`` as the recipe wrote it (``_named``). ``validate`` calls replicafit's own built-ins through
+these, ``build`` every factory.
+"""
+
+from __future__ import annotations
+
+import re
+
+from . import kinds
+from .recipe_entries import _entry_name, _first_line, _parameters
+from .recipe_source import Recipe
+
+
+def _call(recipe: Recipe, key: tuple, factory, args, *, ours: bool = False, **extra):
+    """Calls the factory of the entry at ``key`` with the recipe's values; an error about those values (a
+    ``ValueError``, ``TypeError``...) is reported at the argument it names, in one line. ``ours``: one of
+    replicafit's own built-ins, called during validation, where whatever it raises is about the recipe's
+    values (a device that does not exist, a split out of range); a user's factory's other errors keep their
+    traceback."""
+    try:
+        return factory(**args, **extra)
+    except Exception as error:  # noqa: BLE001 - ours, called with the recipe's values: one line, no traceback
+        known = isinstance(error, (ValueError, TypeError, RuntimeError, OverflowError, MemoryError))
+        if not known and not ours:
+            raise
+        message = _first_line(error)
+        message = message if known and message else f"{type(error).__name__}: {message}".rstrip(": ")
+        raise recipe.error(_blame(key, args, message), message) from None
+
+
+def _blame(key: tuple, args: dict, message: str) -> tuple:
+    """The argument an error message is about: the one whose quoted value comes first in it,
+    else one it names."""
+    quoted = []
+    for name, value in args.items():
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            position = message.find(f"'{item}'") if isinstance(item, str) else -1
+            if position >= 0:
+                quoted.append((position, name))
+    if quoted:
+        return key + (min(quoted)[1],)
+    for name in args:
+        if not isinstance(name, str):
+            continue
+        item = re.search(rf"\b{re.escape(name)}\[(\d+)\]", message)  # "hidden[1] must be ...": that item
+        if item and isinstance(args[name], (list, tuple)) and int(item.group(1)) < len(args[name]):
+            return key + (name, int(item.group(1)))
+        if re.search(rf"\b{re.escape(name)}\b", message):
+            return key + (name,)
+    return key
+
+
+def _built(recipe: Recipe, key: tuple, section: str, factory, args, **extra):
+    """Calls the factory of the entry at ``key`` and refuses what it returns unless it is of ``section``'s kind."""
+    value = _call(recipe, key, factory, args, **extra)
+    problem = kinds.result_problem(section, value)
+    if problem:
+        type_key, type_name = _type_at(recipe, key)
+        raise recipe.error(type_key, f"{type_name!r} {problem}")
+    return value
+
+
+_DEFAULT_ENTRIES = {("strategy",): "default", ("optimizer",): "adam", ("loss",): "cross_entropy"}
+
+
+def _type_at(recipe: Recipe, key: tuple) -> tuple:
+    """``(key of the type, type name)`` of the entry at ``key`` (``("model", "type"), "mypkg:make"``)."""
+    entry = recipe.data
+    for part in key:
+        try:
+            entry = entry[part]
+        except (KeyError, IndexError, TypeError):
+            entry = _DEFAULT_ENTRIES.get(key)
+            break
+    return (key + ("type",) if isinstance(entry, dict) else key), _entry_name(entry)
+
+
+def _dataset_info(recipe: Recipe, value) -> dict:
+    """What the dataset factory returned as ``{"train": ..., "validation": ..., "inputs": ..., ...}``."""
+    from . import datasets
+
+    try:
+        return datasets.as_info(value)
+    except ValueError as error:
+        type_key, type_name = _type_at(recipe, ("data",))
+        raise recipe.error(type_key, f"{type_name!r} {error}") from None
+
+
+def _model_inputs(factory, args: dict, info: dict) -> dict:
+    """The model's ``inputs``/``outputs`` taken from the data, where the recipe leaves them out."""
+    params, _ = _parameters(factory)
+    extra = {}
+    if "inputs" in params and "inputs" not in args and info.get("inputs"):
+        extra["inputs"] = info["inputs"]
+    if "outputs" in params and "outputs" not in args:
+        outputs = info.get("classes") or _target_width(info)
+        if outputs:
+            extra["outputs"] = outputs
+    return extra
+
+
+def _target_width(info):
+    train = info.get("train")
+    if isinstance(train, tuple) and len(train) >= 2 and getattr(train[1], "ndim", 1) == 2:
+        return int(train[1].shape[1])
+    return None
+
+
+def _named(args: dict, factory, name) -> dict:
+    """Logs use the name the recipe wrote (``mae``), as ``Trainer(metrics=["mae"])`` does."""
+    params, _ = _parameters(factory)
+    if "name" in params and "name" not in args and isinstance(name, str):
+        return dict(args, name=name)
+    return args

@@ -1,0 +1,222 @@
+"""A whole recipe validated before anything runs; ``validate`` returns the factories and arguments ``build`` uses.
+
+The sections, the seed and the precision; each entry against its factory (``recipe_entries``); replicafit's own
+built-ins constructed with the recipe's values (the strategy, the data, a built-in model on the ``meta``
+device); the optimizer's ``exclude_from_weight_decay``; fit's and evaluate's arguments as the trainer checks
+them (``arguments``); the data's task against the loss and the metrics; and the monitors (``recipe_monitors``).
+The first problem found is raised as a ``RecipeError`` at its key.
+"""
+
+from __future__ import annotations
+
+from . import kinds
+from .arguments import EVALUATE_ARGUMENTS, FIT_ARGUMENTS, PRECISIONS, argument_problem, resolve_precision
+from .recipe_calls import _call, _dataset_info, _model_inputs
+from .recipe_entries import _default, _entry_name, _parameters, _type_problem, check_entry
+from .recipe_monitors import _check_monitors
+from .recipe_source import SECTIONS, Recipe, _short
+from .registry import did_you_mean
+
+__all__ = ["validate"]
+
+# The trainer's arguments, as the trainer checks them (arguments.py), and fit's verbose.
+FIT_KEYS = {**FIT_ARGUMENTS, "verbose": "verbose"}
+EVALUATE_KEYS = EVALUATE_ARGUMENTS
+_YAML_TYPE = {"count": int, "size": int, "fraction": float, "flag": bool}
+MAX_SEED = 2**64 - 1  # torch.manual_seed takes up to this; NumPy's seeds (the data order) must not be negative
+
+
+CLASSIFICATION_ONLY_METRICS = {
+    "accuracy",
+    "acc",
+    "crossentropy",
+    "ce",
+    "sparse_categorical_crossentropy",
+    "categorical_crossentropy",
+    "binary_crossentropy",
+    "sparse_categorical_accuracy",
+    "categorical_accuracy",
+    "binary_accuracy",
+    "top_k_categorical_accuracy",
+    "auc",
+}
+REGRESSION_ONLY_METRICS = {"mse", "mae", "mean_squared_error", "mean_absolute_error"}
+CLASSIFICATION_LOSSES = {
+    "cross_entropy",
+    "sparse_categorical_crossentropy",
+    "categorical_crossentropy",
+    "binary_crossentropy",
+}
+REGRESSION_LOSSES = {"mse", "mae", "huber", "mean_squared_error", "mean_absolute_error"}
+
+
+def validate(recipe: Recipe) -> dict:
+    """Checks everything that can be checked without training or calling code outside replicafit;
+    returns the factories and args (and the built-in strategy and data, constructed).
+
+    Raises ``RecipeError`` for the first problem found.
+    """
+    data = recipe.data
+    for key in data:
+        if key not in SECTIONS:
+            raise recipe.error((key,), f"unknown section{did_you_mean(key, SECTIONS)}; sections: {', '.join(SECTIONS)}")
+    for required in ("model", "data"):
+        if required not in data:
+            raise recipe.error((), f"missing section {required!r}")
+    _check_seed(recipe, data.get("seed"))
+    _check_precision(recipe, data.get("precision", "32"))
+    checked: dict = {}
+    checked["strategy"] = check_entry(recipe, ("strategy",), data.get("strategy", "default"), "strategy")
+    if kinds.is_builtin("strategy", checked["strategy"][0]):  # bad devices are found now
+        checked["strategy_instance"] = _call(recipe, ("strategy",), *checked["strategy"], ours=True)
+    data_entry = data["data"]
+    batch_keys = {}
+    if isinstance(data_entry, dict):
+        batch_keys = {k: data_entry[k] for k in ("batch_size",) if k in data_entry}
+        data_entry = {k: v for k, v in data_entry.items() if k not in batch_keys}
+    checked["data"] = check_entry(recipe, ("data",), data_entry, "dataset")
+    if kinds.is_builtin("dataset", checked["data"][0]):  # loads now: bad values fail here
+        checked["data_instance"] = _dataset_info(recipe, _call(recipe, ("data",), *checked["data"], ours=True))
+    for name, value in batch_keys.items():
+        problem = _type_problem(value, (int,), False)
+        if problem or value < 1:
+            raise recipe.error(("data", name), problem or "must be a positive integer")
+    checked["data_batch"] = batch_keys
+    checked["model"] = check_entry(
+        recipe, ("model",), data["model"], "model", provided=("inputs", "outputs", "in_channels")
+    )
+    if kinds.is_builtin("model", checked["model"][0]):
+        _check_builtin_model(recipe, checked)
+    optimizer = data.get("optimizer", "adam")
+    optimizer, checked["decay_exclusions"] = _decay_exclusions(recipe, optimizer)
+    checked["optimizer"] = check_entry(recipe, ("optimizer",), optimizer, "optimizer")
+    rate = optimizer.get("learning_rate") if isinstance(optimizer, dict) else None
+    if isinstance(rate, dict):
+        checked["schedule"] = check_entry(recipe, ("optimizer", "learning_rate"), rate, "schedule")
+    elif kinds.is_builtin("optimizer", checked["optimizer"][0]):  # bad values (accumulation steps, ...) fail now
+        _call(recipe, ("optimizer",), *checked["optimizer"], ours=True)
+    checked["loss"] = check_entry(recipe, ("loss",), data.get("loss", "cross_entropy"), "loss")
+    metrics = data.get("metrics", [])
+    if not isinstance(metrics, list):
+        raise recipe.error(("metrics",), f"expected a list of metrics, got {type(metrics).__name__}")
+    checked["metrics"] = [_check_metric(recipe, i, m) for i, m in enumerate(metrics)]
+    callbacks = data.get("callbacks", [])
+    if not isinstance(callbacks, list):
+        raise recipe.error(("callbacks",), f"expected a list of callbacks, got {type(callbacks).__name__}")
+    checked["callbacks"] = [check_entry(recipe, ("callbacks", i), c, "callback") for i, c in enumerate(callbacks)]
+    checked["fit"] = _check_plain(recipe, "fit", FIT_KEYS)
+    checked["evaluate"] = _check_plain(recipe, "evaluate", EVALUATE_KEYS)
+    if "batch_size" in batch_keys and "batch_size" in checked["fit"]:
+        raise recipe.error(("fit", "batch_size"), "batch_size is set in data too: set it in one place")
+    _check_task(recipe, checked)
+    _check_monitors(recipe, checked)
+    return checked
+
+
+def _check_precision(recipe: Recipe, precision) -> None:
+    if resolve_precision(precision) is None:
+        hint = did_you_mean(str(precision), PRECISIONS)
+        raise recipe.error(("precision",), f"expected one of {', '.join(PRECISIONS)}{hint}, got {_short(precision)}")
+
+
+def _check_seed(recipe: Recipe, seed) -> None:
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise recipe.error(("seed",), f"expected an integer, got {type(seed).__name__} {_short(seed)}")
+    if not 0 <= seed <= MAX_SEED:
+        raise recipe.error(("seed",), f"must be in [0, 2**64 - 1] (what torch.manual_seed takes), got {seed}")
+
+
+def _decay_exclusions(recipe: Recipe, optimizer) -> tuple:
+    """``(the optimizer entry without it, its exclude_from_weight_decay list)``: the recipe key that calls
+    ``optimizer.exclude_from_weight_decay(var_names=[...])`` (a method in Python, not an argument)."""
+    if not isinstance(optimizer, dict) or "exclude_from_weight_decay" not in optimizer:
+        return optimizer, []
+    names = optimizer["exclude_from_weight_decay"]
+    key = ("optimizer", "exclude_from_weight_decay")
+    if isinstance(names, str):
+        names = [names]
+    if not isinstance(names, list):
+        raise recipe.error(key, f"expected a list of name parts (e.g. [bias, norm]), got {type(names).__name__}")
+    for index, name in enumerate(names):
+        if not isinstance(name, str) or not name:
+            raise recipe.error(key + (index,), f"expected a non-empty string (a part of variable names), got {name!r}")
+    return {k: v for k, v in optimizer.items() if k != "exclude_from_weight_decay"}, list(names)
+
+
+def _check_builtin_model(recipe: Recipe, checked: dict) -> None:
+    """Builds a built-in model on the ``meta`` device (no memory, no time): its sizes and names are checked."""
+    import torch
+
+    factory, args = checked["model"]
+    info = checked.get("data_instance") or {}
+    extra = _model_inputs(factory, args, info)
+    params, _ = _parameters(factory)
+    for name in ("inputs", "outputs"):  # the data is not known yet: any valid size stands in
+        if name in params and name not in args and name not in extra:
+            extra[name] = 1
+    with torch.device("meta"):
+        _call(recipe, ("model",), factory, args, ours=True, **extra)
+
+
+def _check_metric(recipe, index, value):
+    if isinstance(value, str) and value.lower() in ("accuracy", "acc"):
+        return ("accuracy", {})  # resolved by the trainer from the data's shapes
+    if isinstance(value, str) and value.lower() in ("crossentropy", "ce"):
+        return ("crossentropy", {})
+    return check_entry(recipe, ("metrics", index), value, "metric")
+
+
+def _check_plain(recipe: Recipe, section: str, keys: dict) -> dict:
+    values = recipe.data.get(section) or {}
+    if not isinstance(values, dict):
+        raise recipe.error((section,), f"expected a mapping of {', '.join(keys)}, got {type(values).__name__}")
+    for name, value in values.items():
+        if name not in keys:
+            raise recipe.error(
+                (section, name), f"unknown {section} argument{did_you_mean(name, keys)}; known: {', '.join(keys)}"
+            )
+        kind = keys[name]
+        if kind == "verbose":
+            if value not in (0, 1, 2, "auto") or isinstance(value, bool):
+                raise recipe.error((section, name), f"expected 0, 1, 2 or 'auto', got {value!r}")
+            continue
+        # YAML's types first (a quoted number is a string), then the trainer's own rule.
+        problem = _type_problem(value, (_YAML_TYPE[kind],), kind == "size")
+        if problem:
+            raise recipe.error((section, name), problem)
+        rule = argument_problem(value, kind)
+        if rule is not None:
+            raise recipe.error((section, name), f"{rule[1]}, got {value!r}")
+        if name == "epochs" and value < 1:  # a recipe is for training: fit(epochs=0) would train nothing
+            raise recipe.error((section, name), "must be a positive integer")
+    return values
+
+
+def _check_task(recipe: Recipe, checked: dict) -> None:
+    factory, args = checked["data"]
+    task = args.get("task") or _default(factory, "task") or _task_of(factory)
+    if task not in ("classification", "regression"):
+        return
+    loss = _entry_name(recipe.data.get("loss", "cross_entropy"))
+    if task == "regression" and loss in CLASSIFICATION_LOSSES:
+        raise recipe.error(
+            ("loss",), f"{loss!r} is a classification loss but the data is a regression task (use mse, mae or huber)"
+        )
+    if task == "classification" and loss in REGRESSION_LOSSES:
+        raise recipe.error(
+            ("loss",), f"{loss!r} is a regression loss but the data is a classification task (use cross_entropy)"
+        )
+    for index, metric in enumerate(recipe.data.get("metrics", []) or []):
+        name = str(_entry_name(metric) or "").lower()
+        if task == "regression" and name in CLASSIFICATION_ONLY_METRICS:
+            raise recipe.error(("metrics", index), f"{name!r} cannot be computed for a regression task")
+        if task == "classification" and name in REGRESSION_ONLY_METRICS:
+            raise recipe.error(
+                ("metrics", index), f"{name!r} cannot be computed on class labels: the task is classification"
+            )
+
+
+def _task_of(factory):
+    return getattr(factory, "task", None)
