@@ -10,8 +10,10 @@ Rooms: ``trainer.py`` (``Trainer`` and its steps, evaluate, predict), ``fit_loop
 per-fit plan), ``training_state.py`` (what checkpoints and backups keep), ``arguments.py`` and
 ``input_checks.py`` (the checks at the entry), ``inputs.py`` (the data as the trainer reads it),
 ``callbacks/`` (one callback per file, a shared monitor base), ``losses.py``, ``metrics.py``,
-``checkpoint.py`` (the file format), the recipes (``recipes.py``, ``recipe_loader.py``,
-``registry.py``, ``kinds.py``, ``builtins.py``) and the ``replicafit`` command (``cli.py``,
+``checkpoint.py`` (the file format), the recipes (``recipes.py``, the public entry;
+``recipe_source.py``, ``recipe_entries.py``, ``recipe_calls.py``, ``recipe_monitors.py``,
+``recipe_validation.py``, ``recipe_build.py``, ``recipe_loader.py``, ``registry.py``, ``kinds.py``,
+``builtins.py``) and the ``replicafit`` command (``cli.py``,
 ``launch.py``).
 """
 
