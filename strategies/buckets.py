@@ -118,6 +118,7 @@ class GradientBuckets:
         # starts after backward, where its dtype sums their limbs exactly.
         self.carrier_dtype = self._buckets[-1].dtype if self._buckets[-1].dtype in CARRIERS else None
         self.carried = None  # the step values' summed limbs of the last step that carried any
+        self._spare_used = False  # whether the spare elements hold a carried step's sums (not zeros)
         for number, bucket in enumerate(self._buckets):
             numels = [self._tensors[i][0].numel() for i in bucket.members]
             spare = SLOTS if number == last and self.carrier_dtype is not None else 0
@@ -274,14 +275,17 @@ class GradientBuckets:
         return results
 
     def _fill_spare(self, bucket: _Bucket, carried: list | None) -> None:
-        """The step values' limbs summed over the local replicas into the spare elements (zeros when
-        this step carries none: every worker's bucket has the same length)."""
-        if bucket.spare is None or bucket.spare.numel() == 0:
+        """The step values' limbs summed over the local replicas into the spare elements; zeros when
+        this step carries none (every worker's bucket has the same length). The elements hold zeros
+        until a step carries values: only after one are they cleared, so a fit without step values
+        pays nothing per step."""
+        if bucket.spare is None or bucket.spare.numel() == 0 or not (carried or self._spare_used):
             return
         with torch.no_grad():
             bucket.spare.zero_()
             for limbs in carried or ():
                 bucket.spare[: limbs.numel()] += limbs.to(bucket.device)
+        self._spare_used = bool(carried)
 
     def remove(self) -> None:
         """Removes the hooks (the model no longer carries them)."""

@@ -198,7 +198,7 @@ def step_values(rank, num_workers, port, buckets=False, dtype="float32"):
 
         return ctx.merge_call(merge, args=tuple(grads))
 
-    for carry in (False, True):
+    for carry in (False, True, False, True):  # a plain step after a carried one, then another carried
         before = collective.operations
         if buckets:
             with strategy.extended.gradient_step(variables):
@@ -208,7 +208,7 @@ def step_values(rank, num_workers, port, buckets=False, dtype="float32"):
         out["operations"].append(collective.operations - before)
         out["grads"].append([g.float() for g in strategy.experimental_local_results(result)[0]])
         if carry:
-            out["totals"] = [int(strategy.cluster.step_total(n)) for n in ("rows", "big", "stop")]
+            out["totals"].append([int(strategy.cluster.step_total(n)) for n in ("rows", "big", "stop")])
     strategy.extended.release_gradient_hooks()
     strategy.cluster.barrier("end")
     return out
