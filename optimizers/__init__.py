@@ -19,6 +19,7 @@ accumulation window), ``ema.py`` (moving averages), ``multi_tensor.py`` (the gro
 from difflib import get_close_matches
 
 from . import schedules
+from .accumulation import GradientDenominator
 from .adam import Adam, AdamW
 from .base import Optimizer
 from .loss_scale import LossScaleOptimizer
@@ -30,6 +31,7 @@ __all__ = [
     "Adagrad",
     "Adam",
     "AdamW",
+    "GradientDenominator",
     "LossScaleOptimizer",
     "Optimizer",
     "RMSprop",

@@ -17,6 +17,7 @@ optimizer's state (saved, loaded, and restored once its variables are built).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import torch
@@ -31,7 +32,28 @@ from .tensors import _first_tensor, _no_grad
 # multi-tensor operations; these are the kernels torch.optim's own foreach implementations run, one kernel per list
 # of tensors.
 
-__all__ = ["GradientAccumulation", "GradientWindow", "check_accumulation_steps"]
+__all__ = ["GradientAccumulation", "GradientDenominator", "GradientWindow", "check_accumulation_steps"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientDenominator:
+    """An update's divisor, known only after the gradients are reduced: the global total of the step value
+    ``step_value`` since the previous update, divided by ``prescale`` (the constant each replica already
+    divided its loss by before backward, which keeps float16 gradients in the mean's range).
+
+    Example::
+
+        optimizer.gradient_denominator = GradientDenominator("tokens", prescale=512.0)
+    """
+
+    step_value: str
+    prescale: float = 1.0
+
+    def __post_init__(self):
+        if not isinstance(self.step_value, str):
+            raise TypeError(f"GradientDenominator's step_value must be a step value's name, got {self.step_value!r}.")
+        if not (isinstance(self.prescale, (int, float)) and self.prescale > 0):
+            raise ValueError(f"GradientDenominator's prescale must be a positive number, got {self.prescale!r}.")
 
 
 class GradientWindow:
@@ -93,6 +115,7 @@ class GradientAccumulation:
         self._window_lock = threading.Lock()  # replicas on threads open a window once
         self._pending_window: dict | None = None  # a loaded window, for variables not built yet
         self._step_weight = 1.0  # the weight of the next accumulated step (the trainer's: its examples)
+        self._gradient_denominator: GradientDenominator | None = None
 
     @property
     def step_weight(self) -> float:
@@ -116,6 +139,52 @@ class GradientAccumulation:
     @step_weight.setter
     def step_weight(self, value: float) -> None:
         self._step_weight = value
+
+    @property
+    def gradient_denominator(self) -> GradientDenominator | None:
+        """Where an update's divisor comes from when it is not known before backward: ``None`` (default),
+        or a ``GradientDenominator(step_value, prescale)``. When set, each update divides the reduced
+        gradients (an accumulation window's weighted sums) by ``total / prescale`` instead of by the
+        window's weight, where ``total`` is the global total of the step value ``step_value``
+        (``strategy.cluster.add_to_step``) since the previous update: it rides with the update's own
+        gradient reduction, so it costs no collective. A total of 0 (nothing to learn from, e.g. every
+        token padding) leaves the gradients as they are, which are then zeros.
+
+        ``Trainer.fit`` sets it for element-level losses (the count of real tokens or pixels of the
+        global batch, known only after every worker has seen its rows) and clears it at the end.
+
+        Example (a loop of one's own: the mean over real tokens of the global batch)::
+
+            optimizer.gradient_denominator = optimizers.GradientDenominator("tokens", prescale=1.0)
+
+            def step(x, y):
+                losses = F.cross_entropy(model(x).transpose(1, 2), y, reduction="none")  # 0 where y == -100
+                strategy.cluster.add_to_step("tokens", (y != -100).sum())
+                grads = torch.autograd.grad(losses.sum(), params)  # the sum: divided after the reduction
+                optimizer.apply_gradients(zip(grads, params))
+
+            strategy.run(step, args=(x, y))
+        """
+        return self._gradient_denominator
+
+    @gradient_denominator.setter
+    def gradient_denominator(self, value) -> None:
+        if value is not None and not isinstance(value, GradientDenominator):
+            raise TypeError(
+                f"gradient_denominator must be None or a GradientDenominator(step_value, prescale), got {value!r}."
+            )
+        self._gradient_denominator = value
+
+    def _divisor(self, strategy, window_weight):
+        """What an update divides the reduced gradients by: the window's weight (None: a lone step), or
+        ``total / prescale`` of the gradient denominator (a tensor: no read back to the host)."""
+        denominator = self._gradient_denominator
+        if denominator is None:
+            return window_weight
+        total = strategy.cluster.step_total(denominator.step_value)
+        total = total.to(torch.float64)
+        # Nothing real in the window: its gradients are zeros, which a divisor of 1 keeps (not NaN).
+        return torch.where(total != 0, total, torch.ones_like(total)) / denominator.prescale
 
     def _accumulate(self, ctx, grads, variables):
         """Adds this step's gradients to the window; its last step applies the window."""

@@ -419,7 +419,7 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
         self._build_for(variables)
         plain = all(type(g) is torch.Tensor for g in grads)  # one copy each (the default strategy)
         primaries = grads if plain else [_first_tensor(g) for g in grads]
-        prepared = self._prepared(primaries, divisor)
+        prepared = self._prepared(primaries, self._divisor(strategy, divisor))
         if prepared is None:  # a gradient stage skipped it (a loss scaler's infinities or NaNs): counted
             self._count()
             return self.iterations
@@ -451,9 +451,13 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
         return self.iterations
 
     def _prepared(self, grads: list, divisor) -> list | None:
-        """The aggregated gradients divided by an accumulation window's weight, then through each gradient
-        stage (a ``LossScaleOptimizer``'s unscaling); ``None`` when a stage skips the step (non-finite values)."""
-        if divisor is not None and divisor != 1:
+        """The aggregated gradients divided by ``divisor`` (an accumulation window's weight, or the gradient
+        denominator's total: a tensor), then through each gradient stage (a ``LossScaleOptimizer``'s
+        unscaling); ``None`` when a stage skips the step (non-finite values)."""
+        if isinstance(divisor, torch.Tensor):
+            with _no_grad():
+                grads = [g / divisor.to(g.device, g.dtype) for g in grads]
+        elif divisor is not None and divisor != 1:
             with _no_grad():
                 grads = torch._foreach_div(grads, float(divisor))
         for stage in self._gradient_stages.values():

@@ -217,6 +217,14 @@ class LossScaleOptimizer(Optimizer):
         self.inner_optimizer.step_weight = value
 
     @property
+    def gradient_denominator(self):
+        return self.inner_optimizer.gradient_denominator
+
+    @gradient_denominator.setter
+    def gradient_denominator(self, value) -> None:
+        self.inner_optimizer.gradient_denominator = value
+
+    @property
     def variables(self) -> list:
         return self.inner_optimizer.variables
 

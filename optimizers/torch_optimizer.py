@@ -144,7 +144,7 @@ class TorchOptimizer(Optimizer):
     def _apply_aggregated(self, strategy, grads, variables, divisor=None):
         self._build_for(variables)
         primaries = [g if type(g) is torch.Tensor else local_results(g)[0] for g in grads]
-        prepared = self._prepared(primaries, divisor)
+        prepared = self._prepared(primaries, self._divisor(strategy, divisor))
         if prepared is None:  # a gradient stage skipped it (a loss scaler's infinities or NaNs): counted
             self._count()
             return self.iterations

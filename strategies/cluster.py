@@ -117,15 +117,17 @@ class Cluster:
 
     def add_to_step(self, name: str, value) -> None:
         """Adds this replica's ``value`` (a non-negative int, a 0/1 flag, an integer tensor of one
-        element) to the step value ``name``; in cross-replica context, this worker's value. The next
-        SUM reduction (in a training step, the optimizer's gradient reduction) carries it, with no
-        collective of its own (``step_values.py``)."""
+        element; or a float, or a floating tensor of one element) to the step value ``name``; in
+        cross-replica context, this worker's value. The next SUM reduction (in a training step, the
+        optimizer's gradient reduction) carries it, with no collective of its own (``step_values.py``)."""
         self._step_values.add(name, value)
 
     def step_total(self, name: str) -> torch.Tensor:
-        """The step value ``name`` summed over every replica of every worker, as the last reduction
-        that carried it left it: an int64 scalar tensor on the reduction's device. Asked while still
-        pending, it is reduced now, on its own (a collective across workers: every worker asks)."""
+        """What was added to the step value ``name`` since the previous ``step_total(name)``, summed
+        over every replica of every worker and over the reductions that carried it: an int64 scalar
+        tensor (float64 for floating values) on the reduction's device. Reading it starts the next
+        count from zero. A part still pending is reduced now, on its own (a collective across workers:
+        every worker asks)."""
         return self._step_values.total(name)
 
     def input_channel(self) -> Cluster:

@@ -13,14 +13,21 @@ gradient reduction) carries the pending values in the same buffer as the gradien
 * across workers with gradient buckets (``buckets.py``): spare elements of the last bucket, which
   always starts after backward.
 
-Afterwards ``strategy.cluster.step_total(name)`` is the total (an int64 scalar tensor on the
-reduction's device: reading it back to Python is the reader's choice, and on an accelerator a
-synchronisation). Asked before anything carried it, the total is reduced then, on its own.
+``strategy.cluster.step_total(name)`` is then the total of everything added to ``name`` since the
+previous ``step_total(name)`` (an int64 scalar tensor on the reduction's device: reading it back to
+Python is the reader's choice, and on an accelerator a synchronisation). Totals add up over every
+reduction that carried a part of them, so a value added at each step of an accumulation window and
+read when the window is applied is the window's total, whichever reductions (a read of the metrics,
+say) carried the earlier steps' parts. What is still pending when it is read is reduced then, on
+its own (a collective across workers: every worker reads).
 
-Exactness: values are non-negative integers (a count, a flag as 0/1, an integer tensor), each
+Exactness: integer values (a count, a flag as 0/1, an integer tensor) must be non-negative; each is
 split into three base-4096 limbs so that float32 sums them exactly: up to 2**36 per replica and
-4096 replicas. At most ``MAX_VALUES`` names per step. Where the carrier is not float32/float64 (a
-model whose gradients are all bfloat16), the values take a float32 reduction of their own.
+4096 replicas. A floating value (a Python float, a floating tensor of one element: a sum of class
+weights) rides as one element of the carrier and sums as that dtype sums (in replica order, so
+alike on every run), its total a float64 tensor. One name keeps one kind. At most ``MAX_VALUES``
+names per step. Where the carrier is not float32/float64 (a model whose gradients are all
+bfloat16), the values take a float32 reduction of their own.
 
 Example::
 
@@ -70,12 +77,14 @@ def carrier(pairs, default_destinations) -> tuple:
 
 
 class StepPayload:
-    """The pending values of one step, encoded per local replica: ``names`` and, for each replica,
-    a float vector of ``len(names) * LIMBS`` limbs on that replica's device."""
+    """The pending values of one step, encoded per local replica: ``names`` (with ``floating``: which
+    of them are floating values) and, for each replica, a float vector of ``len(names) * LIMBS``
+    limbs on that replica's device."""
 
-    def __init__(self, names: list, per_replica: list):
+    def __init__(self, names: list, per_replica: list, floating: frozenset = frozenset()):
         self.names = names
         self.per_replica = per_replica
+        self.floating = floating
 
     def as_dtype(self, dtype) -> list:
         return [limbs.to(dtype) for limbs in self.per_replica]
@@ -97,7 +106,8 @@ class StepValues:
         self._reduce_alone = reduce_alone
         self._lock = threading.Lock()
         self._pending: dict = {}  # name -> [per local replica: int or integer tensor or None]
-        self._totals: dict = {}
+        self._totals: dict = {}  # name -> what the reductions carried since the last read
+        self._floating: set = set()  # the names whose values are floating
 
     @property
     def pending(self) -> bool:
@@ -106,9 +116,16 @@ class StepValues:
     def add(self, name: str, value) -> None:
         if not isinstance(name, str):
             raise TypeError(f"A step value's name must be a str, got {type(name).__name__}.")
-        value = _checked(name, value)
+        value, floating = _checked(name, value)
         replica = self._local_replica()
         with self._lock:
+            if floating != (name in self._floating) and (name in self._pending or name in self._totals):
+                kinds = ("an integer", "a floating") if floating else ("a floating", "an integer")
+                raise TypeError(
+                    f"Step value {name!r} holds {kinds[0]} value and was given {kinds[1]} one: one name keeps one "
+                    "kind (convert the value, or use another name)."
+                )
+            (self._floating.add if floating else self._floating.discard)(name)
             if name not in self._pending and len(self._pending) == MAX_VALUES:
                 raise ValueError(
                     f"At most {MAX_VALUES} step values ride with one step's reduction; {sorted(self._pending)} are "
@@ -133,23 +150,27 @@ class StepValues:
         names = sorted(pending)
         per_replica = []
         for replica, device in enumerate(self._devices):
-            limbs = [_limbs(pending[name][replica], device) for name in names]
+            floating = self._floating
+            limbs = [_limbs(pending[name][replica], device, name in floating) for name in names]
             per_replica.append(torch.cat(limbs))
-        return StepPayload(names, per_replica)
+        return StepPayload(names, per_replica, frozenset(n for n in names if n in self._floating))
 
     def finish(self, payload: StepPayload, reduced: torch.Tensor) -> None:
-        """Stores the totals of ``payload`` from its reduced limbs."""
-        limbs = reduced.detach().reshape(len(payload.names), LIMBS).round().to(torch.int64)
+        """Adds the totals of ``payload``, from its reduced limbs, to what earlier reductions carried."""
+        reduced = reduced.detach().reshape(len(payload.names), LIMBS)
+        limbs = reduced.round().to(torch.int64)
         scale = torch.tensor([1, BASE, BASE * BASE], dtype=torch.int64, device=limbs.device)
         totals = (limbs * scale).sum(dim=1)
         with self._lock:
             for index, name in enumerate(payload.names):
-                self._totals[name] = totals[index]
+                total = reduced[index, 0].to(torch.float64) if name in payload.floating else totals[index]
+                known = self._totals.get(name)
+                self._totals[name] = total if known is None else known + total.to(known.device)
 
     def total(self, name: str) -> torch.Tensor:
         with self._lock:
             waiting = name in self._pending
-        if waiting:  # asked before a gradient reduction carried it: reduced now, on its own
+        if waiting:  # asked before a reduction carried all of it: the rest is reduced now, on its own
             payload = self.take()
             self.finish(payload, self._reduce_alone(payload))
         with self._lock:
@@ -159,33 +180,44 @@ class StepValues:
                     f"No step value {name!r} has been added (cluster.add_to_step) this run; the totals known "
                     f"are {known}."
                 )
-            return self._totals[name]
+            total = self._totals[name]
+            self._totals[name] = torch.zeros_like(total)  # the next read counts from here
+            return total
 
 
-def _checked(name: str, value):
+def _checked(name: str, value) -> tuple:
+    """``(value, floating)``: an int, an int64 or float64 scalar tensor, or a float; refused otherwise."""
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_floating_point() or value.is_complex():
+        if value.numel() != 1 or value.is_complex():
             raise TypeError(
-                f"Step value {name!r} must be a non-negative integer (a Python int or an integer tensor of one "
+                f"Step value {name!r} must be a non-negative integer or a float (a Python number or a tensor of one "
                 f"element), got a {value.dtype} tensor of shape {list(value.shape)}."
             )
-        return value.reshape(()).to(torch.int64)
+        floating = value.is_floating_point()
+        return value.detach().reshape(()).to(torch.float64 if floating else torch.int64), floating
     if isinstance(value, bool):
-        return int(value)
+        return int(value), False
+    if isinstance(value, float):
+        return value, True
     if not isinstance(value, int) or not 0 <= value < BASE**LIMBS:
         raise ValueError(
-            f"Step value {name!r} must be a non-negative integer below 2**36 (a count or a 0/1 flag), got {value!r}."
+            f"Step value {name!r} must be a non-negative integer below 2**36 (a count or a 0/1 flag) or a float, "
+            f"got {value!r}."
         )
-    return value
+    return value, False
 
 
-def _limbs(value, device: torch.device) -> torch.Tensor:
-    """``value`` (an int, an int64 tensor or None: 0) as ``LIMBS`` float32 base-``BASE`` digits."""
+def _limbs(value, device: torch.device, floating: bool = False) -> torch.Tensor:
+    """``value`` (an int, an int64 tensor or None: 0) as ``LIMBS`` base-``BASE`` digits; a floating value as
+    itself and two zeros (float64 here: the carrier's dtype is chosen later)."""
     if value is None:
-        return torch.zeros(LIMBS, dtype=torch.float32, device=device)
+        return torch.zeros(LIMBS, dtype=torch.float64, device=device)
+    if floating:
+        value = torch.as_tensor(value, dtype=torch.float64, device=device).reshape(1)
+        return torch.cat([value, value.new_zeros(LIMBS - 1)])
     if isinstance(value, int):
         digits = [value % BASE, value // BASE % BASE, value // (BASE * BASE)]
-        return torch.tensor(digits, dtype=torch.float32, device=device)
+        return torch.tensor(digits, dtype=torch.float64, device=device)
     value = value.to(device)
     digits = torch.stack([value % BASE, value // BASE % BASE, value // (BASE * BASE)])
-    return digits.to(torch.float32)
+    return digits.to(torch.float64)

@@ -17,16 +17,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import random
 
 import torch
 
-from replicafit.strategies import context
+from replicafit import optimizers
+from replicafit.strategies import context, nest
 
 from . import callbacks as callbacks_module
+from . import losses
 from .arguments import FIT_ARGUMENTS, check_arguments
 from .input_checks import first_batch, in_memory_labels
-from .inputs import Cursor, batch_source, length_of, split_off_validation
+from .inputs import Cursor, batch_source, length_of, rows, split_off_validation, unpack
+
+_DENOMINATOR = "replicafit/loss denominator"  # the step value of an element-level loss's real elements
 
 __all__ = ["FitLoop", "FitPlan"]
 
@@ -105,6 +110,7 @@ class FitLoop:
         resume = self._resume  # where a backup restored in on_train_begin left off
         start_epoch = initial_epoch if resume is None else resume["epoch"]
         plan = self._fit_plan(callback_list, steps, validation_data, batch_size)
+        self._start_element_reduction(first)
         logs: dict = {}
         try:
             for epoch in range(start_epoch, epochs):
@@ -252,11 +258,30 @@ class FitLoop:
             if self.stop_training:
                 break
 
+    def _start_element_reduction(self, first) -> None:
+        """An element-level loss (``losses`` module docstring) in the built-in step: its real elements' weight
+        rides with each update's reduction (``optimizer.gradient_denominator``); each replica divides its
+        loss by a constant before backward, the first global batch's element count (agreed across workers),
+        which keeps float16 gradients in the mean's range, and the optimizer divides by the global total
+        over that constant after the reduction."""
+        self._element_denominator = None
+        single_output = isinstance(self.loss, losses.Loss) and list(self._loss_trackers) == ["loss"]
+        if not (single_output and self.loss.element_level and self._is_builtin("train_step", "compute_loss")):
+            return  # per example (several outputs: each output's loss is a mean per example)
+        x, y, _ = unpack(first)
+        leaves = [t for t in nest.flatten(y) if hasattr(t, "shape")] if y is not None else []
+        per_row = math.prod(leaves[0].shape[1:]) if leaves else 1
+        prescale = self.strategy.cluster.broadcast(float(max(1, rows(x) * per_row)), "agreeing on the loss's prescale")
+        self._element_denominator = optimizers.GradientDenominator(_DENOMINATOR, prescale)
+        self.optimizer.gradient_denominator = self._element_denominator
+
     def _run_train_step(self, batch, plan) -> None:
         """``train_step`` on every replica's slice of ``batch``."""
         self._set_global_batch(batch)
         if plan.accumulating:  # a window's steps weigh their examples: it equals one step on them all
-            self.optimizer.step_weight = float(self._global_batch)
+            # (an element-level loss: every step alike, each replica's loss divided by the same constant)
+            weight = 1.0 if self._element_denominator is not None else float(self._global_batch)
+            self.optimizer.step_weight = weight
         with plan.overlap(self._trainable) if plan.overlap is not None else contextlib.nullcontext():
             self.strategy.run(self.train_step, args=(batch,))
 
@@ -266,3 +291,5 @@ class FitLoop:
         self.strategy.extended.release_gradient_hooks()  # the model's parameters keep no hooks of ours
         if plan.accumulating:
             self.optimizer.step_weight = 1.0  # a loop of one's own after fit weighs its steps alike
+        if self._element_denominator is not None:
+            self.optimizer.gradient_denominator = self._element_denominator = None

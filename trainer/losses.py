@@ -1,7 +1,40 @@
-"""Losses: ``loss(y_true, y_pred) -> per-example loss`` (shape ``(batch,)``).
+"""Losses: ``loss(y_true, y_pred) -> per-example loss`` (shape ``(batch,)``), and the terms the trainer
+reduces over the whole global batch (``Loss.terms``).
 
-The trainer sums a replica's per-example losses (times sample weights) and divides by
-the global batch size of the step, so every strategy takes the same steps as one device.
+**The reduction rule.** The loss of a step is the loss of its whole global batch, across replicas,
+workers and an accumulation window, so every strategy takes the same steps as one device:
+
+* a *per-example* loss (one value per example, or per element with every element counting alike):
+  the sum of the per-example losses (times ``sample_weight``) divided by the global batch size;
+* an *element-level* loss, whose mean has a denominator that depends on the data (a prediction per
+  token or pixel, some of them ignored or weighted): the sum of the element losses over the global
+  batch (times ``sample_weight``, per example or per element) divided by the global total of the
+  elements' weights: the count of real elements, or torch's sum of class weights. That is exactly
+  the loss's own ``mean`` over the whole global batch.
+
+=======================================================  =============================================
+loss                                                      denominator of the global batch
+=======================================================  =============================================
+``nn.CrossEntropyLoss``, ``nn.NLLLoss`` (and ``F.``),     Σ ``weight[label]`` over labels that are not
+class-index targets, any rank: ``(N, C)``, ``(N, C, L)``  ``ignore_index`` (the count of real labels
+                                                          without ``weight``): element-level
+the same with probability targets                         the count of elements: element-level
+``SparseCategoricalCrossentropy(ignore_class=k)``         the count of labels that are not ``k``
+(classes last)                                            (Keras 3's rule): element-level
+a callable or ``Loss`` returning ``ElementLosses``        Σ of its ``weights``: element-level
+every other loss (``"mse"``, ``nn.BCEWithLogitsLoss``,    the global batch size (the per-example mean
+``"cross_entropy"`` without ``ignore_class``, ...)        of the element mean): per-example
+=======================================================  =============================================
+
+``sample_weight`` multiplies the losses and never enters a denominator (Keras 3's
+``sum_over_batch_size``). A global batch with no real element (every label ignored) contributes
+a zero gradient and logs no loss, where torch's ``mean`` would give NaN. Torch loss modules take
+classes in dimension 1 (torch's convention), our losses take them last (Keras').
+
+A loss of one's own says "these are element losses, and this is each one's weight" by returning
+``ElementLosses(values, weights)`` (Keras' ``Loss`` with a mask is the model): the loss of the global
+batch is then Σ ``weights * values`` / Σ ``weights``; a weight of 0 drops an element (its value is
+not used, even if NaN).
 
 Names: ``"cross_entropy"`` / ``"sparse_categorical_crossentropy"`` (integer labels,
 logits), ``"categorical_crossentropy"`` (one-hot labels, logits),
@@ -18,6 +51,10 @@ Example::
     >>> loss = get("mse")
     >>> loss(torch.zeros(2, 3), torch.ones(2, 3))
     tensor([1., 1.])
+    >>> padded = get(SparseCategoricalCrossentropy(ignore_class=-100))
+    >>> terms = padded.terms(torch.tensor([[1, -100]]), torch.zeros(1, 2, 4))  # one real token of two
+    >>> round(float(terms.total), 4), int(terms.count)
+    (1.3863, 1)
 """
 
 from __future__ import annotations
@@ -25,6 +62,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +73,9 @@ from .registry import did_you_mean
 # (``nn.CrossEntropyLoss()`` ...): the only way to recognise one that a user passes.
 
 __all__ = [
+    "ElementLosses",
     "Loss",
+    "LossTerms",
     "SparseCategoricalCrossentropy",
     "CategoricalCrossentropy",
     "BinaryCrossentropy",
@@ -53,23 +93,137 @@ def _per_example(values: torch.Tensor) -> torch.Tensor:
     return values.reshape(values.shape[0], math.prod(values.shape[1:])).mean(dim=1)
 
 
-class Loss:
-    """Base class: ``__call__(y_true, y_pred)`` returns one loss per example.
+class ElementLosses(NamedTuple):
+    """What an element-level loss returns: the loss of each element (batch first: ``(batch, ...)``) and the
+    weight of each element in the mean's denominator (broadcastable to ``values``; 0 drops an element,
+    ``None``: every element weighs 1). The loss of a global batch is Σ ``weights * values`` / Σ ``weights``.
 
-    Subclasses implement ``call``; ``name`` is used in logs of multi-output models.
+    Example (a token loss of one's own that skips padding)::
+
+        def token_loss(y_true, y_pred):                       # y_pred (batch, length, classes)
+            real = y_true != PAD
+            values = F.cross_entropy(y_pred.movedim(-1, 1), y_true.where(real, 0), reduction="none")
+            return ElementLosses(values, weights=real)
+
+        Trainer(loss=token_loss)   # the mean over the real tokens of every global batch
+    """
+
+    values: torch.Tensor
+    weights: torch.Tensor | None = None
+
+
+class LossTerms(NamedTuple):
+    """One replica's share of a loss: ``total`` (the sum of its weighted losses, a float32 scalar) and
+    ``count`` (its part of the denominator: the rows of a per-example loss, the summed element weights of
+    an element-level one). The loss of the global batch is Σ ``total`` / Σ ``count`` over every replica.
+    ``per_example``: the per-example losses (per-example losses only, else None)."""
+
+    total: torch.Tensor
+    count: object
+    per_example: torch.Tensor | None = None
+
+
+def _broadcast_weight(sample_weight, values: torch.Tensor) -> torch.Tensor:
+    """``sample_weight`` (per example ``(batch,)`` or per element) shaped to multiply ``values``."""
+    weight = torch.as_tensor(sample_weight, device=values.device).to(values.dtype)
+    if weight.dim() == 2 and weight.shape[-1] == 1 and values.dim() == 1:
+        weight = weight.reshape(-1)  # (batch, 1) weights of per-example values
+    while weight.dim() < values.dim():
+        weight = weight.unsqueeze(-1)
+    try:
+        return torch.broadcast_to(weight, values.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"sample_weight of shape {list(weight.shape)} does not fit the losses of shape {list(values.shape)}: give "
+            "one weight per example (batch,) or one per element of the loss (batch, ...)."
+        ) from None
+
+
+def _numerator(elements: ElementLosses) -> tuple:
+    """``(weighted values, weights broadcast to them or None)``: 0 where a weight is 0, whatever the value."""
+    values, weights = elements.values, elements.weights
+    if weights is None:
+        return values, None
+    weights = torch.broadcast_to(torch.as_tensor(weights, device=values.device), values.shape)
+    weighted = values if isinstance(elements, _Weighted) else values * weights.to(values.dtype)
+    return torch.where(weights != 0, weighted, torch.zeros_like(values)), weights
+
+
+def element_terms(elements: ElementLosses, sample_weight=None) -> LossTerms:
+    """The terms of element losses: Σ ``weights * values`` (times ``sample_weight``) and Σ ``weights``."""
+    numerator, weights = _numerator(elements)
+    if weights is None:
+        count = numerator.numel()
+    else:
+        count = weights.sum() if weights.is_floating_point() else weights.to(torch.int64).sum()
+    if sample_weight is not None:
+        numerator = numerator * _broadcast_weight(sample_weight, numerator)
+    return LossTerms(numerator.sum(), count)
+
+
+def _example_means(elements: ElementLosses) -> torch.Tensor:
+    """Each example's own weighted mean over its elements (0 for an example with none)."""
+    numerator, weights = _numerator(elements)
+    if weights is None:
+        return _per_example(numerator)
+    totals = numerator.reshape(numerator.shape[0], -1).sum(1)
+    counts = weights.reshape(weights.shape[0], -1).to(numerator.dtype).sum(1)
+    return torch.where(counts != 0, totals / counts.clamp_min(1e-12), torch.zeros_like(totals))
+
+
+class _Weighted(ElementLosses):
+    """Element losses already multiplied by their weights (torch's ``reduction="none"`` output)."""
+
+
+class Loss:
+    """Base class: ``__call__(y_true, y_pred)`` returns one loss per example; ``terms(y_true, y_pred,
+    sample_weight)`` the replica's share of the global batch's loss (the module docstring's rule).
+
+    Subclasses implement ``call``, which returns the losses (per example, or per element: the
+    trainer averages an example's elements) or, for an element-level loss, ``ElementLosses``;
+    ``name`` is used in logs of multi-output models.
     """
 
     #: what "accuracy" means with this loss ("sparse_categorical", "categorical", "binary" or None)
     accuracy_kind: str | None = None
+    #: the dimension of the predictions that holds the classes (Keras': last; torch's losses: 1)
+    class_axis: int = -1
+    #: whether the loss's mean has a denominator of its own (``ElementLosses``); None: its first call says
+    element_level: bool | None = None
 
     def __init__(self, name: str | None = None):
         self.name = name or type(self).__name__
 
     def __call__(self, y_true, y_pred) -> torch.Tensor:
-        return _per_example(self.call(y_true, y_pred))
+        values = self.call(y_true, y_pred)
+        return _example_means(values) if isinstance(values, ElementLosses) else _per_example(values)
 
-    def call(self, y_true, y_pred) -> torch.Tensor:
+    def call(self, y_true, y_pred):
         raise NotImplementedError
+
+    def terms(self, y_true, y_pred, sample_weight=None, per_example: bool = False) -> LossTerms:
+        """This replica's share of the loss of the global batch: ``LossTerms(total, count, per_example)``.
+
+        ``per_example=True`` reduces every loss per example (the rule of a model with several outputs).
+        """
+        values = self.call(y_true, y_pred)
+        self._saw(isinstance(values, ElementLosses))
+        if isinstance(values, ElementLosses):
+            if not per_example:
+                return element_terms(values, sample_weight)
+            examples = _example_means(values)
+        else:
+            examples = _per_example(values) if sample_weight is None or _per_row(sample_weight, values) else None
+            if examples is None:  # weights per element: they multiply the elements before each example's mean
+                examples = _per_example(values * _broadcast_weight(sample_weight, values))
+                sample_weight = None
+        if sample_weight is not None:
+            examples = examples * _broadcast_weight(sample_weight, examples)
+        return LossTerms(examples.sum(), examples.shape[0] if examples.dim() else 1, examples)
+
+    def _saw(self, element_level: bool) -> None:
+        if self.element_level is None:
+            self.element_level = element_level
 
     def get_config(self) -> dict:
         return {"name": self.name}
@@ -78,26 +232,66 @@ class Loss:
         return f"{type(self).__name__}()"
 
 
+def _per_row(sample_weight, values: torch.Tensor) -> bool:
+    """Whether ``sample_weight`` has one weight per example (``(batch,)`` or ``(batch, 1)``)."""
+    shape = tuple(torch.as_tensor(sample_weight).shape)
+    return len(shape) <= 1 or (len(shape) == 2 and shape[1] == 1 and values.dim() <= 2)
+
+
 class SparseCategoricalCrossentropy(Loss):
-    """Cross entropy of integer labels against logits (``from_logits=False``: probabilities)."""
+    """Cross entropy of integer labels against scores with the classes last (``from_logits=False``:
+    probabilities), Keras 3's loss.
+
+    ``ignore_class``: a label (``-100``, say, for padding) whose elements are left out: they add no loss
+    and are not counted, so the loss of a global batch is the mean over its real elements (an
+    element-level loss). With ``None`` every label must be a class, ``0 ... classes - 1``: a negative
+    label is an error, as in Keras (torch's ``F.cross_entropy`` would silently skip ``-100``).
+
+    Example::
+
+        >>> import torch
+        >>> loss = SparseCategoricalCrossentropy(ignore_class=-100)
+        >>> labels = torch.tensor([[2, 0, -100]])               # (batch, length): padding last
+        >>> logits = torch.zeros(1, 3, 4)                       # (batch, length, classes)
+        >>> terms = loss.terms(labels, logits)
+        >>> int(terms.count)                                    # real tokens
+        2
+    """
 
     accuracy_kind = "sparse_categorical"
 
-    def __init__(self, from_logits: bool = True, name: str | None = None):
+    def __init__(self, from_logits: bool = True, ignore_class: int | None = None, name: str | None = None):
         super().__init__(name)
+        if ignore_class is not None and (isinstance(ignore_class, bool) or not isinstance(ignore_class, int)):
+            raise TypeError(f"ignore_class must be None or an int (a label to leave out), got {ignore_class!r}.")
         self.from_logits = from_logits
+        self.ignore_class = ignore_class
+        self.element_level = ignore_class is not None
 
     def call(self, y_true, y_pred):
         target = y_true.long()
         if target.dim() == y_pred.dim():  # (batch, 1) labels, as Keras allows
             target = target.squeeze(-1)
+        real = None
+        if self.ignore_class is not None:
+            real = target != self.ignore_class
+            target = torch.where(real, target, torch.zeros_like(target))
         try:
             if self.from_logits:
-                return F.cross_entropy(_classes_second(y_pred), target, reduction="none")
-            log_probs = torch.log(y_pred.clamp_min(1e-7))
-            return F.nll_loss(_classes_second(log_probs), target, reduction="none")
+                values = F.cross_entropy(_classes_second(y_pred), target, reduction="none", ignore_index=_NO_LABEL)
+            else:
+                log_probs = torch.log(y_pred.clamp_min(1e-7))
+                values = F.nll_loss(_classes_second(log_probs), target, reduction="none", ignore_index=_NO_LABEL)
         except IndexError:
-            raise labels_out_of_range(self.name, target, y_pred.shape[-1]) from None
+            raise labels_out_of_range(self.name, y_true, y_pred.shape[-1], self.ignore_class) from None
+        return values if real is None else ElementLosses(values, real)
+
+    def get_config(self) -> dict:
+        return {**super().get_config(), "from_logits": self.from_logits, "ignore_class": self.ignore_class}
+
+
+# torch's cross entropy skips -100 unless told another label to skip: one no label can be.
+_NO_LABEL = -(2**62)
 
 
 def labels_out_of_range(name: str, labels: torch.Tensor, classes: int, ignore_index=None) -> ValueError:
@@ -215,10 +409,13 @@ class _Callable(Loss):
 
     def call(self, y_true, y_pred):
         out = self.fn(y_true, y_pred)
+        if isinstance(out, ElementLosses):
+            return out
         if not isinstance(out, torch.Tensor) or out.dim() == 0:
             raise ValueError(
-                f"The loss {self.name} returned a scalar: a loss must return one value per example (shape (batch,)); "
-                "the trainer sums them and divides by the global batch size itself."
+                f"The loss {self.name} returned a scalar: a loss must return one value per example (shape (batch,)), "
+                "or per element, or ElementLosses(values, weights) for a mean over real elements; the trainer sums "
+                "them and divides by the global batch size (the total weight) itself."
             )
         return out
 
@@ -227,37 +424,64 @@ class _Callable(Loss):
 
 
 class _TorchModule(Loss):
+    class_axis = 1
+
     def __init__(self, module: torch.nn.modules.loss._Loss):
         super().__init__(type(module).__name__)
         self.accuracy_kind, self.from_logits = _torch_kind(type(module))
         self.module = copy.copy(module)
         self.module.reduction = "none"  # per-example values; the trainer does the reduction
+        self.element_level = isinstance(module, _CLASS_INDEX_MODULES)
 
     def call(self, y_true, y_pred):
         try:
-            return self.module(y_pred, y_true)
+            values = self.module(y_pred, y_true)
         except IndexError:
             if self.accuracy_kind != "sparse_categorical":
                 raise
             ignore = getattr(self.module, "ignore_index", None)
             raise labels_out_of_range(self.name, y_true, y_pred.shape[1], ignore) from None
+        if not self.element_level:
+            return values
+        return _torch_mean_weights(
+            values, y_true, y_pred, getattr(self.module, "weight", None), self.module.ignore_index
+        )
+
+
+# Whose ``mean`` divides by Σ weight[label] over the labels not ignored (class-index targets).
+_CLASS_INDEX_MODULES = (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)
+
+
+def _torch_mean_weights(values, y_true, y_pred, weight, ignore_index) -> ElementLosses:
+    """torch's ``reduction="none"`` output of a cross entropy or NLL loss (already times ``weight[label]``,
+    0 where ignored) and the weights of its ``mean``'s denominator: ``weight[label]`` (1 without ``weight``)
+    where the label is not ``ignore_index``; with probability targets, every element counts 1."""
+    if y_true.is_floating_point() and y_true.shape == y_pred.shape:  # probabilities: the count of elements
+        return ElementLosses(values, None)
+    target = y_true.long()
+    real = target != ignore_index
+    if weight is None:
+        return _Weighted(values, real)
+    safe = torch.where(real, target, torch.zeros_like(target))
+    weights = torch.where(real, weight.to(values.device, values.dtype)[safe], torch.zeros_like(values))
+    return _Weighted(values, weights)
 
 
 def class_count(loss, y_pred: torch.Tensor):
     """The number of classes ``loss`` reads from ``y_pred`` when it takes class-index labels, else None."""
     if loss.accuracy_kind != "sparse_categorical" or y_pred.dim() < 2:
         return None
-    ours = isinstance(loss, SparseCategoricalCrossentropy)  # Keras' layout: classes last
-    return int(y_pred.shape[-1] if ours else y_pred.shape[1])
+    return int(y_pred.shape[loss.class_axis])
 
 
 def ignore_index(loss):
-    """The label a class-index loss skips (torch's ``ignore_index``, -100 by default), or None."""
+    """The label a class-index loss skips (torch's ``ignore_index``, -100 by default; our ``ignore_class``),
+    or None."""
     if isinstance(loss, _TorchModule):
         return getattr(loss.module, "ignore_index", None)
     if isinstance(loss, _TorchFunctional):
-        return -100
-    return None
+        return -100 if loss.element_level else None
+    return getattr(loss, "ignore_class", None)
 
 
 def is_torch_functional_loss(fn) -> bool:
@@ -275,18 +499,22 @@ def is_torch_functional_loss(fn) -> bool:
 class _TorchFunctional(Loss):
     """One of torch's functional losses, called as torch calls it: ``fn(y_pred, y_true, reduction="none")``."""
 
+    class_axis = 1
+
     def __init__(self, fn):
         super().__init__(fn.__name__)
         self.fn = fn
         self.accuracy_kind, self.from_logits = _torch_kind(fn)
+        self.element_level = fn in (F.cross_entropy, F.nll_loss)
 
     def call(self, y_true, y_pred):
         try:
-            return self.fn(y_pred, y_true, reduction="none")
+            values = self.fn(y_pred, y_true, reduction="none")
         except IndexError:
             if self.accuracy_kind != "sparse_categorical":
                 raise
             raise labels_out_of_range(self.name, y_true, y_pred.shape[1], -100) from None
+        return _torch_mean_weights(values, y_true, y_pred, None, -100) if self.element_level else values
 
     def __repr__(self) -> str:
         return f"Loss(torch.nn.functional.{self.name})"

@@ -174,25 +174,34 @@ def _rows(values: torch.Tensor) -> torch.Tensor:
     return values.reshape(values.shape[0], math.prod(values.shape[1:]))
 
 
-def _weights(values: torch.Tensor, sample_weight):
-    if sample_weight is None:
-        return values, float(values.shape[0]) if values.dim() else 1.0
-    weight = torch.as_tensor(sample_weight, dtype=values.dtype, device=values.device).reshape(-1)
-    return values * weight, weight.sum()
+def _weights(values: torch.Tensor, sample_weight, mask=None):
+    """``(values times their weights, the weights' sum)``: ``sample_weight`` per example or per element (it
+    is broadcast to ``values``), ``mask`` (True: a real element) leaving the others out."""
+    if sample_weight is None and mask is None:
+        return values, float(values.numel()) if values.dim() else 1.0
+    weight = torch.ones_like(values) if sample_weight is None else losses._broadcast_weight(sample_weight, values)
+    if mask is not None:
+        weight = torch.where(mask, weight, torch.zeros_like(weight))
+    return torch.where(weight != 0, values * weight, torch.zeros_like(values)), weight.sum()
 
 
 class _MeanOfValues(Metric):
-    """total / count of per-example values (weighted)."""
+    """total / count of per-example (or per-element) values (weighted)."""
 
     def build_state(self) -> None:
         self.add_state("total")
         self.add_state("count")
 
-    def _update(self, values: torch.Tensor, sample_weight) -> None:
-        values = values.detach().to(self.dtype).reshape(-1)
-        weighted, count = _weights(values, sample_weight)
+    def _update(self, values: torch.Tensor, sample_weight, mask=None) -> None:
+        values = values.detach().to(self.dtype)
+        weighted, count = _weights(values, sample_weight, mask)
         self._add("total", weighted.sum())
         self._add("count", count)
+
+    def update_totals(self, total, count) -> None:
+        """Adds a sum of values and their count (a loss's ``LossTerms``: the loss trackers of ``fit``)."""
+        self._add("total", torch.as_tensor(total).detach().to(self.dtype))
+        self._add("count", torch.as_tensor(count).detach().to(self.dtype))
 
     def result(self) -> torch.Tensor:
         total, count = self._state("total").value(), self._state("count").value()
@@ -229,11 +238,32 @@ class Accuracy(_MeanOfValues):
 
 
 class SparseCategoricalAccuracy(_MeanOfValues):
-    """How often the arg-max of ``y_pred`` (scores per class) equals the integer label."""
+    """How often the arg-max of ``y_pred`` (scores per class) equals the integer label.
+
+    ``class_axis``: the dimension of ``y_pred`` that holds the classes: -1 (Keras' layout, the default)
+    or 1 (torch's: ``(N, C)``, ``(N, C, L)``, ``(N, C, H, W)``). ``ignore_class``: a label whose elements
+    are not counted (padding), so the result is the share of real elements predicted right.
+
+    Example::
+
+        >>> import torch
+        >>> m = SparseCategoricalAccuracy(class_axis=1, ignore_class=-100)
+        >>> scores = torch.tensor([[[2.0, 0.0, 0.0], [0.0, 1.0, 1.0]]])   # (N=1, C=2, L=3)
+        >>> m.update_state(torch.tensor([[0, 0, -100]]), scores)
+        >>> float(m.result())                                             # 1 of 2 real tokens
+        0.5
+    """
+
+    def __init__(self, name: str | None = None, class_axis: int = -1, ignore_class: int | None = None):
+        super().__init__(name)
+        self.class_axis = class_axis
+        self.ignore_class = ignore_class
 
     def update_state(self, y_true, y_pred, sample_weight=None) -> None:
-        labels = y_true.reshape(y_pred.shape[:-1]).long()
-        self._update((y_pred.argmax(dim=-1) == labels).float(), sample_weight)
+        predicted = y_pred.argmax(dim=self.class_axis)
+        labels = y_true.reshape(predicted.shape).long()
+        mask = None if self.ignore_class is None else labels != self.ignore_class
+        self._update((predicted == labels).float(), sample_weight, mask)
 
 
 class CategoricalAccuracy(_MeanOfValues):
@@ -431,6 +461,10 @@ def get(identifier, loss=None, y_true=None, y_pred=None) -> Metric:
         if key in ("accuracy", "acc"):
             if kind == "binary":
                 return BinaryAccuracy(threshold=0.0 if logits else 0.5, name="accuracy")
+            if kind == "sparse_categorical":
+                axis = getattr(loss, "class_axis", -1) if getattr(loss, "accuracy_kind", None) else -1
+                ignore = losses.ignore_index(loss) if isinstance(loss, losses.Loss) else None
+                return SparseCategoricalAccuracy(name="accuracy", class_axis=axis, ignore_class=ignore)
             return _ACCURACY_FOR_LOSS.get(kind, Accuracy)(name="accuracy")
         if kind == "binary":
             return BinaryCrossentropy(from_logits=bool(logits), name="crossentropy")

@@ -101,6 +101,7 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         self._metrics: list = []
         self._loss_trackers: dict = {}
         self._global_batch = 1
+        self._element_denominator = None  # an element-level loss's GradientDenominator, while fit runs
         self._epoch = 0
         self._step = 0
         self._data_seed = seed
@@ -186,20 +187,32 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         return structure[int(name.rsplit("_", 1)[1])]
 
     def compute_loss(self, y, y_pred, sample_weight=None) -> torch.Tensor:
-        """Per-example loss (summed over outputs), times ``sample_weight``; also tracked per output."""
-        if isinstance(y_pred, (Mapping, tuple, list)):
-            total = None
-            for name in self._output_names(y_pred):
-                values = self._loss_for(name)(self._per_output(y, name), self._per_output(y_pred, name))
-                values = values if sample_weight is None else values * sample_weight.reshape(values.shape)
-                self._loss_trackers[f"{name}_loss"].update_state(values.detach())
-                total = values if total is None else total + values
-            return total
-        values = self.loss(y, y_pred)
-        return values if sample_weight is None else values * sample_weight.reshape(values.shape).to(values.dtype)
+        """Per-example loss (summed over outputs), times ``sample_weight``; also tracked per output.
 
-    def _update_metrics(self, y, y_pred, sample_weight, per_example) -> None:
-        self._loss_trackers["loss"].update_state(per_example.detach())
+        An element-level loss gives each example's own mean over its real elements here; the built-in
+        steps reduce it over the whole global batch instead (``losses.Loss.terms``). Override it for a
+        per-example loss of one's own: the built-in steps then sum it and divide by the global batch size.
+        """
+        return self._loss_terms(y, y_pred, sample_weight, per_example=True).per_example
+
+    def _loss_terms(self, y, y_pred, sample_weight=None, per_example: bool = False) -> losses.LossTerms:
+        """This replica's ``LossTerms`` of the loss (summed over the outputs of a model with several, each
+        reduced per example); an overridden ``compute_loss`` gives per-example losses."""
+        if not per_example and not self._is_builtin("compute_loss"):
+            values = self.compute_loss(y, y_pred, sample_weight)
+            return losses.LossTerms(values.sum(), values.shape[0] if values.dim() else 1, values)
+        if not isinstance(y_pred, (Mapping, tuple, list)):
+            return self.loss.terms(y, y_pred, sample_weight, per_example=per_example)
+        total = None
+        for name in self._output_names(y_pred):
+            loss = self._loss_for(name)
+            terms = loss.terms(self._per_output(y, name), self._per_output(y_pred, name), sample_weight, True)
+            self._loss_trackers[f"{name}_loss"].update_state(terms.per_example.detach())
+            total = terms.per_example if total is None else total + terms.per_example
+        return losses.LossTerms(total.sum(), total.shape[0], total)
+
+    def _update_metrics(self, y, y_pred, sample_weight, terms) -> None:
+        self._loss_trackers["loss"].update_totals(terms.total, terms.count)
         if y is None:
             return
         with torch.no_grad():
@@ -229,22 +242,40 @@ class Trainer(FitLoop, TrainingState, InputChecks):
     def train_step(self, data) -> None:
         """One replica's training step on its slice ``data`` (override for custom logic).
 
-        The loss is the per-example loss summed over this replica's rows divided by the
-        step's global batch size (``self.global_batch_size``); the optimizer sums the
-        replicas' gradients.
+        A per-example loss: the sum of this replica's per-example losses divided by the step's global
+        batch size (``self.global_batch_size``). An element-level loss (``losses`` module docstring): the
+        sum of its element losses, divided by a constant of the fit before backward (which keeps float16
+        gradients in the mean's range), and its real elements' weight added to the step
+        (``cluster.add_to_step``); the optimizer divides the reduced gradients by the global total,
+        which rides with their reduction. The optimizer sums the replicas' gradients.
         """
         x, y, sample_weight = self._model_floats(*unpack(data))
         variables = self._trainable
-        if rows(x) == 0:  # an empty replica: no forward pass, zero gradients
+        if rows(x) == 0:  # an empty replica: no forward pass, zero gradients (and no real element)
             grads = [torch.zeros_like(v.value()) for v in variables]
             self.optimizer.apply_gradients(zip(grads, variables))
             return
-        y_pred, per_example = self._forward(x, y, sample_weight)
-        loss = self.optimizer.scale_loss(per_example.sum() / self._global_batch)
+        y_pred, terms = self._forward(x, y, sample_weight)
+        loss = self.optimizer.scale_loss(self._step_loss(terms))
         grads = torch.autograd.grad(loss, [v.value() for v in variables], allow_unused=True)
         grads = [torch.zeros_like(v.value()) if g is None else g for g, v in zip(grads, variables)]
         self.optimizer.apply_gradients(zip(grads, variables))
-        self._update_metrics(y, y_pred, sample_weight, per_example)
+        self._update_metrics(y, y_pred, sample_weight, terms)
+
+    def _step_loss(self, terms: losses.LossTerms) -> torch.Tensor:
+        """The replica's loss to differentiate: its share of the global batch's loss (the divisor of an
+        element-level loss is applied after the reduction)."""
+        denominator = self._element_denominator
+        if denominator is None:
+            if terms.per_example is None:
+                raise RuntimeError(
+                    f"The loss {getattr(self.loss, 'name', self.loss)!r} returned ElementLosses in a step that "
+                    "reduces per example: its first call, before training, returned per-example losses. A loss "
+                    "must return the same kind of values at every call."
+                )
+            return terms.total / self._global_batch
+        self.strategy.cluster.add_to_step(denominator.step_value, terms.count)
+        return terms.total / denominator.prescale
 
     def test_step(self, data) -> None:
         """One replica's evaluation step: losses and metrics of its slice."""
@@ -252,8 +283,8 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         if rows(x) == 0:
             return
         with torch.no_grad():
-            y_pred, per_example = self._forward(x, y, sample_weight)
-        self._update_metrics(y, y_pred, sample_weight, per_example)
+            y_pred, terms = self._forward(x, y, sample_weight)
+        self._update_metrics(y, y_pred, sample_weight, terms)
 
     def predict_step(self, data):
         """One replica's prediction: the model's output on its slice."""
@@ -273,16 +304,17 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         return as_dtype(x, dtype), as_dtype(y, dtype), as_dtype(sample_weight, dtype)
 
     def _forward(self, x, y, sample_weight):
-        """The model's output and the per-example loss (float32) of a replica's slice, under the
-        trainer's precision."""
+        """The model's output and the loss terms (float32) of a replica's slice, under the trainer's
+        precision."""
         if self._autocast_dtype is None:
             y_pred = self.model(x)
-            return y_pred, self.compute_loss(y, y_pred, sample_weight)
+            return y_pred, self._loss_terms(y, y_pred, sample_weight)
         with torch.autocast(_device_type(x), dtype=self._autocast_dtype):
             y_pred = self.model(x)
-            per_example = self.compute_loss(y, y_pred, sample_weight)
-        half = per_example.dtype in (torch.float16, torch.bfloat16)
-        return y_pred, per_example.float() if half else per_example  # summed in float32 (or wider)
+            terms = self._loss_terms(y, y_pred, sample_weight)
+        if terms.total.dtype in (torch.float16, torch.bfloat16):  # summed in float32 (or wider)
+            terms = terms._replace(total=terms.total.float())
+        return y_pred, terms
 
     @property
     def global_batch_size(self) -> int:

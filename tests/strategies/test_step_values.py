@@ -127,11 +127,14 @@ def test_bad_values_are_clear_errors():
         cluster.add_to_step("rows", -1)
     with pytest.raises(ValueError, match=r"non-negative integer below 2\*\*36"):
         cluster.add_to_step("rows", 2**36)
-    with pytest.raises(TypeError, match="integer tensor of one element"):
-        cluster.add_to_step("rows", torch.tensor(1.5))
+    with pytest.raises(TypeError, match="a tensor of one element"):
+        cluster.add_to_step("rows", torch.tensor([1.5, 2.0]))
+    cluster.add_to_step("rows", 1)
+    with pytest.raises(TypeError, match="one name keeps one kind"):
+        cluster.add_to_step("rows", 1.5)
     with pytest.raises(TypeError, match="name must be a str"):
         cluster.add_to_step(3, 1)
-    for name in "abcd":
+    for name in "abc":
         cluster.add_to_step(name, 1)
     with pytest.raises(ValueError, match="At most 4 step values"):
         cluster.add_to_step("e", 1)
@@ -163,3 +166,40 @@ def test_across_workers_bfloat16_buckets_take_one_reduction_more():
         plain, carried, plain_again, carried_again = out["operations"]
         assert carried == carried_again == plain + 1 and plain_again == plain
         assert out["totals"] == [[3 + 4 + 5 + 6, 4 * (2**35 + 1), 1]] * 2
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_floating_values_sum_as_their_carrier_sums(name):
+    """A sum of class weights: one element of the carrier, summed in replica order."""
+    strategy = make_strategy(name)
+    n = strategy.num_replicas_in_sync
+    weights = [0.1 * (r + 1) for r in range(n)]
+
+    def carry(ctx):
+        rid = ctx.replica_id_in_sync_group
+        strategy.cluster.add_to_step("weights", torch.tensor(weights[rid], dtype=torch.float32))
+        strategy.cluster.add_to_step("rows", 2)
+
+    _reduce_grads(strategy, lambda rid: torch.ones(4), carry)
+    total = strategy.cluster.step_total("weights")
+    assert total.dtype == torch.float64
+    expected = torch.tensor(weights, dtype=torch.float32).sum()
+    assert abs(float(total) - float(expected)) <= 1e-6
+    assert int(strategy.cluster.step_total("rows")) == 2 * n
+
+
+def test_totals_add_up_over_the_reductions_that_carried_them_until_read():
+    """An accumulation window's count: steps carried by other reductions (a read of the metrics) and by the
+    window's own reduction add up; a read starts the next count from zero."""
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    grads = lambda rid: torch.ones(3)  # noqa: E731
+    _reduce_grads(strategy, grads, lambda ctx: strategy.cluster.add_to_step("tokens", 3))  # 6
+    with strategy.scope():
+        strategy.run(lambda: strategy.cluster.add_to_step("tokens", 5))  # 10, pending
+        values = strategy.run(lambda: torch.ones(2))
+        strategy.extended.batch_reduce_to("SUM", [(values, "cpu:0")])  # another reduction carries them
+    _reduce_grads(strategy, grads, lambda ctx: strategy.cluster.add_to_step("tokens", 1))  # 2
+    assert int(strategy.cluster.step_total("tokens")) == 18
+    assert int(strategy.cluster.step_total("tokens")) == 0
+    _reduce_grads(strategy, grads, lambda ctx: strategy.cluster.add_to_step("tokens", 4))
+    assert int(strategy.cluster.step_total("tokens")) == 8
