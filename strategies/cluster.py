@@ -130,6 +130,12 @@ class Cluster:
         every worker asks)."""
         return self._step_values.total(name)
 
+    def discard_step_value(self, name: str) -> None:
+        """Forgets what was added to the step value ``name`` and not read yet (what a step that never
+        finished left behind), with no communication: every worker discards alike, at the same point.
+        ``Trainer.fit`` does it for its own step value as it starts."""
+        self._step_values.discard(name)
+
     def input_channel(self) -> Cluster:
         """This cluster for the input pipeline: the same calls on a channel of their own, so the
         input's prefetch thread never interleaves its collectives with the main thread's (workers

@@ -108,6 +108,7 @@ class StepValues:
         self._pending: dict = {}  # name -> [per local replica: int or integer tensor or None]
         self._totals: dict = {}  # name -> what the reductions carried since the last read
         self._floating: set = set()  # the names whose values are floating
+        self._unread: set = set()  # the names whose totals hold what no read has taken yet
 
     @property
     def pending(self) -> bool:
@@ -119,7 +120,7 @@ class StepValues:
         value, floating = _checked(name, value)
         replica = self._local_replica()
         with self._lock:
-            if floating != (name in self._floating) and (name in self._pending or name in self._totals):
+            if floating != (name in self._floating) and (name in self._pending or name in self._unread):
                 kinds = ("an integer", "a floating") if floating else ("a floating", "an integer")
                 raise TypeError(
                     f"Step value {name!r} holds {kinds[0]} value and was given {kinds[1]} one: one name keeps one "
@@ -164,8 +165,9 @@ class StepValues:
         with self._lock:
             for index, name in enumerate(payload.names):
                 total = reduced[index, 0].to(torch.float64) if name in payload.floating else totals[index]
-                known = self._totals.get(name)
+                known = self._totals.get(name) if name in self._unread else None
                 self._totals[name] = total if known is None else known + total.to(known.device)
+                self._unread.add(name)
 
     def total(self, name: str) -> torch.Tensor:
         with self._lock:
@@ -180,9 +182,16 @@ class StepValues:
                     f"No step value {name!r} has been added (cluster.add_to_step) this run; the totals known "
                     f"are {known}."
                 )
-            total = self._totals[name]
-            self._totals[name] = torch.zeros_like(total)  # the next read counts from here
-            return total
+            if name not in self._unread:  # read already: nothing added since
+                return torch.zeros_like(self._totals[name])
+            self._unread.discard(name)  # the next read counts from here
+            return self._totals[name]
+
+    def discard(self, name: str) -> None:
+        """Forgets what was added to ``name`` and not read (a step that never finished), on this worker."""
+        with self._lock:
+            self._pending.pop(name, None)
+            self._unread.discard(name)
 
 
 def _checked(name: str, value) -> tuple:

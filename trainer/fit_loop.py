@@ -272,6 +272,7 @@ class FitLoop:
         leaves = [t for t in nest.flatten(y) if hasattr(t, "shape")] if y is not None else []
         per_row = math.prod(leaves[0].shape[1:]) if leaves else 1
         prescale = self.strategy.cluster.broadcast(float(max(1, rows(x) * per_row)), "agreeing on the loss's prescale")
+        self.strategy.cluster.discard_step_value(_DENOMINATOR)  # what an interrupted fit left
         self._element_denominator = optimizers.GradientDenominator(_DENOMINATOR, prescale)
         self.optimizer.gradient_denominator = self._element_denominator
 

@@ -196,6 +196,7 @@ class Loss:
 
     def __call__(self, y_true, y_pred) -> torch.Tensor:
         values = self.call(y_true, y_pred)
+        self._saw(isinstance(values, ElementLosses))
         return _example_means(values) if isinstance(values, ElementLosses) else _per_example(values)
 
     def call(self, y_true, y_pred):

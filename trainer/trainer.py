@@ -270,8 +270,9 @@ class Trainer(FitLoop, TrainingState, InputChecks):
             if terms.per_example is None:
                 raise RuntimeError(
                     f"The loss {getattr(self.loss, 'name', self.loss)!r} returned ElementLosses in a step that "
-                    "reduces per example: its first call, before training, returned per-example losses. A loss "
-                    "must return the same kind of values at every call."
+                    "reduces per example (decided when fit started, from the loss's first call on the first batch, "
+                    "or its element_level attribute). Return ElementLosses at every call, or set element_level = "
+                    "True on the loss."
                 )
             return terms.total / self._global_batch
         self.strategy.cluster.add_to_step(denominator.step_value, terms.count)

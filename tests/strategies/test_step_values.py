@@ -203,3 +203,14 @@ def test_totals_add_up_over_the_reductions_that_carried_them_until_read():
     assert int(strategy.cluster.step_total("tokens")) == 0
     _reduce_grads(strategy, grads, lambda ctx: strategy.cluster.add_to_step("tokens", 4))
     assert int(strategy.cluster.step_total("tokens")) == 8
+
+
+def test_discarding_forgets_what_an_unfinished_step_added_and_a_read_name_may_change_kind():
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        strategy.run(lambda: strategy.cluster.add_to_step("count", 6))  # a step that never reduced
+    strategy.cluster.discard_step_value("count")
+    _reduce_grads(strategy, lambda rid: torch.ones(2), lambda ctx: strategy.cluster.add_to_step("count", 1))
+    assert int(strategy.cluster.step_total("count")) == 2
+    _reduce_grads(strategy, lambda rid: torch.ones(2), lambda ctx: strategy.cluster.add_to_step("count", 0.5))
+    assert float(strategy.cluster.step_total("count")) == 1.0

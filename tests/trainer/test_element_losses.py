@@ -1,0 +1,166 @@
+"""Element-level losses (a prediction per token or pixel, some ignored or weighted): the step's loss is the
+loss's own mean over the whole global batch, under every strategy, across workers and accumulation
+windows, against a plain torch loop; and the metrics count real elements the same way."""
+
+from __future__ import annotations
+
+import copy
+
+import element_scenarios as scenarios
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import make_strategy
+from multiworker_harness import results, run_workers
+
+from replicafit import optimizers
+from replicafit.trainer import Trainer, losses, metrics
+
+TOLERANCE = 2e-6
+STRATEGIES = ["default", "mirrored2", "mirrored3", "central_storage2"]
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize("case", scenarios.CASES)
+def test_the_steps_of_a_plain_torch_loop_under_every_strategy(case, name):
+    """Batches of 8 over 30 rows (a partial last batch; Mirrored(3) splits 8 as 3, 3, 2)."""
+    expected = scenarios.oracle(case, batch_size=8)
+    got = scenarios.ours(case, make_strategy(name), batch_size=8)
+    assert scenarios.largest_difference(got["weights"], expected) <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["default", "mirrored2"])
+@pytest.mark.parametrize("case", scenarios.CASES)
+def test_accumulation_windows_of_micro_batches_equal_one_big_batch(case, name):
+    """Windows of 4 micro-batches of 2 take the steps of batches of 8: the window divides by its own real
+    elements, whatever the micro-batches had (the partial last window too)."""
+    expected = scenarios.oracle(case, batch_size=8)
+    got = scenarios.ours(case, make_strategy(name), batch_size=2, accumulation=4)
+    assert scenarios.largest_difference(got["weights"], expected) <= TOLERANCE
+
+
+@pytest.mark.timeout(120)
+def test_two_workers_take_the_steps_of_a_plain_torch_loop():
+    workers = results(run_workers(scenarios.__file__, "two_workers", 2, timeout=100))
+    for case in scenarios.CASES:
+        expected = scenarios.oracle(case, batch_size=8)
+        for worker, got in enumerate(workers):
+            assert scenarios.largest_difference(got[case]["weights"], expected) <= TOLERANCE, (case, worker)
+        assert workers[0][case]["history"] == workers[1][case]["history"]
+
+
+def test_the_logged_loss_is_the_mean_over_every_real_element_of_the_data():
+    model, (x, y), loss, torch_loss, _ = scenarios.case("ignore_index")
+    trainer = Trainer(strategy=make_strategy("mirrored3"), loss=loss, metrics=[])
+    logs = trainer.evaluate(model, (x, y), batch_size=7, return_dict=True)
+    with torch.no_grad():
+        expected = torch_loss(model(x), y)
+    assert abs(logs["loss"] - float(expected)) < 1e-6
+
+
+def test_accuracy_on_classes_second_counts_only_real_tokens():
+    """``"accuracy"`` with ``(N, C, L)`` outputs and a torch loss: the share of real tokens predicted right."""
+    model, (x, y), loss, _, _ = scenarios.case("ignore_index")
+    trainer = Trainer(strategy=make_strategy("mirrored2"), loss=loss, metrics=["accuracy"])
+    logs = trainer.evaluate(model, (x, y), batch_size=8, return_dict=True)
+    with torch.no_grad():
+        predicted = model(x).argmax(dim=1)
+    real = y != -100
+    expected = float((predicted == y)[real].float().sum() / real.sum())
+    assert abs(logs["accuracy"] - expected) < 1e-6
+    assert isinstance(trainer._metrics[0][1], metrics.SparseCategoricalAccuracy)
+
+
+def test_accuracy_on_classes_last_with_ignore_class():
+    model, (x, y), loss, _, _ = scenarios.case("ignore_class")
+    logs = Trainer(loss=loss).evaluate(model, (x, y), batch_size=8, return_dict=True)
+    with torch.no_grad():
+        predicted = model(x).argmax(dim=-1)
+    real = y != -100
+    assert abs(logs["accuracy"] - float((predicted == y)[real].float().mean())) < 1e-6
+
+
+def test_a_global_batch_with_no_real_element_gives_a_zero_gradient_and_logs_no_loss():
+    model, (x, y), loss, _, _ = scenarios.case("ignore_index")
+    y = torch.full_like(y, -100)
+    before = copy.deepcopy(model.state_dict())
+    trainer = Trainer(strategy=make_strategy("mirrored2"), optimizer=optimizers.SGD(0.5), loss=loss, metrics=[])
+    history = trainer.fit(model, (x, y), batch_size=8, verbose=0, shuffle=False)
+    assert scenarios.largest_difference(model.state_dict(), before) == 0.0
+    assert history.history["loss"] == [0.0]  # not NaN: no element, no loss
+
+
+def test_sample_weights_per_example_and_per_element_multiply_and_never_divide():
+    """Keras 3's rule: Σ sample_weight * loss over real elements / the count of real elements."""
+    model, (x, y), loss, _, _ = scenarios.case("ignore_class")
+    generator = torch.Generator().manual_seed(3)
+    for weights in (torch.rand(len(x), generator=generator), torch.rand(*y.shape, generator=generator)):
+        trainer = Trainer(strategy=make_strategy("mirrored2"), loss=loss, metrics=[])
+        logs = trainer.evaluate(model, (x, y, weights), batch_size=8, return_dict=True)
+        with torch.no_grad():
+            values = F.cross_entropy(model(x).transpose(1, 2), y, reduction="none")
+        real = y != -100
+        full = weights if weights.dim() == 2 else weights[:, None].expand_as(y)
+        expected = float((values * full)[real].sum() / real.sum())
+        assert abs(logs["loss"] - expected) < 1e-6
+
+
+def test_negative_labels_without_ignore_class_are_an_error():
+    model, (x, y), _, _, _ = scenarios.case("ignore_class")
+    with pytest.raises(ValueError, match="Labels out of range"):
+        Trainer(loss="sparse_categorical_crossentropy").fit(model, (x, y), batch_size=8, verbose=0)
+
+
+def test_ignore_class_must_be_an_int():
+    with pytest.raises(TypeError, match="ignore_class must be None or an int"):
+        losses.SparseCategoricalCrossentropy(ignore_class="pad")
+
+
+def test_a_loss_of_ones_own_returns_element_losses():
+    """The public contract for callables: ``ElementLosses(values, weights)``."""
+
+    def token_loss(y_true, y_pred):
+        real = y_true != -100
+        values = F.cross_entropy(y_pred.movedim(-1, 1), y_true.where(real, 0), reduction="none")
+        return losses.ElementLosses(values, weights=real)
+
+    expected = scenarios.oracle("ignore_class", batch_size=8)
+    model, data, _, _, _ = scenarios.case("ignore_class")
+    optimizer = optimizers.SGD(0.5, momentum=0.5)
+    trainer = Trainer(strategy=make_strategy("mirrored3"), optimizer=optimizer, loss=token_loss, metrics=[], seed=0)
+    trainer.fit(model, data, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert scenarios.largest_difference(model.state_dict(), expected) <= TOLERANCE
+
+
+def test_per_example_losses_keep_the_global_batch_size_as_divisor_and_need_no_step_value():
+    """A per-example loss sets no gradient denominator: the fast path of before."""
+    trainer = Trainer(loss="cross_entropy", metrics=[])
+    model = nn.Linear(6, scenarios.CLASSES)
+    x, y = scenarios.classifier_data()
+    seen = []
+    original = optimizers.SGD._divisor
+
+    def spy(self, strategy, weight):
+        seen.append(self.gradient_denominator)
+        return original(self, strategy, weight)
+
+    optimizers.SGD._divisor = spy
+    try:
+        trainer.optimizer = optimizers.SGD(0.1)
+        trainer.fit(model, (x, y), batch_size=8, verbose=0)
+    finally:
+        optimizers.SGD._divisor = original
+    assert seen and all(d is None for d in seen)
+
+
+def test_float16_element_sums_are_prescaled_so_the_loss_scale_is_not_cut():
+    """Under "16-mixed" each replica divides its sum by a constant before backward: the loss scaler sees
+    gradients in the mean's range and skips no step for the sum's size."""
+    model, data, loss, _, _ = scenarios.case("ignore_index")
+    trainer = Trainer(
+        strategy=make_strategy("mirrored2"), optimizer=optimizers.SGD(0.1), loss=loss, precision="16-mixed"
+    )
+    trainer.fit(model, data, batch_size=8, verbose=0)
+    assert trainer.optimizer.dynamic_scale == 2.0**15
+    assert trainer.optimizer.gradient_denominator is None  # cleared when fit ends
