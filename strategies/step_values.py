@@ -26,8 +26,10 @@ split into three base-4096 limbs so that float32 sums them exactly: up to 2**36 
 4096 replicas. A floating value (a Python float, a floating tensor of one element: a sum of class
 weights) rides as one element of the carrier and sums as that dtype sums (in replica order, so
 alike on every run), its total a float64 tensor. One name keeps one kind. At most ``MAX_VALUES``
-names per step. Where the carrier is not float32/float64 (a model whose gradients are all
-bfloat16), the values take a float32 reduction of their own.
+names per step. Every worker must add the same names at the same steps (0 where it has nothing,
+of the name's kind): the names decide the layout of what the reduction carries. Where the carrier
+is not float32/float64 (a model whose gradients are all bfloat16), the values take a float32
+reduction of their own.
 
 Example::
 

@@ -265,6 +265,7 @@ class FitLoop:
         which keeps float16 gradients in the mean's range, and the optimizer divides by the global total
         over that constant after the reduction."""
         self._element_denominator = None
+        restored, self._window_denominator = self._window_denominator, None  # what a restored window counted
         single_output = isinstance(self.loss, losses.Loss) and list(self._loss_trackers) == ["loss"]
         if not (single_output and self.loss.element_level and self._is_builtin("train_step", "compute_loss")):
             return  # per example (several outputs: each output's loss is a mean per example)
@@ -272,7 +273,10 @@ class FitLoop:
         leaves = [t for t in nest.flatten(y) if hasattr(t, "shape")] if y is not None else []
         per_row = math.prod(leaves[0].shape[1:]) if leaves else 1
         prescale = self.strategy.cluster.broadcast(float(max(1, rows(x) * per_row)), "agreeing on the loss's prescale")
-        self.strategy.cluster.discard_step_value(_DENOMINATOR)  # what an interrupted fit left
+        cluster = self.strategy.cluster
+        cluster.discard_step_value(_DENOMINATOR)  # what an interrupted fit left
+        if restored is not None:  # a restored open window's real elements so far (counted once: the chief's)
+            cluster.add_to_step(_DENOMINATOR, torch.tensor(restored if cluster.is_chief else 0.0, dtype=torch.float64))
         self._element_denominator = optimizers.GradientDenominator(_DENOMINATOR, prescale)
         self.optimizer.gradient_denominator = self._element_denominator
 

@@ -102,6 +102,7 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         self._loss_trackers: dict = {}
         self._global_batch = 1
         self._element_denominator = None  # an element-level loss's GradientDenominator, while fit runs
+        self._window_denominator = None  # a restored open window's real elements (float), until fit starts
         self._epoch = 0
         self._step = 0
         self._data_seed = seed
@@ -252,6 +253,8 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         x, y, sample_weight = self._model_floats(*unpack(data))
         variables = self._trainable
         if rows(x) == 0:  # an empty replica: no forward pass, zero gradients (and no real element)
+            if self._element_denominator is not None:  # every worker carries the same step values
+                self.strategy.cluster.add_to_step(self._element_denominator.step_value, 0.0)
             grads = [torch.zeros_like(v.value()) for v in variables]
             self.optimizer.apply_gradients(zip(grads, variables))
             return
@@ -275,7 +278,10 @@ class Trainer(FitLoop, TrainingState, InputChecks):
                     "True on the loss."
                 )
             return terms.total / self._global_batch
-        self.strategy.cluster.add_to_step(denominator.step_value, terms.count)
+        # A float step value, whatever the weights: every worker must carry the same kind, an empty replica
+        # too (its 0.0); exact for up to 2**24 real elements per step (float32 carriers), as torch's own mean.
+        count = torch.as_tensor(terms.count, dtype=torch.float64)
+        self.strategy.cluster.add_to_step(denominator.step_value, count)
         return terms.total / denominator.prescale
 
     def test_step(self, data) -> None:

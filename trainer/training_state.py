@@ -130,6 +130,8 @@ class TrainingState:
                 with context.enter_or_assert_strategy(self.strategy):
                     self.optimizer.build(dm.trainable_variables)
             self.optimizer.load_state_dict(state["optimizer"])
+            # An element-level loss's real elements of the open window: added back when the fit starts.
+            self._window_denominator = (state["optimizer"].get("accumulation") or {}).get("denominator")
         except (ValueError, TypeError, KeyError) as error:
             dm.load_state_dict(before)
             raise checkpoint.CheckpointError(
@@ -192,6 +194,14 @@ class TrainingState:
         state = self.optimizer.state_dict()
         window = state.get("accumulation")
         cluster = self.strategy.cluster
+        denominator = self._element_denominator
+        if window is not None and denominator is not None:
+            # The window's real elements so far: read (a collective, as this whole state is) and added back,
+            # once (the chief's; the others add 0.0, so every worker carries the same step values).
+            total = cluster.step_total(denominator.step_value)
+            cluster.add_to_step(denominator.step_value, total if cluster.is_chief else torch.zeros_like(total))
+            window = dict(window, denominator=float(total))
+            state = dict(state, accumulation=window)
         if window is not None and cluster.num_workers > 1 and not window["aggregated"]:
             parts = cluster.all_gather(window["gradients"])  # every worker's replicas, in order
             window = dict(window, gradients={key: [t for part in parts for t in part[key]] for key in parts[0]})

@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import make_strategy
+from conftest import InterruptAt, make_strategy
 from multiworker_harness import results, run_workers
 
 from replicafit import optimizers
-from replicafit.trainer import Trainer, losses, metrics
+from replicafit.trainer import BackupAndRestore, Trainer, losses, metrics
 
 TOLERANCE = 2e-6
 STRATEGIES = ["default", "mirrored2", "mirrored3", "central_storage2"]
@@ -41,10 +41,13 @@ def test_accumulation_windows_of_micro_batches_equal_one_big_batch(case, name):
 
 
 @pytest.mark.timeout(120)
-def test_two_workers_take_the_steps_of_a_plain_torch_loop():
-    workers = results(run_workers(scenarios.__file__, "two_workers", 2, timeout=100))
+@pytest.mark.parametrize("batch_size", [8, 29])
+def test_two_workers_take_the_steps_of_a_plain_torch_loop(batch_size):
+    """Batches of 29 of 30 rows: the last global batch has one row, so worker 1's replica is empty."""
+    kwargs = {"batch_size": batch_size}
+    workers = results(run_workers(scenarios.__file__, "two_workers", 2, timeout=100, kwargs=kwargs))
     for case in scenarios.CASES:
-        expected = scenarios.oracle(case, batch_size=8)
+        expected = scenarios.oracle(case, batch_size=batch_size)
         for worker, got in enumerate(workers):
             assert scenarios.largest_difference(got[case]["weights"], expected) <= TOLERANCE, (case, worker)
         assert workers[0][case]["history"] == workers[1][case]["history"]
@@ -164,3 +167,23 @@ def test_float16_element_sums_are_prescaled_so_the_loss_scale_is_not_cut():
     trainer.fit(model, data, batch_size=8, verbose=0)
     assert trainer.optimizer.dynamic_scale == 2.0**15
     assert trainer.optimizer.gradient_denominator is None  # cleared when fit ends
+
+
+@pytest.mark.parametrize("name", ["default", "mirrored2"])
+def test_a_backup_mid_window_keeps_the_windows_real_elements(tmp_path, name):
+    """Backups every 3 steps of windows of 4: the resumed window divides by the real elements of its steps
+    before the backup too, so the resumed run equals the uninterrupted one."""
+
+    def run(callbacks=()):
+        model, data, loss, _, _ = scenarios.case("ignore_index")
+        optimizer = optimizers.SGD(0.5, momentum=0.5, gradient_accumulation_steps=4)
+        trainer = Trainer(strategy=make_strategy(name), optimizer=optimizer, loss=loss, metrics=[], seed=0)
+        trainer.fit(model, data, batch_size=2, epochs=2, shuffle=False, verbose=0, callbacks=list(callbacks))
+        return model.state_dict()
+
+    reference = run()
+    backup = tmp_path / "backup"
+    with pytest.raises(KeyboardInterrupt):
+        run([BackupAndRestore(backup, save_freq=3), InterruptAt(21)])  # 15 steps per epoch: mid-window
+    resumed = run([BackupAndRestore(backup, save_freq=3)])
+    assert scenarios.largest_difference(resumed, reference) <= 1e-6
