@@ -21,9 +21,12 @@ Example::
     trainer.evaluate(model, (x, y), batch_size=256, return_dict=True)
     probabilities = trainer.predict(model, x, batch_size=256).softmax(-1)
 
-Models that return a dict or tuple are multi-output models, as in Keras: ``loss`` may be
-one loss (applied to every output) or a matching dict/list; the total loss is the sum;
-logs add ``<output>_loss`` and ``<output>_<metric>`` per output.
+Models that return a tuple, or a dict whose outputs the loss or the labels name (a dict of them), are
+multi-output models, as in Keras: ``loss`` may be one loss (applied to every output) or a matching
+dict/list; the total loss is the sum; logs add ``<output>_loss`` and ``<output>_<metric>`` per output.
+A dict of inputs goes to ``forward`` as keyword arguments when ``forward`` names its keys (Hugging
+Face's convention), and a Hugging Face ``ModelOutput`` (or a dict with ``logits``) gives its logits to
+losses, metrics and ``predict``: ``model_io.py`` has the exact rules.
 
 This file holds the public ``Trainer`` and its steps: the model, losses and metrics, the
 per-replica ``train_step``/``test_step``/``predict_step``, ``evaluate`` and ``predict``. Its other
@@ -49,6 +52,7 @@ from .arguments import AUTOCAST, EVALUATE_ARGUMENTS, check_arguments, check_prec
 from .fit_loop import FitLoop
 from .input_checks import InputChecks, first_batch, in_memory_labels
 from .inputs import as_dtype, batch_source, batchable, rows, unpack
+from .model_io import ModelIO, call_model, prediction_of
 from .training_state import TrainingState
 
 __all__ = ["Trainer"]
@@ -93,6 +97,7 @@ class Trainer(FitLoop, TrainingState, InputChecks):
                 self.optimizer = optimizers.LossScaleOptimizer(self.optimizer)
         self.loss = nest.map_structure(losses.get, loss) if isinstance(loss, (Mapping, list)) else losses.get(loss)
         self._metric_specs = list(metrics or ())
+        self._model_io = ModelIO()  # how the model's outputs are read: decided on a fit's first batch
         self.seed = seed
         self.stop_training = False
         self.history = None
@@ -260,9 +265,9 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         x, _, _ = self._model_floats(*unpack(data))
         with torch.no_grad():
             if self._autocast_dtype is None:
-                return self.model(x)
+                return prediction_of(call_model(self.model, x), self.loss)
             with torch.autocast(_device_type(x), dtype=self._autocast_dtype):
-                y_pred = self.model(x)
+                y_pred = prediction_of(call_model(self.model, x), self.loss)
         return nest.map_structure(_as_float32, y_pred)
 
     def _model_floats(self, x, y, sample_weight) -> tuple:
@@ -276,10 +281,10 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         """The model's output and the per-example loss (float32) of a replica's slice, under the
         trainer's precision."""
         if self._autocast_dtype is None:
-            y_pred = self.model(x)
+            y_pred = self._model_io.prediction(call_model(self.model, x), self.loss, y)
             return y_pred, self.compute_loss(y, y_pred, sample_weight)
         with torch.autocast(_device_type(x), dtype=self._autocast_dtype):
-            y_pred = self.model(x)
+            y_pred = self._model_io.prediction(call_model(self.model, x), self.loss, y)
             per_example = self.compute_loss(y, y_pred, sample_weight)
         half = per_example.dtype in (torch.float16, torch.bfloat16)
         return y_pred, per_example.float() if half else per_example  # summed in float32 (or wider)
@@ -369,7 +374,8 @@ class Trainer(FitLoop, TrainingState, InputChecks):
 
     def predict(self, model, dataset, batch_size=None, steps=None, verbose="auto"):
         """The model's outputs for every example of ``dataset``, in input order, concatenated
-        across replicas and batches (the partial batch included); nests keep their shape."""
+        across replicas and batches (the partial batch included); nests keep their shape. A
+        ``ModelOutput`` (or a dict with ``logits``) gives its logits (``model_io.prediction_of``)."""
         inputs = dataset
         if batchable(dataset) and not isinstance(dataset, torch.utils.data.Dataset):
             inputs = dataset if isinstance(dataset, tuple) else (dataset,)
