@@ -14,6 +14,7 @@ MODULES = [
     "replicafit.strategies.describe",
     "replicafit.data.sources",
     "replicafit.trainer.arguments",
+    "replicafit.trainer.model_io",
 ]
 
 

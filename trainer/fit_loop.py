@@ -30,6 +30,7 @@ from . import losses
 from .arguments import FIT_ARGUMENTS, check_arguments
 from .input_checks import first_batch, in_memory_labels
 from .inputs import Cursor, batch_source, length_of, rows, split_off_validation, unpack
+from .model_io import counts_items, inputs_with_labels
 
 _DENOMINATOR = "replicafit/loss denominator"  # the step value of an element-level loss's real elements
 
@@ -266,10 +267,14 @@ class FitLoop:
         over that constant after the reduction."""
         self._element_denominator = None
         restored, self._window_denominator = self._window_denominator, None  # what a restored window counted
-        single_output = isinstance(self.loss, losses.Loss) and list(self._loss_trackers) == ["loss"]
-        if not (single_output and self.loss.element_level and self._is_builtin("train_step", "compute_loss")):
-            return  # per example (several outputs: each output's loss is a mean per example)
         x, y, _ = unpack(first)
+        if self.loss is None:  # the model's own loss: element-level where it divides by num_items_in_batch
+            element_level = counts_items(self._distributed.module, inputs_with_labels(self._distributed.module, x, y))
+        else:
+            single_output = isinstance(self.loss, losses.Loss) and list(self._loss_trackers) == ["loss"]
+            element_level = single_output and self.loss.element_level  # several outputs: per example
+        if not (element_level and self._is_builtin("train_step", "compute_loss")):
+            return
         leaves = [t for t in nest.flatten(y) if hasattr(t, "shape")] if y is not None else []
         per_row = math.prod(leaves[0].shape[1:]) if leaves else 1
         prescale = self.strategy.cluster.broadcast(float(max(1, rows(x) * per_row)), "agreeing on the loss's prescale")

@@ -5,7 +5,8 @@ said before any replica runs, with the fix. The first batch's outputs also tell 
 outputs and their shapes (``"accuracy"`` is resolved from them).
 
 ``InputChecks`` is a part of ``Trainer`` (``trainer.py``), which it reads: ``loss``, the metric specs,
-the model's float type, ``_prepare_metrics`` and ``_is_builtin``.
+the model's float type, ``_prepare_metrics``, ``_is_builtin`` and ``_model_io`` (where the first batch's
+reading of the model's outputs is kept: ``model_io.py``).
 
 Example::
 
@@ -27,6 +28,7 @@ from replicafit.strategies.describe import describe_structure
 
 from . import losses, metrics
 from .inputs import as_dtype, batch_source, length_of, rows, unpack
+from .model_io import call_model, passes_keywords
 
 __all__ = ["InputChecks", "first_batch", "in_memory_labels", "one_shot"]
 
@@ -54,9 +56,12 @@ class InputChecks:
 
         The model (in eval mode, no gradients) is probed with one example of the first
         batch ``first``, unless the loss is a dict or list, which names the outputs, and no
-        metric needs shapes.
+        metric needs shapes. The probe's output decides, for the whole fit, what losses and
+        metrics take of the model's outputs (``model_io.select_outputs``: a ``ModelOutput``'s
+        logits...); a dict of inputs that ``forward`` names only in part is refused here.
         """
         structure = output = labels = None
+        self._model_io.reset()  # decided anew below, else on the first step's output
         if isinstance(self.loss, Mapping):
             structure = dict.fromkeys(self.loss)
         elif isinstance(self.loss, list):
@@ -64,6 +69,8 @@ class InputChecks:
         built_in = self._built_in_loss_step(caller)
         if first is not None and built_in:
             self._check_labels_present(first, caller)
+        if first is not None:
+            passes_keywords(dm.module, unpack(first)[0])  # a dict that forward names in part: said here
         if first is not None and self._probes_outputs():
             x, y, _ = unpack(first)
             if x is not None and rows(x) > 0:
@@ -72,7 +79,7 @@ class InputChecks:
                 try:
                     with torch.no_grad():
                         probe = nest.map_structure(lambda t: data_layer.as_tensor(t)[:1], x)
-                        output = dm.module(as_dtype(probe, self._float_dtype))
+                        output = call_model(dm.module, as_dtype(probe, self._float_dtype))
                 except (TypeError, AttributeError) as error:
                     if not isinstance(x, Mapping):
                         raise
@@ -82,12 +89,15 @@ class InputChecks:
                     ) from None
                 finally:
                     dm.module.train(was_training)
+                output = self._model_io.decide(output, self.loss, y)  # a ModelOutput's logits...
+                if built_in and self.loss is not None:
+                    _check_outputs_meet_labels(output, self.loss, y, caller)
                 if structure is None:
                     structure = output if isinstance(output, (Mapping, tuple, list)) else None
                 if y is not None:
                     labels = nest.map_structure(lambda t: data_layer.as_tensor(t)[:1], y)
                     labels = as_dtype(labels, self._float_dtype)
-                    if built_in and structure is None:
+                    if built_in and structure is None and self.loss is not None:
                         whole = all_labels if all_labels is not None else y
                         self._check_loss_on_first_batch(whole, labels, output, caller)
         self._prepare_metrics(structure, labels, output)
@@ -187,8 +197,23 @@ def _structures(caller: str) -> str:
     """Which batch structures the built-in steps understand, and the fix, for ``caller`` ("fit()")."""
     return (
         "Batches are understood as x, (x, y) or (x, y, sample_weight) (tuples or lists); a dict is the "
-        "model's inputs x, as in Keras (its keys are the model's input names): pass "
+        "model's inputs x, given to forward as keyword arguments when forward names its keys (Hugging Face's "
+        "convention), else as one argument (Keras', its keys being the model's input names): pass "
         f"{caller.removesuffix('()')}(model, (x, y)), or a DataLoader that yields (inputs, labels)."
+    )
+
+
+def _check_outputs_meet_labels(output, loss, y, caller: str) -> None:
+    """A dict of several outputs (no ``logits``), one loss and labels that are not a dict: Keras would need
+    the labels per output, Hugging Face a ``logits`` entry; said before any replica runs."""
+    if not isinstance(output, Mapping) or isinstance(loss, (Mapping, list)) or y is None or isinstance(y, Mapping):
+        return
+    raise ValueError(
+        f"The model returns a dict with the entries {list(output)} on the first batch of {caller}, and the labels "
+        f"are {describe_structure(y)}: a dict of several outputs is a multi-output model (Keras' convention), "
+        "whose labels are a dict with the same keys (and whose loss may be a dict of them too). Pass the labels "
+        f"as {{{', '.join(f'{key!r}: ...' for key in output)}}}, or return the prediction under 'logits' (the "
+        "entry losses and metrics take, as of a Hugging Face model)."
     )
 
 
@@ -212,7 +237,7 @@ def _needs_labels(loss) -> bool:
         return any(_needs_labels(v) for v in loss.values())
     if isinstance(loss, list):
         return any(_needs_labels(v) for v in loss)
-    return not isinstance(loss, losses._Callable)
+    return loss is not None and not isinstance(loss, losses._Callable)  # None: the model's own, labels in x
 
 
 def _works(fn, *args) -> bool:

@@ -30,6 +30,8 @@ import torch
 
 from replicafit.strategies import nest
 
+from .model_io import call_model
+
 __all__ = ["summary", "ModelSummary", "LayerSummary"]
 
 _EXAMPLE_BATCH = 2  # an input_shape becomes a batch of 2 (not 1: a layer may squeeze a batch of one)
@@ -103,7 +105,9 @@ def summary(model: torch.nn.Module, input_shape=None, input_data=None, print_fn=
         output shape, shown with ``None`` for the batch dimension as Keras does.
       input_data: an example batch (a tensor, array or nest of them) instead of
         ``input_shape``, for inputs that zeros do not fit (token ids, say); floating leaves
-        are cast to the parameters' dtype.
+        are cast to the parameters' dtype. A dict is passed as the trainer passes it: as
+        keyword arguments when ``forward`` names its keys (``{"input_ids": ids,
+        "attention_mask": mask}`` for a Hugging Face model), else as one argument.
       print_fn: where the table goes (``None``: not printed).
 
     The example runs under ``torch.no_grad()`` with the model in eval mode (its mode is
@@ -188,7 +192,14 @@ def _output_shapes(model, rows, input_shape, input_data) -> tuple:
         inputs = nest.map_structure(lambda t: _example_tensor(t, device, dtype), input_data)
         leaves = nest.flatten(inputs)
         batch = leaves[0].shape[0] if leaves and leaves[0].dim() else None
+        if isinstance(inputs, Mapping):  # keyword arguments when forward names the keys (model_io's rule)
+            return _run_example(model, rows, lambda: call_model(model, inputs), batch)
         inputs = list(inputs) if isinstance(inputs, (tuple, list)) else [inputs]
+    return _run_example(model, rows, lambda: model(*inputs), batch)
+
+
+def _run_example(model, rows, forward, batch) -> tuple:
+    """``({layer name: output shape text}, note)`` of one example ``forward()`` (a failure is a note)."""
     found: dict = {}
 
     def record(name):
@@ -202,7 +213,7 @@ def _output_shapes(model, rows, input_shape, input_data) -> tuple:
     model.eval()
     try:
         with torch.no_grad():
-            model(*inputs)
+            forward()
     except Exception as error:  # noqa: BLE001 - a summary never fails on a model's forward
         first_line = (str(error).splitlines() or [type(error).__name__])[0]
         return {}, f"(output shapes unavailable: the example forward failed: {type(error).__name__}: {first_line})"

@@ -21,9 +21,12 @@ Example::
     trainer.evaluate(model, (x, y), batch_size=256, return_dict=True)
     probabilities = trainer.predict(model, x, batch_size=256).softmax(-1)
 
-Models that return a dict or tuple are multi-output models, as in Keras: ``loss`` may be
-one loss (applied to every output) or a matching dict/list; the total loss is the sum;
-logs add ``<output>_loss`` and ``<output>_<metric>`` per output.
+Models that return a tuple, or a dict whose outputs the loss or the labels name (a dict of them), are
+multi-output models, as in Keras: ``loss`` may be one loss (applied to every output) or a matching
+dict/list; the total loss is the sum; logs add ``<output>_loss`` and ``<output>_<metric>`` per output.
+A dict of inputs goes to ``forward`` as keyword arguments when ``forward`` names its keys (Hugging
+Face's convention), and a Hugging Face ``ModelOutput`` (or a dict with ``logits``) gives its logits to
+losses, metrics and ``predict``: ``model_io.py`` has the exact rules.
 
 This file holds the public ``Trainer`` and its steps: the model, losses and metrics, the
 per-replica ``train_step``/``test_step``/``predict_step``, ``evaluate`` and ``predict``. Its other
@@ -49,6 +52,7 @@ from .arguments import AUTOCAST, EVALUATE_ARGUMENTS, check_arguments, check_prec
 from .fit_loop import FitLoop
 from .input_checks import InputChecks, first_batch, in_memory_labels
 from .inputs import as_dtype, batch_source, batchable, rows, unpack
+from .model_io import ModelIO, call_model, counts_items, inputs_with_labels, model_loss, prediction_of, real_items
 from .training_state import TrainingState
 
 __all__ = ["Trainer"]
@@ -61,8 +65,12 @@ class Trainer(FitLoop, TrainingState, InputChecks):
       strategy: any strategy; ``None`` uses the current one (the default strategy
         outside any scope).
       optimizer: a name (``"adam"``), a config dict or a ``replicafit.optimizers.Optimizer``.
-      loss: a name, a callable ``(y_true, y_pred) -> per-example loss``, a torch loss
-        module, or (multi-output models) a dict/list of them.
+      loss: a name, a callable ``(y_true, y_pred) -> per-example loss`` (or ``ElementLosses``), a
+        torch loss module, or (multi-output models) a dict/list of them. ``None``: the loss the model
+        returns (a Hugging Face model's ``output.loss``), the labels going into its input dict under
+        ``"labels"``; exact where that loss is a mean per example, or where ``forward`` takes
+        ``num_items_in_batch`` (Hugging Face's loss kwargs): it gets a constant, its loss is then a
+        sum, and the optimizer divides by the global count of real labels after the reduction.
       metrics: names (``"accuracy"`` is resolved from the shapes of the first batch's labels and
         predictions, per output) or ``metrics.Metric`` objects.
       seed: makes shuffling, dropout and the rest of the run reproducible; ``None``
@@ -91,8 +99,14 @@ class Trainer(FitLoop, TrainingState, InputChecks):
             self.optimizer = optimizers.get(optimizer)
             if self.precision == "16-mixed" and not isinstance(self.optimizer, optimizers.LossScaleOptimizer):
                 self.optimizer = optimizers.LossScaleOptimizer(self.optimizer)
-        self.loss = nest.map_structure(losses.get, loss) if isinstance(loss, (Mapping, list)) else losses.get(loss)
+        if loss is None:  # the model's own: it returns a loss when its inputs hold the labels
+            self.loss = None
+        elif isinstance(loss, (Mapping, list)):
+            self.loss = nest.map_structure(losses.get, loss)
+        else:
+            self.loss = losses.get(loss)
         self._metric_specs = list(metrics or ())
+        self._model_io = ModelIO()  # how the model's outputs are read: decided on a fit's first batch
         self.seed = seed
         self.stop_training = False
         self.history = None
@@ -194,6 +208,11 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         steps reduce it over the whole global batch instead (``losses.Loss.terms``). Override it for a
         per-example loss of one's own: the built-in steps then sum it and divide by the global batch size.
         """
+        if self.loss is None:
+            raise ValueError(
+                "Trainer(loss=None) trains on the loss the model returns: compute_loss() has no loss of its own to "
+                "compute. Pass a loss to the Trainer, or read the model's output['loss']."
+            )
         return self._loss_terms(y, y_pred, sample_weight, per_example=True).per_example
 
     def _loss_terms(self, y, y_pred, sample_weight=None, per_example: bool = False) -> losses.LossTerms:
@@ -298,9 +317,9 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         x, _, _ = self._model_floats(*unpack(data))
         with torch.no_grad():
             if self._autocast_dtype is None:
-                return self.model(x)
+                return prediction_of(call_model(self.model, x), self.loss)
             with torch.autocast(_device_type(x), dtype=self._autocast_dtype):
-                y_pred = self.model(x)
+                y_pred = prediction_of(call_model(self.model, x), self.loss)
         return nest.map_structure(_as_float32, y_pred)
 
     def _model_floats(self, x, y, sample_weight) -> tuple:
@@ -314,14 +333,32 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         """The model's output and the loss terms (float32) of a replica's slice, under the trainer's
         precision."""
         if self._autocast_dtype is None:
-            y_pred = self.model(x)
-            return y_pred, self._loss_terms(y, y_pred, sample_weight)
+            return self._output_and_terms(x, y, sample_weight)
         with torch.autocast(_device_type(x), dtype=self._autocast_dtype):
-            y_pred = self.model(x)
-            terms = self._loss_terms(y, y_pred, sample_weight)
+            y_pred, terms = self._output_and_terms(x, y, sample_weight)
         if terms.total.dtype in (torch.float16, torch.bfloat16):  # summed in float32 (or wider)
             terms = terms._replace(total=terms.total.float())
         return y_pred, terms
+
+    def _output_and_terms(self, x, y, sample_weight):
+        """The model's prediction (its logits, for a ``ModelOutput``) and the loss terms: of the trainer's loss,
+        or (``loss=None``) of the loss the model returns, the labels being in its inputs."""
+        if self.loss is not None:
+            y_pred = self._model_io.prediction(call_model(self.model, x), self.loss, y)
+            return y_pred, self._loss_terms(y, y_pred, sample_weight)
+        inputs = inputs_with_labels(self.model, x, y)
+        counted = counts_items(self.model, inputs)
+        if counted:  # a Hugging Face model divides its loss's sum by num_items_in_batch: our prescale
+            prescale = 1.0 if self._element_denominator is None else self._element_denominator.prescale
+            inputs = {**inputs, "num_items_in_batch": prescale}
+        output = call_model(self.model, inputs)
+        y_pred = self._model_io.prediction(output, None, y)
+        loss = model_loss(output).float()
+        if counted:  # the sum over this replica's real labels, over the prescale
+            return y_pred, losses.LossTerms(loss * prescale, real_items(self.model, inputs))
+        # A mean over this replica's rows: weighted by them, it is exact where that mean is per example.
+        count = rows(x)
+        return y_pred, losses.LossTerms(loss * count, count, loss.detach().expand(count))
 
     @property
     def global_batch_size(self) -> int:
@@ -408,7 +445,8 @@ class Trainer(FitLoop, TrainingState, InputChecks):
 
     def predict(self, model, dataset, batch_size=None, steps=None, verbose="auto"):
         """The model's outputs for every example of ``dataset``, in input order, concatenated
-        across replicas and batches (the partial batch included); nests keep their shape."""
+        across replicas and batches (the partial batch included); nests keep their shape. A
+        ``ModelOutput`` (or a dict with ``logits``) gives its logits (``model_io.prediction_of``)."""
         inputs = dataset
         if batchable(dataset) and not isinstance(dataset, torch.utils.data.Dataset):
             inputs = dataset if isinstance(dataset, tuple) else (dataset,)
