@@ -1,5 +1,7 @@
 """Recipes mean what the trainer means: ``accuracy`` (a name or ``{type: accuracy}``) is resolved from the
-shapes as in ``Trainer(metrics=["accuracy"])``, Keras' exact-equality ``Accuracy`` is ``exact_match``."""
+shapes as in ``Trainer(metrics=["accuracy"])``, Keras' exact-equality ``Accuracy`` is ``exact_match``; a
+``module:attr`` data factory returning a map-style ``Dataset`` tells the model its input size and classes as
+arrays do (a ``TensorDataset`` from its tensors, another Dataset without being scanned)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import uuid
 import pytest
 import torch
 
-from replicafit.trainer import Trainer, cli, metrics, recipes
+from replicafit.trainer import Trainer, cli, datasets, metrics, recipes
 from replicafit.trainer.registry import REGISTRIES
 
 pytestmark = pytest.mark.timeout(120)
@@ -108,3 +110,113 @@ def test_exact_match_against_scores_says_to_use_accuracy():
     x = torch.arange(8.0).reshape(8, 1)
     trainer.fit(torch.nn.Linear(1, 1), (x, x), batch_size=4, verbose=0)
     assert "exact_match" in trainer.evaluate(torch.nn.Identity(), (x, x), batch_size=4, verbose=0, return_dict=True)
+
+
+# --- a map-style Dataset tells the model its sizes -------------------------------------------------------
+USER_DATA = """
+import numpy as np
+import torch
+
+generator = torch.Generator().manual_seed(0)
+X = torch.randn(64, 5, generator=generator)
+Y = (X[:, 0] > 0).long() + (X[:, 1] > 0).long()  # classes 0, 1, 2
+
+
+def tensors():
+    return torch.utils.data.TensorDataset(X, Y)
+
+
+def arrays():
+    return X.numpy(), Y.numpy()
+
+
+def two_targets():
+    return torch.utils.data.TensorDataset(X, X[:, :2] * 2.0)
+
+
+def loader():
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=16)
+
+
+def split():
+    return torch.utils.data.random_split(tensors(), [48, 16], generator=torch.Generator().manual_seed(0))[0]
+"""
+
+DATA_RECIPE = """
+seed: 0
+data: {type: "MODULE:FACTORY"}
+model: {type: mlp, hidden: [8]}
+loss: LOSS
+metrics: []
+fit: {epochs: 1, batch_size: 16, verbose: 0}
+"""
+
+
+@pytest.fixture
+def user_data(tmp_path, monkeypatch) -> str:
+    name = f"rf_user_data_{uuid.uuid4().hex[:10]}"
+    (tmp_path / f"{name}.py").write_text(USER_DATA)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def data_recipe(tmp_path, module: str, factory: str, loss: str = "cross_entropy"):
+    text = DATA_RECIPE.replace("MODULE", module).replace("FACTORY", factory).replace("LOSS", loss)
+    return write(tmp_path, text)
+
+
+@pytest.mark.parametrize("factory", ["tensors", "arrays", "loader", "split"])
+def test_a_tensor_dataset_sizes_the_model_as_its_arrays_do(tmp_path, capsys, user_data, factory):
+    path = data_recipe(tmp_path, user_data, factory)
+    if factory == "loader":  # its batches are made already
+        path.write_text(path.read_text().replace(", batch_size: 16", ""))
+    model = recipes.build(recipes.load(path)).model
+    assert (model[0].in_features, model[-1].out_features) == (5, 3)
+    status, out, err = run_cli(capsys, "fit", path, "--run-dir", tmp_path / "run")
+    assert status == 0 and "Traceback" not in err, err
+
+
+def test_two_dimensional_targets_of_a_tensor_dataset_give_the_outputs(tmp_path, user_data):
+    model = recipes.build(recipes.load(data_recipe(tmp_path, user_data, "two_targets", loss="mse"))).model
+    assert (model[0].in_features, model[-1].out_features) == (5, 2)
+
+
+class Examples(torch.utils.data.Dataset):
+    """A map-style Dataset whose examples are made when asked (files to read, in real life); counts reads."""
+
+    def __init__(self, n: int = 1000, targets: bool = True):
+        self.reads, self.n = 0, n
+        if targets:
+            self.targets = [i % 7 for i in range(n)]  # torchvision's convention: one int label per example
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        self.reads += 1
+        return torch.full((2, 3), float(index)), index % 7
+
+
+def test_another_dataset_is_not_scanned_its_targets_attribute_tells_the_classes():
+    data = Examples()
+    info = datasets.as_info(data)
+    assert (info["inputs"], info["classes"], data.reads) == (6, 7, 1)  # the first example only
+    data = Examples(targets=False)
+    info = datasets.as_info(data)
+    assert (info["inputs"], "classes" in info, data.reads) == (6, False, 1)
+
+
+def test_a_dataset_that_does_not_tell_its_classes_gets_the_fix_in_the_message(tmp_path, capsys, monkeypatch):
+    name = f"rf_user_data_{uuid.uuid4().hex[:10]}"
+    (tmp_path / f"{name}.py").write_text(
+        "import torch\n"
+        "class Plain(torch.utils.data.Dataset):\n"
+        "    def __len__(self): return 8\n"
+        "    def __getitem__(self, i): return torch.zeros(3), i % 2\n"
+        "def make(): return Plain()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = data_recipe(tmp_path, name, "make")
+    status, _, err = run_cli(capsys, "fit", path, "--run-dir", tmp_path / "run")
+    assert status == 2 and "Traceback" not in err
+    assert "the model needs 'outputs'" in err and "`targets` attribute" in err and "TensorDataset" in err
