@@ -201,6 +201,7 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
         self._gradient_stages: dict = {}  # name -> stage on the reduced gradients (a LossScaleOptimizer's)
         self._decay_exclusions: tuple = ((), ())  # (variables or tensors, name substrings) not decayed
         self._no_decay: set = set()  # id(container) of the built variables excluded from weight decay
+        self._slots_outdated = False  # a hyper-parameter asks for slots build() did not make (_slots_changed)
         self._init_accumulation()
         self._init_averages()
         self._init_plans()
@@ -345,6 +346,25 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
         self._slots[key] = slot
         self._slot_names.setdefault(id(container), []).append(name)
         return slot
+
+    #: Slots ``build`` makes only while a hyper-parameter asks for them (SGD's and RMSprop's ``"momentum"``, made
+    #: once ``momentum`` leaves 0). A loaded state may hold one not made yet (it is made) or lack one that is (it
+    #: starts again at zero), as ``torch.optim`` keeps or lacks a momentum buffer whatever the momentum is.
+    _optional_slots: tuple = ()
+
+    def _slots_changed(self) -> None:
+        """Says that ``build`` would now make slots it did not make before (SGD's ``momentum`` set above 0 after
+        the first update, by ``TorchLRScheduler``): the next update (or ``state_dict()``) makes them for the
+        variables built so far, running ``build`` again for those (``add_variable_from_reference`` returns the
+        slots that exist, so only the new ones are made)."""
+        self._slots_outdated = True
+
+    def _refresh_slots(self) -> None:
+        self._slots_outdated = False
+        if self._variables:
+            with context.enter_or_assert_strategy(self._strategy_of(self._variables)):
+                self.build(list(self._variables))
+            self._plans.clear()  # the multi-tensor groups follow each variable's slot names
 
     def get_slot(self, variable, name: str):
         """The slot ``name`` of ``variable``; inside ``update_step``, the copy matching the variable copy."""
@@ -568,6 +588,8 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
         return entry[1]
 
     def _build_for(self, variables) -> None:
+        if self._slots_outdated:
+            self._refresh_slots()
         missing = [v for v in variables if id(v) not in self._built_ids]
         if missing:
             strategy = self._strategy_of(missing)
@@ -623,6 +645,8 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
             state = optimizer.state_dict()
             state["slots"][0]["momentum"]          # the first variable's momentum
         """
+        if self._slots_outdated:
+            self._refresh_slots()
         if self._pending is not None and self._pending.checked != len(self._variables):
             self._restore_pending()  # variables built by a direct build() call since the load
         if self._window is not None:  # a first window opens before the first update builds
@@ -698,15 +722,20 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
             variable = self._variables[position]
             names = self._slot_names.get(id(variable), [])
             entry = _with_average(entry, names, variable)
-            if set(entry) != set(names):
+            if (set(entry) ^ set(names)) - set(self._optional_slots):
                 raise ValueError(
                     f"The optimizer state's variable {position} ({variable.name!r}) has slots {sorted(entry)}, but "
                     f"{type(self).__name__} {self.name!r} keeps {sorted(names)} for it: the state was saved by "
                     "another optimizer or with other options."
                 )
-            for name in names:
-                slot, value = self._slots[(id(variable), name)], entry[name]
-                expected = list(local_results(slot)[0].shape)
+            expected = list(local_results(variable)[0].shape)
+            for name in [*names, *(n for n in entry if n not in names)]:
+                key = (id(variable), name)
+                slot = self._slots[key] if key in self._slots else _NewSlot(self, variable, name)
+                if name not in entry:  # an optional slot the state lacks starts again
+                    assignments.append((slot, torch.zeros_like(local_results(slot)[0].value())))
+                    continue
+                value = entry[name]
                 if not isinstance(value, torch.Tensor) or list(value.shape) != expected:
                     found = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
                     raise ValueError(
@@ -720,9 +749,23 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
         return f"{type(self).__name__}(name={self.name!r}, learning_rate={self._learning_rate!r})"
 
 
+class _NewSlot:
+    """An optional slot a loaded state holds and the optimizer has not made yet: made only once every check
+    has passed (``_assign_all``)."""
+
+    def __init__(self, optimizer, variable, name: str):
+        self.optimizer, self.variable, self.name = optimizer, variable, name
+
+    def make(self):
+        self.optimizer._plans.clear()  # the multi-tensor groups follow each variable's slot names
+        return self.optimizer.add_variable_from_reference(self.variable, self.name)
+
+
 def _assign_all(assignments) -> None:
-    """Writes loaded values into slot variables (every copy of each)."""
+    """Writes loaded values into slot variables (every copy of each), making the optional ones a state brings."""
     for slot, value in assignments:
+        if isinstance(slot, _NewSlot):
+            slot = slot.make()
         strategy = getattr(slot, "_distribute_strategy", None) or context.get_strategy()
         with context.enter_or_assert_strategy(strategy):
             slot.assign(value)

@@ -24,12 +24,17 @@ class RMSprop(Optimizer):
         mom = momentum * mom + increment; w -= mom     # momentum > 0
         w -= increment                                  # otherwise
 
+    ``momentum`` may change between updates, from 0 too, as ``torch.optim.RMSprop``'s may
+    (``TorchLRScheduler`` with ``OneCycleLR`` cycles it): the momentum slots are made at the
+    first update that uses them, and kept from then on.
+
     Example::
 
         optimizer = RMSprop(learning_rate=1e-3, momentum=0.9, centered=True)
     """
 
     _multi_tensor = True
+    _optional_slots = ("momentum",)
 
     def __init__(
         self,
@@ -41,9 +46,24 @@ class RMSprop(Optimizer):
         **kwargs,
     ):
         super().__init__(learning_rate, **kwargs)
-        if not 0 <= rho < 1 or not 0 <= momentum < 1:
-            raise ValueError(f"`rho` and `momentum` must be in [0, 1), got {rho!r}, {momentum!r}.")
-        self.rho, self.momentum, self.epsilon, self.centered = float(rho), float(momentum), float(epsilon), centered
+        if not 0 <= rho < 1:
+            raise ValueError(f"`rho` must be in [0, 1), got {rho!r}.")
+        self._momentum = 0.0
+        self.momentum = momentum
+        self.rho, self.epsilon, self.centered = float(rho), float(epsilon), centered
+
+    @property
+    def momentum(self) -> float:
+        """The momentum of the next update, in [0, 1); set above 0, it makes the momentum slots at that update."""
+        return self._momentum
+
+    @momentum.setter
+    def momentum(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            raise ValueError(f"`momentum` must be a number in [0, 1), got {value!r}.")
+        if value and not self._momentum:
+            self._slots_changed()
+        self._momentum = float(value)
 
     def build(self, variables) -> None:
         super().build(variables)

@@ -123,17 +123,20 @@ def _register_all() -> None:
         register("loss", name, cls)
     for name, cls in metrics._NAMES.items():
         register("metric", name, cls)
+    # The names the trainer resolves from the shapes of labels and predictions (metrics.get), as a name or
+    # {type: ...}: the recipe hands the name itself to Trainer(metrics=[...]) (recipe_validation._check_metric).
     register(
         "metric",
         "accuracy",
-        metrics.Accuracy,
-        "accuracy resolved from the shapes of labels and predictions (binary, categorical or sparse categorical)",
+        "accuracy",
+        "accuracy resolved from the shapes of labels and predictions (binary, categorical or sparse "
+        "categorical), as Trainer(metrics=['accuracy']); alias acc. exact_match compares them as they are",
     )
     register(
         "metric",
         "crossentropy",
-        metrics.SparseCategoricalCrossentropy,
-        "cross entropy resolved from the shapes of labels and predictions, as accuracy is",
+        "crossentropy",
+        "cross entropy resolved from the shapes of labels and predictions, as accuracy is; alias ce",
     )
     for name, cls in (
         ("early_stopping", callbacks.EarlyStopping),

@@ -24,7 +24,7 @@ from replicafit.data import datasets as shipped
 from replicafit.data import is_array_nest
 from replicafit.strategies.describe import describe_value
 
-__all__ = ["digits", "classification", "regression", "npz", "csv", "as_info", "training_data_form"]
+__all__ = ["digits", "classification", "regression", "npz", "csv", "as_info", "target_width", "training_data_form"]
 
 _FORMS = "(x, y) arrays, a torch Dataset, or a DataLoader or another iterable of batches"
 
@@ -186,13 +186,18 @@ def as_info(value) -> dict:
     ``fit`` would read as inputs without targets); anything else ``fit`` takes (``(x, y)`` arrays, a torch
     ``Dataset``, a ``DataLoader`` or another iterable of batches) is the training data. Where the dict
     leaves them out, ``inputs`` (features per example) and ``classes`` (for integer labels) are read
-    from the arrays, or ``inputs`` from a Dataset's first example. A ``ValueError`` says what is wrong.
+    from the arrays or a ``TensorDataset``'s tensors; from another map-style Dataset, ``inputs`` from
+    its first example and ``classes`` from its ``targets`` or ``labels`` attribute, without going
+    through the examples (see ``_examples``). A ``ValueError`` says what is wrong.
 
     Example::
 
         >>> info = as_info((np.zeros((8, 3), np.float32), np.arange(8) % 2))
         >>> info["inputs"], info["classes"], info["validation"]
         (3, 2, None)
+        >>> info = as_info(torch.utils.data.TensorDataset(torch.zeros(8, 3), torch.arange(8) % 4))
+        >>> info["inputs"], info["classes"]
+        (3, 4)
     """
     if isinstance(value, Mapping) and "train" in value:
         for part in ("train", "validation"):
@@ -210,27 +215,79 @@ def as_info(value) -> dict:
 
 
 def _read_sizes(train) -> dict:
-    """``inputs`` and ``classes`` as far as they can be read without going through the data."""
-    form = training_data_form(train)
+    """``inputs`` and ``classes`` as far as they can be read without going through the data (``_examples``)."""
     try:
-        if form == "arrays":
-            x, y = (train[0], train[1] if len(train) > 1 else None) if isinstance(train, tuple) else (train, None)
-            if not isinstance(x, (np.ndarray, torch.Tensor)):
-                return {}
-            sizes = {"inputs": int(np.prod(tuple(x.shape[1:])))}
-            if _integer_labels(y):
-                sizes["classes"] = int(y.max()) + 1
-            return sizes
-        dataset = train if form == "dataset" else getattr(train, "dataset", None)
-        if isinstance(dataset, torch.utils.data.IterableDataset) or not isinstance(dataset, torch.utils.data.Dataset):
-            return {}
-        first = dataset[0] if len(dataset) else None
-        x = first[0] if isinstance(first, (tuple, list)) and first else first
-        if isinstance(x, (np.ndarray, torch.Tensor)):
-            return {"inputs": int(np.prod(tuple(x.shape)))}
+        x, y, every = _examples(train)
+        sizes = {"inputs": int(np.prod(tuple(x.shape[1:])))} if isinstance(x, (np.ndarray, torch.Tensor)) else {}
+        if every and _integer_labels(y):
+            sizes["classes"] = int(y.max()) + 1
+        return sizes
     except Exception:  # noqa: BLE001 - a hint only: the model section can say inputs/outputs itself
         return {}
-    return {}
+
+
+def target_width(train) -> int | None:
+    """The width of 2-D targets (one-hot labels, several regression targets): a model's ``outputs``.
+
+    Example::
+
+        >>> target_width((np.zeros((4, 3), np.float32), np.zeros((4, 2), np.float32)))
+        2
+    """
+    try:
+        _, y, _ = _examples(train)
+    except Exception:  # noqa: BLE001 - a hint only, as _read_sizes
+        return None
+    return int(y.shape[1]) if isinstance(y, (np.ndarray, torch.Tensor)) and y.ndim == 2 else None
+
+
+def _examples(train) -> tuple:
+    """``(x, y, every)``: features and targets with the examples first, read without going through the data.
+
+    ``every``: ``y`` holds every example's target (so integer labels tell the class count). Arrays and a
+    ``TensorDataset``'s tensors are in memory: all of them. Another map-style ``Dataset`` (a ``DataLoader``'s
+    too) is not scanned (each example may be a file to read and transform): its first example gives the
+    input size (and a vector target's width), and its class count comes from a ``targets`` or ``labels``
+    attribute holding one label per example, as torchvision's datasets have; a ``Subset`` (``random_split``)
+    takes its indices' labels from the dataset under it. ``(None, None, False)`` where nothing tells.
+    """
+    form = training_data_form(train)
+    if form == "arrays":
+        return (
+            (train[0], train[1] if len(train) > 1 else None, True) if isinstance(train, tuple) else (train, None, True)
+        )
+    dataset = train if form == "dataset" else getattr(train, "dataset", None)
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not isinstance(dataset, torch.utils.data.Dataset):
+        return None, None, False
+    labels = _labels(dataset)
+    if isinstance(dataset, torch.utils.data.TensorDataset):
+        return dataset.tensors[0], labels, labels is not None
+    first = dataset[0] if len(dataset) else None
+    x, y = (
+        (first[0], first[1] if len(first) > 1 else None)
+        if isinstance(first, (tuple, list)) and first
+        else (first, None)
+    )
+    x = x[None] if isinstance(x, (np.ndarray, torch.Tensor)) else None
+    if labels is not None:
+        return x, labels, True
+    return x, (y[None] if isinstance(y, (np.ndarray, torch.Tensor)) else None), False
+
+
+def _labels(dataset):
+    """Every example's target where the dataset holds them in memory (see ``_examples``), else None."""
+    if isinstance(dataset, torch.utils.data.TensorDataset):
+        return dataset.tensors[1] if len(dataset.tensors) > 1 else None
+    if isinstance(dataset, torch.utils.data.Subset):
+        labels = _labels(dataset.dataset)
+        return None if labels is None else labels[torch.as_tensor(list(dataset.indices), dtype=torch.long)]
+    for name in ("targets", "labels"):
+        labels = getattr(dataset, name, None)
+        if isinstance(labels, list) and labels and all(isinstance(v, int) and not isinstance(v, bool) for v in labels):
+            labels = torch.tensor(labels)
+        if isinstance(labels, (np.ndarray, torch.Tensor)) and len(labels) == len(dataset):
+            return torch.as_tensor(labels)
+    return None
 
 
 def _integer_labels(y) -> bool:

@@ -231,9 +231,26 @@ class Sum(Metric):
 
 
 class Accuracy(_MeanOfValues):
-    """How often ``y_pred`` equals ``y_true`` exactly."""
+    """How often ``y_pred`` equals ``y_true`` exactly (Keras' ``Accuracy``): each example counts the fraction
+    of its elements that are equal. Named ``"exact_match"`` (in ``Trainer(metrics=...)`` and recipes), since
+    ``"accuracy"`` names the accuracy resolved from the shapes of labels and predictions (see ``get``).
+
+    Example::
+
+        >>> import torch
+        >>> m = Accuracy()
+        >>> m.update_state(torch.tensor([1, 2, 3]), torch.tensor([1, 2, 0]))
+        >>> round(float(m.result()), 4)
+        0.6667
+    """
 
     def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        if y_true.numel() != y_pred.numel():
+            raise ValueError(
+                f"{self.name}: the exact-match accuracy compares predictions with labels element by element, but "
+                f"got labels of shape {list(y_true.shape)} and predictions of shape {list(y_pred.shape)}; for "
+                "scores or logits use 'accuracy' (resolved from the shapes) or 'sparse_categorical_accuracy'"
+            )
         self._update(_rows((y_pred == y_true.reshape(y_pred.shape)).float()).mean(-1), sample_weight)
 
 
@@ -408,6 +425,7 @@ class BinaryCrossentropy(_Crossentropy):
 _NAMES = {
     "mean": Mean,
     "sum": Sum,
+    "exact_match": Accuracy,  # Keras' Accuracy class: "accuracy" is resolved from the shapes (_RESOLVED)
     "sparse_categorical_accuracy": SparseCategoricalAccuracy,
     "categorical_accuracy": CategoricalAccuracy,
     "binary_accuracy": BinaryAccuracy,
@@ -444,7 +462,9 @@ def get(identifier, loss=None, y_true=None, y_pred=None) -> Metric:
     categorical cross entropy takes logits (torch models end in logits), binary follows the loss.
     Without shapes (no labels), the loss decides alone: sparse categorical for ``cross_entropy``
     and ``nn.CrossEntropyLoss``, categorical for ``categorical_crossentropy``, binary for the binary
-    losses, exact-match ``Accuracy`` otherwise.
+    losses, exact-match ``Accuracy`` otherwise. A recipe's ``accuracy`` (a name or ``{type: accuracy}``)
+    is resolved the same way. Keras' ``Accuracy`` class itself (predictions equal to labels as they
+    are, without arg-max or threshold) is named ``"exact_match"``.
 
     Example::
 

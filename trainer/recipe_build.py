@@ -69,7 +69,7 @@ def build(recipe: Recipe, checked: dict | None = None, run_dir=None) -> Run:
         info = _dataset_info(recipe, _built(recipe, ("data",), "dataset", *checked["data"]))
     model_factory, model_args = checked["model"]
     extra = _model_inputs(model_factory, model_args, info)
-    _check_model_inputs(recipe, model_factory, model_args, extra)
+    _check_model_inputs(recipe, model_factory, model_args, extra, info)
     if seed is not None:
         torch.manual_seed(seed)
     model = _built(recipe, ("model",), "model", model_factory, model_args, **extra)
@@ -109,17 +109,26 @@ def build(recipe: Recipe, checked: dict | None = None, run_dir=None) -> Run:
     return Run(recipe, strategy, model, info, trainer, callbacks, fit_kwargs, dict(checked["evaluate"]))
 
 
-def _check_model_inputs(recipe: Recipe, factory, args: dict, extra: dict) -> None:
+def _check_model_inputs(recipe: Recipe, factory, args: dict, extra: dict, info=None) -> None:
     """A model size the recipe leaves out and the data does not give: refused here, with the fix."""
+    from .datasets import training_data_form
+
     params, _ = _parameters(factory)
     for name, entry in (("inputs", "inputs"), ("outputs", "classes")):
         param = params.get(name)
         if param is None or param.default is not inspect.Parameter.empty or name in args or name in extra:
             continue
+        # A Dataset is not scanned for its labels (datasets._examples): say how one tells its classes.
+        labels = (
+            "; a torch Dataset tells it by its labels when they are at hand: a TensorDataset's, or a `targets` "
+            "attribute with one integer label per example (as torchvision's datasets have)"
+            if name == "outputs" and info and training_data_form(info.get("train")) in ("dataset", "batches")
+            else ""
+        )
         raise recipe.error(
             ("model",),
             f"the model needs {name!r} and the data does not tell it: write `{name}: N` in the model section "
-            f"(or have the dataset factory return {{'train': ..., '{entry}': N}})",
+            f"(or have the dataset factory return {{'train': ..., '{entry}': N}}){labels}",
         )
 
 

@@ -105,10 +105,9 @@ def _model_inputs(factory, args: dict, info: dict) -> dict:
 
 
 def _target_width(info):
-    train = info.get("train")
-    if isinstance(train, tuple) and len(train) >= 2 and getattr(train[1], "ndim", 1) == 2:
-        return int(train[1].shape[1])
-    return None
+    from . import datasets
+
+    return datasets.target_width(info["train"]) if info.get("train") is not None else None
 
 
 def _named(args: dict, factory, name) -> dict:

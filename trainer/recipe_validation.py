@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from . import kinds
 from .arguments import EVALUATE_ARGUMENTS, FIT_ARGUMENTS, PRECISIONS, argument_problem, resolve_precision
+from .metrics import resolved_by_shapes
 from .recipe_calls import _call, _dataset_info, _model_inputs
 from .recipe_entries import _default, _entry_name, _parameters, _type_problem, check_entry
 from .recipe_monitors import _check_monitors
@@ -161,11 +162,25 @@ def _check_builtin_model(recipe: Recipe, checked: dict) -> None:
 
 
 def _check_metric(recipe, index, value):
-    if isinstance(value, str) and value.lower() in ("accuracy", "acc"):
-        return ("accuracy", {})  # resolved by the trainer from the data's shapes
-    if isinstance(value, str) and value.lower() in ("crossentropy", "ce"):
-        return ("crossentropy", {})
-    return check_entry(recipe, ("metrics", index), value, "metric")
+    """``accuracy`` and ``crossentropy`` (and ``acc``, ``ce``), as a name or ``{type: ...}``, are the names the
+    trainer resolves from the data's shapes, as in ``Trainer(metrics=["accuracy"])``: ``(name, {})``."""
+    name = _entry_name(value)
+    if not (isinstance(name, str) and resolved_by_shapes(name)):
+        return check_entry(recipe, ("metrics", index), value, "metric")
+    resolved = "accuracy" if name.lower() in ("accuracy", "acc") else "crossentropy"
+    extra = [key for key in value if key != "type"] if isinstance(value, dict) else []
+    if extra:
+        fixed = (
+            "binary_accuracy (threshold), sparse_categorical_accuracy, categorical_accuracy, exact_match"
+            if resolved == "accuracy"
+            else "binary_crossentropy, sparse_categorical_crossentropy, categorical_crossentropy (from_logits)"
+        )
+        raise recipe.error(
+            ("metrics", index, extra[0]),
+            f"{name!r} takes no arguments: its kind is resolved from the shapes of labels and predictions (and "
+            f"logged as {resolved!r}); to fix the kind or pass arguments, name it: {fixed}",
+        )
+    return (resolved, {})  # resolved by the trainer from the data's shapes
 
 
 def _check_plain(recipe: Recipe, section: str, keys: dict) -> dict:

@@ -89,6 +89,18 @@ def loader(n: int = 64, batch: int = 16):
     return torch.utils.data.DataLoader(tensor_dataset(n), batch_size=batch)
 
 
+class Unlabelled(torch.utils.data.Dataset):  # labels made per example: nothing tells the classes without a scan
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        return torch.zeros(5), index % 2
+
+
+def opaque_loader(batch: int = 16):
+    return torch.utils.data.DataLoader(Unlabelled(), batch_size=batch)
+
+
 def split(n: int = 64):
     x, y = arrays(n)
     return {{"train": (x[:48], y[:48]), "validation": (x[48:], y[48:])}}
@@ -327,9 +339,10 @@ def test_dataset_factory_returning_a_dataloader_refuses_batch_size_and_validatio
 
 def test_a_model_size_the_data_cannot_tell(tmp_path, capsys, user):
     module, _ = user
-    path = write(tmp_path, f'model: mlp\ndata: "{module}:loader"\n' + QUIET_FIT)
+    path = write(tmp_path, f'model: mlp\ndata: "{module}:opaque_loader"\n' + QUIET_FIT)
     line = one_error(capsys, "fit", path, "--run-dir", tmp_path / "run")
     assert "model: the model needs 'outputs'" in line and "write `outputs: N` in the model section" in line
+    assert "`targets` attribute" in line  # how a Dataset tells it
 
 
 def test_dataset_factory_returning_the_dict_form_with_validation(tmp_path, capsys, user):

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import InterruptAt, make_strategy
+from conftest import STRATEGY_IDS, InterruptAt, make_strategy
 from torch.optim import lr_scheduler as L
 
 from replicafit import optimizers
@@ -116,6 +116,126 @@ def test_the_learning_rate_follows_torch_exactly(name, kind):
         assert len(set(rates)) > 1  # it did reduce
     # logged: the rate of each epoch's last step
     assert history["learning_rate"] == [rates[(e + 1) * STEPS - 1] for e in range(EPOCHS)]
+
+
+# --- OneCycleLR on optimizers made without momentum: torch accepts them and turns momentum on -------------
+ONE_CYCLE = functools.partial(L.OneCycleLR, max_lr=0.3, total_steps=2 * STEPS)
+TORCH_COUNTERPARTS = {  # ours -> (the torch optimizer a plain loop uses, the hyper-parameter OneCycleLR cycles)
+    "sgd": (lambda: optimizers.SGD(), lambda p: torch.optim.SGD(p, lr=0.01), "momentum"),
+    "from_torch_sgd": (
+        lambda: optimizers.from_torch(torch.optim.SGD, lr=0.01),
+        lambda p: torch.optim.SGD(p, lr=0.01),
+        "momentum",
+    ),
+    "rmsprop": (lambda: optimizers.RMSprop(), lambda p: torch.optim.RMSprop(p, lr=0.001), "momentum"),
+    "adam": (lambda: optimizers.Adam(), lambda p: torch.optim.Adam(p, lr=0.001), "beta_1"),
+}
+
+
+def small_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def one_cycle_fit(kind, strategy="mirrored2", callbacks=(), first=()):
+    """Two epochs of OneCycleLR per step on ``kind`` made without momentum: the recorder, the model, the trainer."""
+    model, recorder = small_model(), Recorder()
+    trainer = Trainer(strategy=make_strategy(strategy), optimizer=TORCH_COUNTERPARTS[kind][0](), seed=0)
+    scheduler = TorchLRScheduler(ONE_CYCLE, interval="step")
+    trainer.fit(
+        model,
+        (X, Y),
+        batch_size=BATCH,
+        epochs=2,
+        validation_split=0.2,
+        verbose=0,
+        shuffle=False,
+        callbacks=[*first, scheduler, recorder, *callbacks],
+    )
+    return recorder, model, trainer
+
+
+def one_cycle_torch_loop(kind, rule="torch"):
+    """The same two epochs in a plain torch loop (``rule="keras"``: the update is Keras' SGD formula, driven
+    by the rates and momenta torch's scheduler sets): the rates, the cycled values, the model."""
+    model = small_model()
+    optimizer = TORCH_COUNTERPARTS[kind][1](list(model.parameters()))
+    scheduler = ONE_CYCLE(optimizer)
+    buffers = [torch.zeros_like(p) for p in model.parameters()]
+    rates, cycled = [], []
+    for _ in range(2):
+        for start in range(0, STEPS * BATCH, BATCH):
+            group = optimizer.param_groups[0]
+            rates.append(group["lr"])
+            cycled.append(group["betas"][0] if "betas" in group else group["momentum"])
+            loss = torch.nn.functional.cross_entropy(model(X[start : start + BATCH]), Y[start : start + BATCH])
+            grads = torch.autograd.grad(loss, list(model.parameters()))
+            with torch.no_grad():
+                for p, g, m in zip(model.parameters(), grads, buffers):
+                    if rule == "torch":
+                        p.grad = g
+                    else:  # m = momentum * m - lr * g; w += m
+                        m.mul_(group["momentum"]).sub_(g, alpha=group["lr"])
+                        p.add_(m)
+            optimizer.step()  # with rule="keras" no parameter has a gradient: torch's order check only
+            scheduler.step()
+    return rates, cycled, model
+
+
+def test_one_cycle_turns_momentum_on_in_sgd_made_without_it_as_torch_does():
+    recorder, model, trainer = one_cycle_fit("sgd")
+    rates, momenta, keras = one_cycle_torch_loop("sgd", rule="keras")
+    assert recorder.rates == rates and recorder.momenta == momenta and momenta[0] == 0.95
+    for ours, expected in zip(model.parameters(), keras.parameters()):
+        torch.testing.assert_close(ours, expected)  # Keras' formula, with torch's rates and momenta
+    assert all(set(slots) == {"momentum"} for slots in trainer.optimizer.state_dict()["slots"].values())
+
+
+def test_one_cycle_on_from_torch_sgd_without_momentum_equals_the_torch_loop():
+    recorder, model, _ = one_cycle_fit("from_torch_sgd")
+    rates, momenta, plain = one_cycle_torch_loop("from_torch_sgd")
+    assert recorder.rates == rates and [m[0] for m in recorder.momenta] == momenta
+    for ours, expected in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(ours, expected)
+
+
+@pytest.mark.parametrize("kind", ["rmsprop", "adam"])
+def test_one_cycle_cycles_rmsprop_momentum_from_0_and_adam_beta_1(kind):
+    recorder, _, trainer = one_cycle_fit(kind)
+    rates, cycled, _ = one_cycle_torch_loop(kind)
+    assert recorder.rates == rates and recorder.momenta == cycled and len(set(cycled)) > 1
+    # RMSprop's momentum slots made when OneCycleLR set the momentum; Adam's first and second moments
+    assert all(set(slots) == {"momentum", "velocity"} for slots in trainer.optimizer.state_dict()["slots"].values())
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_IDS)
+def test_momentum_turned_on_by_the_scheduler_is_the_same_under_every_strategy(strategy):
+    _, model, trainer = one_cycle_fit("sgd", strategy=strategy)
+    _, reference, _ = one_cycle_fit("sgd", strategy="default")
+    for ours, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours, expected)
+    state = trainer.optimizer.state_dict()
+    assert len(state["slots"]) == 4 and all(set(slots) == {"momentum"} for slots in state["slots"].values())
+    assert all(slots["momentum"].abs().sum() > 0 for slots in state["slots"].values())
+
+
+def test_a_resumed_one_cycle_run_on_sgd_without_momentum_continues_exactly(tmp_path):
+    """The backup restores (and builds the optimizer) before the scheduler turns momentum on: the saved momentum
+    slots are made then."""
+    backup = tmp_path / "backup"
+    recorder, model, _ = one_cycle_fit("sgd")
+    with pytest.raises(KeyboardInterrupt):
+        one_cycle_fit("sgd", first=[BackupAndRestore(backup)], callbacks=[InterruptAt(9)])
+    resumed, resumed_model, _ = one_cycle_fit("sgd", first=[BackupAndRestore(backup)])
+    assert resumed.rates == recorder.rates[STEPS:] and resumed.momenta == recorder.momenta[STEPS:]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
+
+
+def test_cycle_momentum_false_leaves_sgd_without_momentum():
+    trainer = Trainer(optimizer=optimizers.SGD(), seed=0)
+    scheduler = TorchLRScheduler(functools.partial(ONE_CYCLE, cycle_momentum=False), interval="step")
+    trainer.fit(small_model(), (X, Y), batch_size=BATCH, epochs=1, verbose=0, callbacks=[scheduler])
+    assert trainer.optimizer.momentum == 0 and all(not s for s in trainer.optimizer.state_dict()["slots"].values())
 
 
 def test_with_gradient_accumulation_the_step_interval_counts_updates():

@@ -35,7 +35,10 @@ class TorchLRScheduler(MonitorCallback):
 
     The optimizer the factory receives stands for the trainer's optimizer, ours or
     ``from_torch``'s: one param group whose ``lr`` (and ``momentum`` or ``betas``, which
-    ``OneCycleLR`` cycles) is the optimizer's. It is created at the start of ``fit``, so its
+    ``OneCycleLR`` cycles) is the optimizer's. As in torch, a momentum of 0 is cycled too:
+    ``SGD()`` under ``OneCycleLR`` starts using momentum at its first update (its momentum slots
+    are made then), as ``torch.optim.SGD(params, lr)`` does; ``cycle_momentum=False`` leaves it
+    at 0. It is created at the start of ``fit``, so its
     first learning rate is the scheduler's, exactly as in a plain torch loop; after every
     scheduler step the values are written back, one learning rate for every replica and worker.
     ``learning_rate`` is logged at each epoch's end (the last step's). The scheduler's state is
@@ -248,12 +251,17 @@ class _OptimizerView(torch.optim.Optimizer):
 
 
 def _hyper_parameters(optimizer) -> dict:
-    """The momentum or betas of ``optimizer`` a scheduler may cycle (only those it really uses)."""
+    """The momentum or betas of ``optimizer`` a scheduler may cycle: those its torch counterpart has.
+
+    A momentum of 0 is one too, as in ``torch.optim.SGD(params, lr)``: ``OneCycleLR`` sets it, and
+    our ``SGD`` and ``RMSprop`` make their momentum slots at the next update.
+    """
     if hasattr(optimizer, "torch_class"):
         defaults = optimizer.torch_class([torch.zeros(1, requires_grad=True)], **optimizer.torch_kwargs).defaults
         return {k: defaults[k] for k in ("momentum", "betas") if k in defaults}
     if hasattr(optimizer, "beta_1") and hasattr(optimizer, "beta_2"):
         return {"betas": (optimizer.beta_1, optimizer.beta_2)}
-    if getattr(optimizer, "momentum", 0.0):  # SGD or RMSprop with momentum slots
-        return {"momentum": optimizer.momentum}
+    momentum = getattr(optimizer, "momentum", None)
+    if isinstance(momentum, (int, float)) and not isinstance(momentum, bool):  # SGD, RMSprop
+        return {"momentum": momentum}
     return {}
