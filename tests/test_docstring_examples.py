@@ -15,6 +15,8 @@ MODULES = [
     "replicafit.data.sources",
     "replicafit.trainer.arguments",
     "replicafit.trainer.model_io",
+    "replicafit.trainer.losses",
+    "replicafit.trainer.metrics",
 ]
 
 

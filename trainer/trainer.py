@@ -4,8 +4,12 @@ One ``strategy.run`` per step. Each replica computes its rows' per-example losse
 sums them and divides by the step's **global** batch size, and hands its gradients to
 the optimizer, which sums them across replicas. So ``MirroredStrategy(n)`` takes the
 same steps as one device on the same global batches, partial last batch included, and
-an empty replica contributes nothing. Metrics accumulate per replica in ``SyncOnRead``
-variables and are read, aggregated, when logs are needed.
+an empty replica contributes nothing. An element-level loss (a prediction per token or
+pixel, some ignored or weighted: ``losses`` module docstring) is the loss's own mean over
+the whole global batch instead: each replica sums its element losses and counts its real
+elements, the counts ride with the gradient reduction, and the optimizer divides by the
+global count. Metrics accumulate per replica in ``SyncOnRead`` variables and are read,
+aggregated, when logs are needed.
 
 Example::
 

@@ -95,8 +95,8 @@ def largest_difference(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def two_workers(rank, num_workers, port, batch_size=8):
+def two_workers(rank, num_workers, port, batch_size=8, accumulation=None):
     """Every case on this worker of a 2-worker MultiWorkerMirroredStrategy."""
     resolver = ds.SimpleClusterResolver(num_workers, rank, "127.0.0.1", port)
     strategy = ds.MultiWorkerMirroredStrategy(ds.CommunicationOptions(timeout_seconds=30), resolver)
-    return {name: ours(name, strategy, batch_size=batch_size) for name in CASES}
+    return {name: ours(name, strategy, batch_size=batch_size, accumulation=accumulation) for name in CASES}

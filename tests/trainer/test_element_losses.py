@@ -41,13 +41,14 @@ def test_accumulation_windows_of_micro_batches_equal_one_big_batch(case, name):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("batch_size", [8, 29])
-def test_two_workers_take_the_steps_of_a_plain_torch_loop(batch_size):
-    """Batches of 29 of 30 rows: the last global batch has one row, so worker 1's replica is empty."""
-    kwargs = {"batch_size": batch_size}
+@pytest.mark.parametrize("batch_size,accumulation", [(8, None), (29, None), (2, 4)])
+def test_two_workers_take_the_steps_of_a_plain_torch_loop(batch_size, accumulation):
+    """Batches of 29 of 30 rows: the last global batch has one row, so worker 1's replica is empty. Windows
+    of 4 micro-batches of 2 take the steps of batches of 8."""
+    kwargs = {"batch_size": batch_size, "accumulation": accumulation}
     workers = results(run_workers(scenarios.__file__, "two_workers", 2, timeout=100, kwargs=kwargs))
     for case in scenarios.CASES:
-        expected = scenarios.oracle(case, batch_size=batch_size)
+        expected = scenarios.oracle(case, batch_size=batch_size * (accumulation or 1))
         for worker, got in enumerate(workers):
             assert scenarios.largest_difference(got[case]["weights"], expected) <= TOLERANCE, (case, worker)
         assert workers[0][case]["history"] == workers[1][case]["history"]
@@ -187,3 +188,15 @@ def test_a_backup_mid_window_keeps_the_windows_real_elements(tmp_path, name):
         run([BackupAndRestore(backup, save_freq=3), InterruptAt(21)])  # 15 steps per epoch: mid-window
     resumed = run([BackupAndRestore(backup, save_freq=3)])
     assert scenarios.largest_difference(resumed, reference) <= 1e-6
+
+
+def test_a_recipe_names_ignore_class():
+    from replicafit.trainer import recipes
+
+    recipe = recipes.load(
+        "digits_mlp", overrides=["loss.type=sparse_categorical_crossentropy", "loss.ignore_class=-100"]
+    )
+    loss = recipes.build(recipe).trainer.loss
+    assert isinstance(loss, losses.SparseCategoricalCrossentropy) and loss.ignore_class == -100
+    with pytest.raises(Exception, match="ignore_class"):
+        recipes.build(recipes.load("digits_mlp", overrides=["loss.type=cross_entropy", "loss.ignore_class=pad"]))
