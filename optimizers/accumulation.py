@@ -182,9 +182,8 @@ class GradientAccumulation:
         if denominator is None:
             return window_weight
         total = strategy.cluster.step_total(denominator.step_value)
-        total = total.to(torch.float64)
-        # Nothing real in the window: its gradients are zeros, which a divisor of 1 keeps (not NaN).
-        return torch.where(total != 0, total, torch.ones_like(total)) / denominator.prescale
+        # Nothing real in the window: its gradients are zeros, which a finite divisor keeps at zero (not NaN).
+        return total.to(torch.float64).clamp_min(denominator.prescale * 1e-30) / denominator.prescale
 
     def _accumulate(self, ctx, grads, variables):
         """Adds this step's gradients to the window; its last step applies the window."""

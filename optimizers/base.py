@@ -474,9 +474,18 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
         """The aggregated gradients divided by ``divisor`` (an accumulation window's weight, or the gradient
         denominator's total: a tensor), then through each gradient stage (a ``LossScaleOptimizer``'s
         unscaling); ``None`` when a stage skips the step (non-finite values)."""
-        if isinstance(divisor, torch.Tensor):
+        if isinstance(divisor, torch.Tensor):  # one factor for every gradient, one kernel per device
             with _no_grad():
-                grads = [g / divisor.to(g.device, g.dtype) for g in grads]
+                factor = divisor.reciprocal().to(torch.float32)
+                by_device: dict = {}
+                for index, grad in enumerate(grads):
+                    by_device.setdefault(grad.device, []).append(index)
+                scaled = list(grads)
+                for device, indices in by_device.items():
+                    on_device = factor.to(device)
+                    for index, value in zip(indices, torch._foreach_mul([grads[i] for i in indices], on_device)):
+                        scaled[index] = value
+                grads = scaled
         elif divisor is not None and divisor != 1:
             with _no_grad():
                 grads = torch._foreach_div(grads, float(divisor))

@@ -326,7 +326,9 @@ class StrategyExtended:
         """The step values added this step (``step_values.py``), carried by the next SUM reduction."""
         values = self.__dict__.get("_step_values_store")
         if values is None:
-            made = StepValues(self._torch_devices, self._replica_id_offset, self._reduce_step_values_alone)
+            alone = self._strategy.num_replicas_in_sync == 1  # a total is the value itself: no reduction
+            reduce_alone = None if alone else self._reduce_step_values_alone
+            made = StepValues(self._torch_devices, self._replica_id_offset, reduce_alone)
             values = self.__dict__.setdefault("_step_values_store", made)
         return values
 

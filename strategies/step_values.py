@@ -51,6 +51,7 @@ from __future__ import annotations
 import threading
 
 import torch
+import torch.nn.functional as F
 
 from . import context
 from .values import DistributedValues
@@ -99,7 +100,8 @@ class StepValues:
       devices: this worker's replica devices (``torch.device``s), in replica order.
       first_replica_id: the global id of this worker's first replica.
       reduce_alone: ``reduce_alone(payload) -> reduced limbs``: the values' own reduction, for a
-        total asked for before a gradient reduction carried it.
+        total asked for before a gradient reduction carried it; None where there is one replica in all
+        (the default strategy): a total is then the value itself, taken with no reduction.
     """
 
     def __init__(self, devices, first_replica_id: int, reduce_alone):
@@ -155,18 +157,20 @@ class StepValues:
         for replica, device in enumerate(self._devices):
             floating = self._floating
             limbs = [_limbs(pending[name][replica], device, name in floating) for name in names]
-            per_replica.append(torch.cat(limbs))
+            per_replica.append(limbs[0] if len(limbs) == 1 else torch.cat(limbs))
         return StepPayload(names, per_replica, frozenset(n for n in names if n in self._floating))
 
     def finish(self, payload: StepPayload, reduced: torch.Tensor) -> None:
         """Adds the totals of ``payload``, from its reduced limbs, to what earlier reductions carried."""
         reduced = reduced.detach().reshape(len(payload.names), LIMBS)
-        limbs = reduced.round().to(torch.int64)
-        scale = torch.tensor([1, BASE, BASE * BASE], dtype=torch.int64, device=limbs.device)
-        totals = (limbs * scale).sum(dim=1)
+        totals = None
+        if len(payload.floating) < len(payload.names):  # integer values: their limbs put together
+            limbs = reduced.round().to(torch.int64)
+            totals = (limbs * _scale(limbs.device)).sum(dim=1)
+        floats = reduced[:, 0].to(torch.float64) if payload.floating else None
         with self._lock:
             for index, name in enumerate(payload.names):
-                total = reduced[index, 0].to(torch.float64) if name in payload.floating else totals[index]
+                total = floats[index] if name in payload.floating else totals[index]
                 known = self._totals.get(name) if name in self._unread else None
                 self._totals[name] = total if known is None else known + total.to(known.device)
                 self._unread.add(name)
@@ -174,7 +178,9 @@ class StepValues:
     def total(self, name: str) -> torch.Tensor:
         with self._lock:
             waiting = name in self._pending
-        if waiting:  # asked before a reduction carried all of it: the rest is reduced now, on its own
+        if waiting and self._reduce_alone is None:  # one replica in all: the pending values are the totals
+            self._finish_alone()
+        elif waiting:  # asked before a reduction carried all of it: the rest is reduced now, on its own
             payload = self.take()
             self.finish(payload, self._reduce_alone(payload))
         with self._lock:
@@ -189,11 +195,32 @@ class StepValues:
             self._unread.discard(name)  # the next read counts from here
             return self._totals[name]
 
+    def _finish_alone(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            for name, (value,) in pending.items():
+                dtype = torch.float64 if name in self._floating else torch.int64
+                total = torch.as_tensor(0 if value is None else value, dtype=dtype, device=self._devices[0])
+                known = self._totals.get(name) if name in self._unread else None
+                self._totals[name] = total if known is None else known + total.to(known.device)
+                self._unread.add(name)
+
     def discard(self, name: str) -> None:
         """Forgets what was added to ``name`` and not read (a step that never finished), on this worker."""
         with self._lock:
             self._pending.pop(name, None)
             self._unread.discard(name)
+
+
+_SCALES: dict = {}
+
+
+def _scale(device) -> torch.Tensor:
+    """The limbs' place values on ``device`` (made once per device)."""
+    scale = _SCALES.get(device)
+    if scale is None:
+        scale = _SCALES[device] = torch.tensor([1, BASE, BASE * BASE], dtype=torch.int64, device=device)
+    return scale
 
 
 def _checked(name: str, value) -> tuple:
@@ -224,8 +251,7 @@ def _limbs(value, device: torch.device, floating: bool = False) -> torch.Tensor:
     if value is None:
         return torch.zeros(LIMBS, dtype=torch.float64, device=device)
     if floating:
-        value = torch.as_tensor(value, dtype=torch.float64, device=device).reshape(1)
-        return torch.cat([value, value.new_zeros(LIMBS - 1)])
+        return F.pad(torch.as_tensor(value, dtype=torch.float64, device=device).reshape(1), (0, LIMBS - 1))
     if isinstance(value, int):
         digits = [value % BASE, value // BASE % BASE, value // (BASE * BASE)]
         return torch.tensor(digits, dtype=torch.float64, device=device)

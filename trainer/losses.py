@@ -144,6 +144,8 @@ def _numerator(elements: ElementLosses) -> tuple:
     values, weights = elements.values, elements.weights
     if weights is None:
         return values, None
+    if isinstance(elements, _Weighted) and weights.dtype == torch.bool:
+        return values, weights  # torch's output: 0 where ignored already
     weights = torch.broadcast_to(torch.as_tensor(weights, device=values.device), values.shape)
     weighted = values if isinstance(elements, _Weighted) else values * weights.to(values.dtype)
     return torch.where(weights != 0, weighted, torch.zeros_like(values)), weights
@@ -155,7 +157,7 @@ def element_terms(elements: ElementLosses, sample_weight=None) -> LossTerms:
     if weights is None:
         count = numerator.numel()
     else:
-        count = weights.sum() if weights.is_floating_point() else weights.to(torch.int64).sum()
+        count = weights.sum()  # a bool or integer sum is an int64 tensor
     if sample_weight is not None:
         numerator = numerator * _broadcast_weight(sample_weight, numerator)
     return LossTerms(numerator.sum(), count)

@@ -185,6 +185,14 @@ def _weights(values: torch.Tensor, sample_weight, mask=None):
     return torch.where(weight != 0, values * weight, torch.zeros_like(values)), weight.sum()
 
 
+def _as_value(value, dtype):
+    """A number as it is (no tensor made per step); a tensor detached (an integer or a wider one is added in
+    place to the ``dtype`` accumulator as it is: no conversion kernel per step)."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    return value.detach()
+
+
 class _MeanOfValues(Metric):
     """total / count of per-example (or per-element) values (weighted)."""
 
@@ -200,8 +208,8 @@ class _MeanOfValues(Metric):
 
     def update_totals(self, total, count) -> None:
         """Adds a sum of values and their count (a loss's ``LossTerms``: the loss trackers of ``fit``)."""
-        self._add("total", torch.as_tensor(total).detach().to(self.dtype))
-        self._add("count", torch.as_tensor(count).detach().to(self.dtype))
+        self._add("total", _as_value(total, self.dtype))
+        self._add("count", _as_value(count, self.dtype))
 
     def result(self) -> torch.Tensor:
         total, count = self._state("total").value(), self._state("count").value()

@@ -100,3 +100,32 @@ def two_workers(rank, num_workers, port, batch_size=8, accumulation=None):
     resolver = ds.SimpleClusterResolver(num_workers, rank, "127.0.0.1", port)
     strategy = ds.MultiWorkerMirroredStrategy(ds.CommunicationOptions(timeout_seconds=30), resolver)
     return {name: ours(name, strategy, batch_size=batch_size, accumulation=accumulation) for name in CASES}
+
+
+def collectives_per_step(rank, num_workers, port):
+    """The collectives of each training step of one epoch, for the classifier with a per-example loss and with
+    an element-level one (torch's class-weighted cross entropy): ``{"per_example": [...], "element": [...]}``."""
+    from replicafit.strategies.collective import Collective
+
+    operations = []
+    guard = Collective._guard
+    Collective._guard = lambda self, operation: (operations.append(operation), guard(self, operation))[1]
+    resolver = ds.SimpleClusterResolver(num_workers, rank, "127.0.0.1", port)
+    strategy = ds.MultiWorkerMirroredStrategy(ds.CommunicationOptions(timeout_seconds=30), resolver)
+    run, counts = strategy.run, []
+
+    def counting_run(fn, args=(), kwargs=None, options=None):
+        before = len(operations)
+        result = run(fn, args=args, kwargs=kwargs, options=options)
+        counts.append(len(operations) - before)
+        return result
+
+    strategy.run = counting_run
+    out = {}
+    for kind, loss in (("per_example", "cross_entropy"), ("element", nn.CrossEntropyLoss(weight=CLASS_WEIGHTS))):
+        model, data, _, _, _ = case("class_weights")
+        trainer = Trainer(strategy=strategy, optimizer=optimizers.SGD(0.1), loss=loss, metrics=[], seed=0)
+        counts.clear()
+        trainer.fit(model, data, batch_size=8, shuffle=False, verbose=0)
+        out[kind] = list(counts)
+    return out

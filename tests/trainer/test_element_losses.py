@@ -200,3 +200,12 @@ def test_a_recipe_names_ignore_class():
     assert isinstance(loss, losses.SparseCategoricalCrossentropy) and loss.ignore_class == -100
     with pytest.raises(Exception, match="ignore_class"):
         recipes.build(recipes.load("digits_mlp", overrides=["loss.type=cross_entropy", "loss.ignore_class=pad"]))
+
+
+@pytest.mark.timeout(120)
+def test_the_count_of_real_elements_costs_no_collective_of_its_own():
+    """Across workers a step of an element-level loss makes as many collectives as a per-example one: the
+    count rides with the gradient reduction."""
+    workers = results(run_workers(scenarios.__file__, "collectives_per_step", 2, timeout=100))
+    for got in workers:
+        assert got["element"] == got["per_example"] and len(got["element"]) == 4, got
