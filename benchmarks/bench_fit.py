@@ -82,7 +82,9 @@ def hand_loop(x, y, batch: int, epochs: int) -> list[float]:
     return times
 
 
-class _EpochClock(Callback):
+class EpochClock(Callback):
+    """Each epoch's seconds (``times``), from ``on_epoch_begin`` to ``on_epoch_end``."""
+
     def __init__(self):
         super().__init__()
         self.times: list[float] = []
@@ -95,7 +97,7 @@ class _EpochClock(Callback):
 
 
 def fit(x, y, batch: int, epochs: int, strategy=None, precision="32", accumulation=None, ema=False) -> list[float]:
-    clock = _EpochClock()
+    clock = EpochClock()
     config = {"learning_rate": 0.01, "momentum": 0.9, "gradient_accumulation_steps": accumulation, "use_ema": ema}
     trainer = Trainer(
         strategy=strategy,

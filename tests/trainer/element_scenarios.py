@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import copy
+import os
+import sys
 
 import torch
 import torch.nn as nn
@@ -105,22 +107,12 @@ def two_workers(rank, num_workers, port, batch_size=8, accumulation=None):
 def collectives_per_step(rank, num_workers, port):
     """The collectives of each training step of one epoch, for the classifier with a per-example loss and with
     an element-level one (torch's class-weighted cross entropy): ``{"per_example": [...], "element": [...]}``."""
-    from replicafit.strategies.collective import Collective
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # workers load this file by its path
+    from mw_fit_scenarios import count_collectives_per_run
 
-    operations = []
-    guard = Collective._guard
-    Collective._guard = lambda self, operation: (operations.append(operation), guard(self, operation))[1]
     resolver = ds.SimpleClusterResolver(num_workers, rank, "127.0.0.1", port)
     strategy = ds.MultiWorkerMirroredStrategy(ds.CommunicationOptions(timeout_seconds=30), resolver)
-    run, counts = strategy.run, []
-
-    def counting_run(fn, args=(), kwargs=None, options=None):
-        before = len(operations)
-        result = run(fn, args=args, kwargs=kwargs, options=options)
-        counts.append(len(operations) - before)
-        return result
-
-    strategy.run = counting_run
+    counts = count_collectives_per_run(strategy)
     out = {}
     for kind, loss in (("per_example", "cross_entropy"), ("element", nn.CrossEntropyLoss(weight=CLASS_WEIGHTS))):
         model, data, _, _, _ = case("class_weights")

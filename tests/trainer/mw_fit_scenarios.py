@@ -83,23 +83,30 @@ def accumulated_settings() -> dict:
 def accumulated(rank, num_workers, port):
     """Accumulation over 3 steps at batch 16 (8 steps per epoch: windows of 3, 3 and a partial 2),
     with the collectives of each ``strategy.run`` (each step) counted."""
+    strategy = strategy_for(rank, num_workers, port)
+    per_step = count_collectives_per_run(strategy)
+    result = fit_run(strategy, **accumulated_settings())
+    return result | {"collectives_per_step": per_step}
+
+
+def count_collectives_per_run(strategy) -> list:
+    """From now on, the collectives of each ``strategy.run`` (each training step) are appended to the list
+    returned."""
     from replicafit.strategies.collective import Collective
 
-    operations = []
+    operations, per_run = [], []
     guard = Collective._guard
     Collective._guard = lambda self, operation: (operations.append(operation), guard(self, operation))[1]
-    strategy = strategy_for(rank, num_workers, port)
-    run, per_step = strategy.run, []
+    run = strategy.run
 
     def counting_run(fn, args=(), kwargs=None, options=None):
         before = len(operations)
         result = run(fn, args=args, kwargs=kwargs, options=options)
-        per_step.append(len(operations) - before)
+        per_run.append(len(operations) - before)
         return result
 
     strategy.run = counting_run
-    result = fit_run(strategy, **accumulated_settings())
-    return result | {"collectives_per_step": per_step}
+    return per_run
 
 
 def float16_settings() -> dict:
