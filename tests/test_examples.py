@@ -39,3 +39,11 @@ def test_the_coming_from_pytorch_example_trains_the_users_own_module():
     own = float(done.stdout.split("your module on the validation rows: ")[1].split()[0])
     assert last >= 0.95 and own == last  # the user's module holds what fit validated
     assert "learning_rate: " in done.stdout
+
+
+@pytest.mark.timeout(120)
+def test_the_token_classification_example_equals_a_plain_torch_loop():
+    done = run_example("token_classification.py")
+    difference = float(done.stdout.split("largest weight difference from a plain torch loop: ")[1].split()[0])
+    accuracy = float(done.stdout.split("token accuracy after 6 epochs: ")[1].split()[0])
+    assert difference <= 2e-6 and accuracy >= 0.95
