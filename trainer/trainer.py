@@ -350,6 +350,11 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         if self.loss is not None:
             y_pred = self._model_io.prediction(call_model(self.model, x), self.loss, y)
             return y_pred, self._loss_terms(y, y_pred, sample_weight)
+        if sample_weight is not None:
+            raise ValueError(
+                "Trainer(loss=None) trains on the loss the model returns, which sample weights cannot reach: batches "
+                "of (x, y, sample_weight) need a loss of the Trainer's (pass loss=...), or drop the weights."
+            )
         inputs = inputs_with_labels(self.model, x, y)
         counted = counts_items(self.model, inputs)
         if counted:  # a Hugging Face model divides its loss's sum by num_items_in_batch: our prescale

@@ -145,3 +145,10 @@ def test_a_models_own_per_example_mean_is_weighted_by_each_replicas_rows():
     assert largest_difference(model.state_dict(), expected) <= TOLERANCE
     with pytest.raises(ValueError, match="loss=None"):
         trainer.compute_loss(y, model(x)["logits"])
+
+
+def test_sample_weights_with_the_models_own_loss_are_refused():
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    trainer = Trainer(loss=None, metrics=[])
+    with pytest.raises(ValueError, match="sample weights cannot reach"):
+        trainer.fit(Classifier(), ({"features": x}, y, torch.ones(8)), batch_size=4, verbose=0)
