@@ -25,6 +25,7 @@ import torch
 import replicafit.strategies as ds
 from replicafit.strategies import context
 from replicafit.strategies.devices import torch_device
+from replicafit.strategies.step_values import wide_float
 
 from .tensors import _first_tensor, _no_grad
 
@@ -153,7 +154,8 @@ class GradientAccumulation:
         ``Trainer.fit`` sets it for element-level losses (the count of real tokens or pixels of the
         global batch, known only after every worker has seen its rows) and clears it at the end.
 
-        Example (a loop of one's own: the mean over real tokens of the global batch)::
+        Every worker must add the step value at every step, of one kind (here integer counts; ``0`` where a
+        replica has no rows). Example (a loop of one's own: the mean over real tokens of the global batch)::
 
             optimizer.gradient_denominator = optimizers.GradientDenominator("tokens", prescale=1.0)
 
@@ -175,6 +177,21 @@ class GradientAccumulation:
             )
         self._gradient_denominator = value
 
+    @property
+    def accumulated_steps(self) -> int:
+        """Steps in the open accumulation window, not applied yet (0 without one).
+
+        Example::
+
+            optimizer = SGD(0.1, gradient_accumulation_steps=4)
+            ...                                   # 6 steps: one update, then 2 steps
+            optimizer.accumulated_steps           # 2
+        """
+        window = self._window
+        if window is None and self._pending_window is not None:
+            return int(self._pending_window["count"])
+        return window.count if window is not None else 0
+
     def _divisor(self, strategy, window_weight):
         """What an update divides the reduced gradients by: the window's weight (None: a lone step), or
         ``total / prescale`` of the gradient denominator (a tensor: no read back to the host)."""
@@ -183,7 +200,8 @@ class GradientAccumulation:
             return window_weight
         total = strategy.cluster.step_total(denominator.step_value)
         # Nothing real in the window: its gradients are zeros, which a finite divisor keeps at zero (not NaN).
-        return total.to(torch.float64).clamp_min(denominator.prescale * 1e-30) / denominator.prescale
+        total = total.to(wide_float(total.device))
+        return total.clamp_min(denominator.prescale * 1e-30) / denominator.prescale
 
     def _accumulate(self, ctx, grads, variables):
         """Adds this step's gradients to the window; its last step applies the window."""

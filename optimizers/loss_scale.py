@@ -218,7 +218,12 @@ class LossScaleOptimizer(Optimizer):
 
     @property
     def gradient_denominator(self):
+        """The inner optimizer's ``gradient_denominator`` (its pipeline divides; the scaler unscales after)."""
         return self.inner_optimizer.gradient_denominator
+
+    @property
+    def accumulated_steps(self) -> int:
+        return self.inner_optimizer.accumulated_steps
 
     @gradient_denominator.setter
     def gradient_denominator(self, value) -> None:

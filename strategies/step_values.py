@@ -26,8 +26,9 @@ split into three base-4096 limbs so that float32 sums them exactly: up to 2**36 
 4096 replicas. A floating value (a Python float, a floating tensor of one element: a sum of class
 weights) rides as one element of the carrier and sums as that dtype sums (in replica order, so
 alike on every run), its total a float64 tensor. One name keeps one kind. At most ``MAX_VALUES``
-names per step. Every worker must add the same names at the same steps (0 where it has nothing,
-of the name's kind): the names decide the layout of what the reduction carries. Where the carrier
+names per step. Every worker must add the same names at the same steps, each name of the same kind
+on every worker (``0`` or ``0.0`` where it has nothing): the names decide the layout of what the
+reduction carries, and the kind how its limbs are read. Where the carrier
 is not float32/float64 (a model whose gradients are all bfloat16), the values take a float32
 reduction of their own.
 
@@ -56,7 +57,7 @@ import torch.nn.functional as F
 from . import context
 from .values import DistributedValues
 
-__all__ = ["MAX_VALUES", "StepValues", "carrier"]
+__all__ = ["MAX_VALUES", "StepValues", "carrier", "wide_float"]
 
 BASE = 4096  # one limb: 4096 replicas' limbs sum below 2**24, exact in float32
 LIMBS = 3  # values below 2**36
@@ -167,7 +168,7 @@ class StepValues:
         if len(payload.floating) < len(payload.names):  # integer values: their limbs put together
             limbs = reduced.round().to(torch.int64)
             totals = (limbs * _scale(limbs.device)).sum(dim=1)
-        floats = reduced[:, 0].to(torch.float64) if payload.floating else None
+        floats = reduced[:, 0].to(wide_float(reduced.device)) if payload.floating else None
         with self._lock:
             for index, name in enumerate(payload.names):
                 total = floats[index] if name in payload.floating else totals[index]
@@ -199,7 +200,7 @@ class StepValues:
         with self._lock:
             pending, self._pending = self._pending, {}
             for name, (value,) in pending.items():
-                dtype = torch.float64 if name in self._floating else torch.int64
+                dtype = wide_float(self._devices[0]) if name in self._floating else torch.int64
                 total = torch.as_tensor(0 if value is None else value, dtype=dtype, device=self._devices[0])
                 known = self._totals.get(name) if name in self._unread else None
                 self._totals[name] = total if known is None else known + total.to(known.device)
@@ -232,7 +233,7 @@ def _checked(name: str, value) -> tuple:
                 f"element), got a {value.dtype} tensor of shape {list(value.shape)}."
             )
         floating = value.is_floating_point()
-        return value.detach().reshape(()).to(torch.float64 if floating else torch.int64), floating
+        return value.detach().reshape(()).to(wide_float(value.device) if floating else torch.int64), floating
     if isinstance(value, bool):
         return int(value), False
     if isinstance(value, float):
@@ -245,16 +246,22 @@ def _checked(name: str, value) -> tuple:
     return value, False
 
 
+def wide_float(device) -> torch.dtype:
+    """float64 where ``device`` has it, else float32 (Apple's MPS has no float64)."""
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
+
 def _limbs(value, device: torch.device, floating: bool = False) -> torch.Tensor:
-    """``value`` (an int, an int64 tensor or None: 0) as ``LIMBS`` base-``BASE`` digits; a floating value as
-    itself and two zeros (float64 here: the carrier's dtype is chosen later)."""
+    """``value`` (an int, an int64 tensor or None: 0) as ``LIMBS`` base-``BASE`` digits (float32: exact); a
+    floating value as itself and two zeros (``wide_float``: the carrier's dtype is chosen later)."""
+    dtype = wide_float(device) if floating else torch.float32
     if value is None:
-        return torch.zeros(LIMBS, dtype=torch.float64, device=device)
+        return torch.zeros(LIMBS, dtype=dtype, device=device)
     if floating:
-        return F.pad(torch.as_tensor(value, dtype=torch.float64, device=device).reshape(1), (0, LIMBS - 1))
+        return F.pad(torch.as_tensor(value, dtype=dtype, device=device).reshape(1), (0, LIMBS - 1))
     if isinstance(value, int):
         digits = [value % BASE, value // BASE % BASE, value // (BASE * BASE)]
-        return torch.tensor(digits, dtype=torch.float64, device=device)
+        return torch.tensor(digits, dtype=dtype, device=device)
     value = value.to(device)
     digits = torch.stack([value % BASE, value // BASE % BASE, value // (BASE * BASE)])
-    return digits.to(torch.float64)
+    return digits.to(dtype)

@@ -24,13 +24,13 @@ import torch
 
 from replicafit import optimizers
 from replicafit.strategies import context, nest
+from replicafit.strategies.step_values import wide_float
 
 from . import callbacks as callbacks_module
 from . import losses
 from .arguments import FIT_ARGUMENTS, check_arguments
 from .input_checks import first_batch, in_memory_labels
 from .inputs import Cursor, batch_source, length_of, rows, split_off_validation, unpack
-from .model_io import counts_items, inputs_with_labels
 
 _DENOMINATOR = "replicafit/loss denominator"  # the step value of an element-level loss's real elements
 
@@ -262,26 +262,31 @@ class FitLoop:
     def _start_element_reduction(self, first) -> None:
         """An element-level loss (``losses`` module docstring) in the built-in step: its real elements' weight
         rides with each update's reduction (``optimizer.gradient_denominator``); each replica divides its
-        loss by a constant before backward, the first global batch's element count (agreed across workers),
-        which keeps float16 gradients in the mean's range, and the optimizer divides by the global total
-        over that constant after the reduction."""
+        loss by a constant before backward, the first global batch's count of label elements (its rows
+        without labels; agreed across workers), which keeps float16 gradients in the mean's range, and the
+        optimizer divides by the global total over that constant after the reduction."""
         self._element_denominator = None
         restored, self._window_denominator = self._window_denominator, None  # what a restored window counted
         x, y, _ = unpack(first)
         if self.loss is None:  # the model's own loss: element-level where it divides by num_items_in_batch
-            element_level = counts_items(self._distributed.module, inputs_with_labels(self._distributed.module, x, y))
+            element_level, self._count_floating = self._counts_items, False
         else:
             single_output = isinstance(self.loss, losses.Loss) and list(self._loss_trackers) == ["loss"]
             element_level = single_output and self.loss.element_level  # several outputs: per example
+            self._count_floating = getattr(self.loss, "count_floating", None) is not False  # unknown: a float
         if not (element_level and self._is_builtin("train_step", "compute_loss")):
             return
         leaves = [t for t in nest.flatten(y) if hasattr(t, "shape")] if y is not None else []
         per_row = math.prod(leaves[0].shape[1:]) if leaves else 1
-        prescale = self.strategy.cluster.broadcast(float(max(1, rows(x) * per_row)), "agreeing on the loss's prescale")
         cluster = self.strategy.cluster
-        cluster.discard_step_value(_DENOMINATOR)  # what an interrupted fit left
+        prescale = cluster.broadcast(float(max(1, rows(x) * per_row)), "agreeing on the loss's prescale")
+        # What an interrupted fit left is dropped, unless its open window goes on in memory (its count with it).
+        if restored is not None or not self.optimizer.accumulated_steps:
+            cluster.discard_step_value(_DENOMINATOR)
         if restored is not None:  # a restored open window's real elements so far (counted once: the chief's)
-            cluster.add_to_step(_DENOMINATOR, torch.tensor(restored if cluster.is_chief else 0.0, dtype=torch.float64))
+            value = restored if cluster.is_chief else 0.0
+            dtype = wide_float(self.strategy.extended.worker_devices[0]) if self._count_floating else torch.int64
+            cluster.add_to_step(_DENOMINATOR, torch.tensor(value, dtype=dtype))
         self._element_denominator = optimizers.GradientDenominator(_DENOMINATOR, prescale)
         self.optimizer.gradient_denominator = self._element_denominator
 

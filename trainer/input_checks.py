@@ -28,7 +28,7 @@ from replicafit.strategies.describe import describe_structure
 
 from . import losses, metrics
 from .inputs import as_dtype, batch_source, length_of, rows, unpack
-from .model_io import call_model, passes_keywords
+from .model_io import call_model, counts_items, inputs_with_labels, model_loss, passes_keywords
 
 __all__ = ["InputChecks", "first_batch", "in_memory_labels", "one_shot"]
 
@@ -100,7 +100,32 @@ class InputChecks:
                     if built_in and structure is None and self.loss is not None:
                         whole = all_labels if all_labels is not None else y
                         self._check_loss_on_first_batch(whole, labels, output, caller)
+        self._counts_items = self.loss is None and first is not None and self._probe_counts_items(first, dm)
         self._prepare_metrics(structure, labels, output)
+
+    def _probe_counts_items(self, first, dm) -> bool:
+        """``Trainer(loss=None)``: whether the model's loss is a sum divided by the ``num_items_in_batch`` it is
+        given (Hugging Face's loss kwargs). A model that takes ``**kwargs`` may ignore it (a Hugging Face
+        classifier returns its own mean whatever it is given), so its signature is not enough: the loss of a
+        few examples of the first batch with 1 and with 2 must halve. Eval mode, no gradients."""
+        x, y, _ = unpack(first)
+        module = dm.module
+        count = min(rows(x), 8) if x is not None else 0
+        if count == 0:
+            return False
+        probe_x = nest.map_structure(lambda t: data_layer.as_tensor(t)[:count], x)
+        probe_y = None if y is None else nest.map_structure(lambda t: data_layer.as_tensor(t)[:count], y)
+        inputs = inputs_with_labels(module, as_dtype(probe_x, self._float_dtype), probe_y)
+        if not counts_items(module, inputs):
+            return False
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                one, two = (model_loss(call_model(module, {**inputs, "num_items_in_batch": n})) for n in (1.0, 2.0))
+        finally:
+            module.train(was_training)
+        return bool(torch.isfinite(one) and one != 0 and torch.isclose(two * 2, one, rtol=1e-4))
 
     def _built_in_loss_step(self, caller: str) -> bool:
         """Whether the step that ``caller`` runs is the built-in one with the built-in ``compute_loss`` (only

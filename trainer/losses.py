@@ -126,8 +126,8 @@ class LossTerms(NamedTuple):
 def _broadcast_weight(sample_weight, values: torch.Tensor) -> torch.Tensor:
     """``sample_weight`` (per example ``(batch,)`` or per element) shaped to multiply ``values``."""
     weight = torch.as_tensor(sample_weight, device=values.device).to(values.dtype)
-    if weight.dim() == 2 and weight.shape[-1] == 1 and values.dim() == 1:
-        weight = weight.reshape(-1)  # (batch, 1) weights of per-example values
+    if weight.dim() == 2 and weight.shape[-1] == 1 and values.dim() != 2:
+        weight = weight.reshape(-1)  # (batch, 1): one weight per example
     while weight.dim() < values.dim():
         weight = weight.unsqueeze(-1)
     try:
@@ -160,7 +160,12 @@ def element_terms(elements: ElementLosses, sample_weight=None) -> LossTerms:
         count = weights.sum()  # a bool or integer sum is an int64 tensor
     if sample_weight is not None:
         numerator = numerator * _broadcast_weight(sample_weight, numerator)
-    return LossTerms(numerator.sum(), count)
+    return LossTerms(_sum(numerator), count)
+
+
+def _sum(values: torch.Tensor) -> torch.Tensor:
+    """The sum of ``values``, in float32 where they are half precision (autocast): never in float16."""
+    return values.sum(dtype=torch.float32) if values.dtype in (torch.float16, torch.bfloat16) else values.sum()
 
 
 def _example_means(elements: ElementLosses) -> torch.Tensor:
@@ -192,13 +197,16 @@ class Loss:
     class_axis: int = -1
     #: whether the loss's mean has a denominator of its own (``ElementLosses``); None: its first call says
     element_level: bool | None = None
+    #: whether that denominator is a sum of floating weights (class weights) rather than a count; None: its
+    #: first call says (a count of real elements is carried exactly as an integer)
+    count_floating: bool | None = None
 
     def __init__(self, name: str | None = None):
         self.name = name or type(self).__name__
 
     def __call__(self, y_true, y_pred) -> torch.Tensor:
         values = self.call(y_true, y_pred)
-        self._saw(isinstance(values, ElementLosses))
+        self._saw(isinstance(values, ElementLosses), getattr(values, "weights", None))
         return _example_means(values) if isinstance(values, ElementLosses) else _per_example(values)
 
     def call(self, y_true, y_pred):
@@ -210,7 +218,7 @@ class Loss:
         ``per_example=True`` reduces every loss per example (the rule of a model with several outputs).
         """
         values = self.call(y_true, y_pred)
-        self._saw(isinstance(values, ElementLosses))
+        self._saw(isinstance(values, ElementLosses), getattr(values, "weights", None))
         if isinstance(values, ElementLosses):
             if not per_example:
                 return element_terms(values, sample_weight)
@@ -222,11 +230,13 @@ class Loss:
                 sample_weight = None
         if sample_weight is not None:
             examples = examples * _broadcast_weight(sample_weight, examples)
-        return LossTerms(examples.sum(), examples.shape[0] if examples.dim() else 1, examples)
+        return LossTerms(_sum(examples), examples.shape[0] if examples.dim() else 1, examples)
 
-    def _saw(self, element_level: bool) -> None:
+    def _saw(self, element_level: bool, weights=None) -> None:
         if self.element_level is None:
             self.element_level = element_level
+        if element_level and self.count_floating is None:
+            self.count_floating = weights is not None and torch.as_tensor(weights).is_floating_point()
 
     def get_config(self) -> dict:
         return {"name": self.name}
@@ -238,7 +248,7 @@ class Loss:
 def _per_row(sample_weight, values: torch.Tensor) -> bool:
     """Whether ``sample_weight`` has one weight per example (``(batch,)`` or ``(batch, 1)``)."""
     shape = tuple(torch.as_tensor(sample_weight).shape)
-    return len(shape) <= 1 or (len(shape) == 2 and shape[1] == 1 and values.dim() <= 2)
+    return len(shape) <= 1 or (len(shape) == 2 and shape[1] == 1)
 
 
 class SparseCategoricalCrossentropy(Loss):
@@ -270,6 +280,7 @@ class SparseCategoricalCrossentropy(Loss):
         self.from_logits = from_logits
         self.ignore_class = ignore_class
         self.element_level = ignore_class is not None
+        self.count_floating = False
 
     def call(self, y_true, y_pred):
         target = y_true.long()
@@ -435,6 +446,7 @@ class _TorchModule(Loss):
         self.module = copy.copy(module)
         self.module.reduction = "none"  # per-example values; the trainer does the reduction
         self.element_level = isinstance(module, _CLASS_INDEX_MODULES)
+        self.count_floating = getattr(module, "weight", None) is not None  # Σ weight[label], else a count
 
     def call(self, y_true, y_pred):
         try:
@@ -509,6 +521,7 @@ class _TorchFunctional(Loss):
         self.fn = fn
         self.accuracy_kind, self.from_logits = _torch_kind(fn)
         self.element_level = fn in (F.cross_entropy, F.nll_loss)
+        self.count_floating = False
 
     def call(self, y_true, y_pred):
         try:

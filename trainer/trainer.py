@@ -48,6 +48,7 @@ import torch
 import replicafit.strategies as ds
 from replicafit import optimizers
 from replicafit.strategies import context, nest
+from replicafit.strategies.step_values import wide_float
 from replicafit.strategies.variables import aggregated_reads
 
 from . import callbacks as callbacks_module
@@ -56,7 +57,7 @@ from .arguments import AUTOCAST, EVALUATE_ARGUMENTS, check_arguments, check_prec
 from .fit_loop import FitLoop
 from .input_checks import InputChecks, first_batch, in_memory_labels
 from .inputs import as_dtype, batch_source, batchable, rows, unpack
-from .model_io import ModelIO, call_model, counts_items, inputs_with_labels, model_loss, prediction_of, real_items
+from .model_io import ModelIO, call_model, inputs_with_labels, model_loss, prediction_of, real_items
 from .training_state import TrainingState
 
 __all__ = ["Trainer"]
@@ -121,6 +122,8 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         self._global_batch = 1
         self._element_denominator = None  # an element-level loss's GradientDenominator, while fit runs
         self._window_denominator = None  # a restored open window's real elements (float), until fit starts
+        self._count_floating = False  # the element-level step value's kind: float (class weights) or int
+        self._counts_items = False  # loss=None: the model divides its loss by num_items_in_batch (probed)
         self._epoch = 0
         self._step = 0
         self._data_seed = seed
@@ -217,14 +220,19 @@ class Trainer(FitLoop, TrainingState, InputChecks):
                 "Trainer(loss=None) trains on the loss the model returns: compute_loss() has no loss of its own to "
                 "compute. Pass a loss to the Trainer, or read the model's output['loss']."
             )
-        return self._loss_terms(y, y_pred, sample_weight, per_example=True).per_example
+        return self._builtin_loss_terms(y, y_pred, sample_weight, per_example=True).per_example
 
     def _loss_terms(self, y, y_pred, sample_weight=None, per_example: bool = False) -> losses.LossTerms:
-        """This replica's ``LossTerms`` of the loss (summed over the outputs of a model with several, each
-        reduced per example); an overridden ``compute_loss`` gives per-example losses."""
-        if not per_example and not self._is_builtin("compute_loss"):
-            values = self.compute_loss(y, y_pred, sample_weight)
-            return losses.LossTerms(values.sum(), values.shape[0] if values.dim() else 1, values)
+        """This replica's ``LossTerms`` of the loss; an overridden ``compute_loss`` gives per-example losses."""
+        if self._is_builtin("compute_loss"):
+            return self._builtin_loss_terms(y, y_pred, sample_weight, per_example)
+        values = self.compute_loss(y, y_pred, sample_weight)  # one's own: per-example losses, summed in float32
+        values = values.float() if values.dtype in (torch.float16, torch.bfloat16) else values
+        return losses.LossTerms(values.sum(), values.shape[0] if values.dim() else 1, values)
+
+    def _builtin_loss_terms(self, y, y_pred, sample_weight, per_example: bool) -> losses.LossTerms:
+        """The terms of the trainer's loss (summed over the outputs of a model with several, each reduced per
+        example)."""
         if not isinstance(y_pred, (Mapping, tuple, list)):
             return self.loss.terms(y, y_pred, sample_weight, per_example=per_example)
         total = None
@@ -275,13 +283,16 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         """
         x, y, sample_weight = self._model_floats(*unpack(data))
         variables = self._trainable
+        denominator = self._element_denominator
         if rows(x) == 0:  # an empty replica: no forward pass, zero gradients (and no real element)
-            if self._element_denominator is not None:  # every worker carries the same step values
-                self.strategy.cluster.add_to_step(self._element_denominator.step_value, 0.0)
+            if denominator is not None:  # every worker carries the same step values, of one kind
+                self.strategy.cluster.add_to_step(denominator.step_value, 0.0 if self._count_floating else 0)
             grads = [torch.zeros_like(v.value()) for v in variables]
             self.optimizer.apply_gradients(zip(grads, variables))
             return
-        y_pred, terms = self._forward(x, y, sample_weight)
+        # Reduced per example where fit decided so (a loss per example, several outputs, or a train_step of
+        # one's own that calls this one: fit cannot know it adds the step value).
+        y_pred, terms = self._forward(x, y, sample_weight, per_example=denominator is None)
         loss = self.optimizer.scale_loss(self._step_loss(terms))
         grads = torch.autograd.grad(loss, [v.value() for v in variables], allow_unused=True)
         grads = [torch.zeros_like(v.value()) if g is None else g for g, v in zip(grads, variables)]
@@ -293,17 +304,12 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         element-level loss is applied after the reduction)."""
         denominator = self._element_denominator
         if denominator is None:
-            if terms.per_example is None:
-                raise RuntimeError(
-                    f"The loss {getattr(self.loss, 'name', self.loss)!r} returned ElementLosses in a step that "
-                    "reduces per example (decided when fit started, from the loss's first call on the first batch, "
-                    "or its element_level attribute). Return ElementLosses at every call, or set element_level = "
-                    "True on the loss."
-                )
             return terms.total / self._global_batch
-        # A float step value, whatever the weights: every worker must carry the same kind, an empty replica
-        # too (its 0.0); exact for up to 2**24 real elements per step (float32 carriers), as torch's own mean.
-        count = torch.as_tensor(terms.count, dtype=torch.float64)
+        # One kind on every worker, decided when fit started: a count of real elements rides exactly as an
+        # integer; a sum of class weights as a float.
+        count = terms.count
+        if self._count_floating:
+            count = torch.as_tensor(count, dtype=wide_float(terms.total.device))
         self.strategy.cluster.add_to_step(denominator.step_value, count)
         return terms.total / denominator.prescale
 
@@ -333,30 +339,30 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         dtype = self._float_dtype
         return as_dtype(x, dtype), as_dtype(y, dtype), as_dtype(sample_weight, dtype)
 
-    def _forward(self, x, y, sample_weight):
-        """The model's output and the loss terms (float32) of a replica's slice, under the trainer's
-        precision."""
+    def _forward(self, x, y, sample_weight, per_example: bool = False):
+        """The model's output and the loss terms (summed in float32, or wider) of a replica's slice, under the
+        trainer's precision; ``per_example``: every loss reduced per example."""
         if self._autocast_dtype is None:
-            return self._output_and_terms(x, y, sample_weight)
+            return self._output_and_terms(x, y, sample_weight, per_example)
         with torch.autocast(_device_type(x), dtype=self._autocast_dtype):
-            y_pred, terms = self._output_and_terms(x, y, sample_weight)
-        if terms.total.dtype in (torch.float16, torch.bfloat16):  # summed in float32 (or wider)
-            terms = terms._replace(total=terms.total.float())
+            y_pred, terms = self._output_and_terms(x, y, sample_weight, per_example)
+        if terms.per_example is not None and terms.per_example.dtype in (torch.float16, torch.bfloat16):
+            terms = terms._replace(per_example=terms.per_example.float())
         return y_pred, terms
 
-    def _output_and_terms(self, x, y, sample_weight):
+    def _output_and_terms(self, x, y, sample_weight, per_example: bool = False):
         """The model's prediction (its logits, for a ``ModelOutput``) and the loss terms: of the trainer's loss,
         or (``loss=None``) of the loss the model returns, the labels being in its inputs."""
         if self.loss is not None:
             y_pred = self._model_io.prediction(call_model(self.model, x), self.loss, y)
-            return y_pred, self._loss_terms(y, y_pred, sample_weight)
+            return y_pred, self._loss_terms(y, y_pred, sample_weight, per_example)
         if sample_weight is not None:
             raise ValueError(
                 "Trainer(loss=None) trains on the loss the model returns, which sample weights cannot reach: batches "
                 "of (x, y, sample_weight) need a loss of the Trainer's (pass loss=...), or drop the weights."
             )
         inputs = inputs_with_labels(self.model, x, y)
-        counted = counts_items(self.model, inputs)
+        counted = self._counts_items and not per_example and isinstance(inputs, Mapping) and "labels" in inputs
         if counted:  # a Hugging Face model divides its loss's sum by num_items_in_batch: our prescale
             prescale = 1.0 if self._element_denominator is None else self._element_denominator.prescale
             inputs = {**inputs, "num_items_in_batch": prescale}

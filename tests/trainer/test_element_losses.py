@@ -15,7 +15,7 @@ from conftest import InterruptAt, make_strategy
 from multiworker_harness import results, run_workers
 
 from replicafit import optimizers
-from replicafit.trainer import BackupAndRestore, Trainer, losses, metrics
+from replicafit.trainer import BackupAndRestore, Callback, Trainer, losses, metrics
 
 TOLERANCE = 2e-6
 STRATEGIES = ["default", "mirrored2", "mirrored3", "central_storage2"]
@@ -209,3 +209,69 @@ def test_the_count_of_real_elements_costs_no_collective_of_its_own():
     workers = results(run_workers(scenarios.__file__, "collectives_per_step", 2, timeout=100))
     for got in workers:
         assert got["element"] == got["per_example"] and len(got["element"]) == 4, got
+
+
+def test_a_train_step_of_ones_own_that_calls_the_built_in_one_reduces_per_example():
+    """fit cannot know that an override adds the step value: such a step reduces per example, as before."""
+
+    class Logged(Trainer):
+        def train_step(self, data):
+            super().train_step(data)
+
+    x, y = scenarios.classifier_data()
+    trainer = Logged(loss=nn.CrossEntropyLoss(), metrics=[])
+    history = trainer.fit(nn.Linear(6, scenarios.CLASSES), (x, y), batch_size=8, verbose=0)
+    assert history.history["loss"][0] > 0
+
+
+def test_float16_losses_are_summed_in_float32():
+    """Squared errors near 3600 over 64 rows overflow a float16 sum; the logged loss must not."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 8), torch.full((64, 4), 60.0)
+    trainer = Trainer(optimizer=optimizers.SGD(1e-4), loss="mse", metrics=[], precision="16-mixed", seed=0)
+    history = trainer.fit(nn.Linear(8, 4), (x, y), batch_size=64, verbose=0)
+    assert 3000 < history.history["loss"][0] < 4000
+
+
+def test_per_example_weights_of_shape_batch_by_one_weigh_as_per_example_weights():
+    torch.manual_seed(0)
+    x, y, w = torch.randn(16, 3), torch.randn(16, 2, 5), torch.rand(16)
+    results = []
+    for weights in (w, w[:, None]):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 10), nn.Unflatten(1, (2, 5)))
+        Trainer(optimizer=optimizers.SGD(0.1), loss="mse", metrics=[]).fit(
+            model, (x, y, weights), batch_size=8, shuffle=False, verbose=0
+        )
+        results.append(model.state_dict())
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
+
+
+def test_a_fit_interrupted_mid_window_goes_on_with_the_windows_count():
+    """The window stays open in the optimizer after an exception, and so does its count of real elements."""
+
+    class Interrupt(Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise KeyboardInterrupt
+
+    def trainer():
+        return Trainer(optimizer=optimizers.SGD(0.5, gradient_accumulation_steps=2), loss=loss, metrics=[], seed=0)
+
+    model, (x, y), loss, _, _ = scenarios.case("ignore_class")
+    trainer().fit(model, (x[:8], y[:8]), batch_size=4, shuffle=False, verbose=0)
+    expected = copy.deepcopy(model.state_dict())
+    model, (x, y), loss, _, _ = scenarios.case("ignore_class")
+    interrupted = trainer()
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.fit(model, (x[:4], y[:4]), batch_size=4, shuffle=False, verbose=0, callbacks=[Interrupt()])
+    assert interrupted.optimizer.gradient_denominator is None and interrupted.optimizer.accumulated_steps == 1
+    interrupted.fit(model, (x[4:8], y[4:8]), batch_size=4, shuffle=False, verbose=0)
+    assert scenarios.largest_difference(model.state_dict(), expected) <= 1e-7
+
+
+def test_a_count_of_real_elements_rides_as_an_integer_and_class_weights_as_a_float():
+    for loss, floating in ((nn.CrossEntropyLoss(), False), (nn.CrossEntropyLoss(weight=scenarios.CLASS_WEIGHTS), True)):
+        trainer = Trainer(loss=loss, metrics=[])
+        x, y = scenarios.classifier_data()
+        trainer.fit(nn.Linear(6, scenarios.CLASSES), (x, y), batch_size=8, verbose=0)
+        assert trainer._count_floating is floating

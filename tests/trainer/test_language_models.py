@@ -152,3 +152,34 @@ def test_sample_weights_with_the_models_own_loss_are_refused():
     trainer = Trainer(loss=None, metrics=[])
     with pytest.raises(ValueError, match="sample weights cannot reach"):
         trainer.fit(Classifier(), ({"features": x}, y, torch.ones(8)), batch_size=4, verbose=0)
+
+
+def test_a_classifier_that_ignores_num_items_in_batch_keeps_its_mean(transformers):
+    """A Hugging Face classifier takes ``**kwargs`` but returns its own mean whatever ``num_items_in_batch``
+    says: probed on the first batch, its loss is weighted by each replica's rows (20 rows in batches of 8:
+    a partial last batch), as a torch loop's mean is."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    reference = transformers.BertForSequenceClassification(config)
+    model = copy.deepcopy(reference)
+    ids, real = sequences()
+    data = {"input_ids": ids, "attention_mask": real.long(), "labels": torch.arange(ROWS) % 3}
+
+    def steps(net):
+        for start in range(0, ROWS, BATCH):
+            yield net(**{key: value[start : start + BATCH] for key, value in data.items()}).loss
+
+    expected = torch_loop(reference, steps)
+    trainer = Trainer(strategy=make_strategy("mirrored2"), optimizer=optimizers.SGD(0.5, momentum=0.5), loss=None)
+    trainer.fit(model, data, batch_size=BATCH, shuffle=False, verbose=0)
+    assert largest_difference(model.state_dict(), expected) <= TOLERANCE
+    assert not trainer._counts_items
