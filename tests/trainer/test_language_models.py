@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_strategy
+from test_model_io import tiny_bert
 
 from replicafit import optimizers
 from replicafit.trainer import Trainer, losses
@@ -158,18 +159,7 @@ def test_a_classifier_that_ignores_num_items_in_batch_keeps_its_mean(transformer
     """A Hugging Face classifier takes ``**kwargs`` but returns its own mean whatever ``num_items_in_batch``
     says: probed on the first batch, its loss is weighted by each replica's rows (20 rows in batches of 8:
     a partial last batch), as a torch loop's mean is."""
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        num_labels=3,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    reference = transformers.BertForSequenceClassification(config)
+    reference = tiny_bert(transformers)  # 50 words, 3 classes
     model = copy.deepcopy(reference)
     ids, real = sequences()
     data = {"input_ids": ids, "attention_mask": real.long(), "labels": torch.arange(ROWS) % 3}
