@@ -214,6 +214,16 @@ class StepValues:
 
 
 _SCALES: dict = {}
+_DIGITS: dict = {}
+
+
+def _digits_of(device) -> tuple:
+    """``(place values, moduli)`` that cut an int64 into its limbs on ``device`` (made once per device)."""
+    made = _DIGITS.get(device)
+    if made is None:
+        modulus = torch.tensor([BASE, BASE, 2**62], dtype=torch.int64, device=device)
+        made = _DIGITS[device] = (_scale(device), modulus)
+    return made
 
 
 def _scale(device) -> torch.Tensor:
@@ -262,6 +272,5 @@ def _limbs(value, device: torch.device, floating: bool = False) -> torch.Tensor:
     if isinstance(value, int):
         digits = [value % BASE, value // BASE % BASE, value // (BASE * BASE)]
         return torch.tensor(digits, dtype=dtype, device=device)
-    value = value.to(device)
-    digits = torch.stack([value % BASE, value // BASE % BASE, value // (BASE * BASE)])
-    return digits.to(dtype)
+    scale, modulus = _digits_of(device)
+    return (value.to(device).reshape(1) // scale % modulus).to(dtype)  # two kernels for the three digits
