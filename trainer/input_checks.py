@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Mapping
 
@@ -110,22 +111,24 @@ class InputChecks:
         few examples of the first batch with 1 and with 2 must halve. Eval mode, no gradients."""
         x, y, _ = unpack(first)
         module = dm.module
-        count = min(rows(x), 8) if x is not None else 0
-        if count == 0:
-            return False
-        probe_x = nest.map_structure(lambda t: data_layer.as_tensor(t)[:count], x)
-        probe_y = None if y is None else nest.map_structure(lambda t: data_layer.as_tensor(t)[:count], y)
-        inputs = inputs_with_labels(module, as_dtype(probe_x, self._float_dtype), probe_y)
-        if not counts_items(module, inputs):
-            return False
-        was_training = module.training
-        module.eval()
-        try:
-            with torch.no_grad():
-                one, two = (model_loss(call_model(module, {**inputs, "num_items_in_batch": n})) for n in (1.0, 2.0))
-        finally:
-            module.train(was_training)
-        return bool(torch.isfinite(one) and one != 0 and torch.isclose(two * 2, one, rtol=1e-4))
+        total = rows(x) if x is not None else 0
+        for count in sorted({min(total, 8), total}):  # a few rows; all of them if those have no real label
+            head = functools.partial(_first_rows, count=count)
+            probe_x = nest.map_structure(head, x)
+            probe_y = None if y is None else nest.map_structure(head, y)
+            inputs = inputs_with_labels(module, as_dtype(probe_x, self._float_dtype), probe_y)
+            if count == 0 or not counts_items(module, inputs):
+                return False
+            was_training = module.training
+            module.eval()
+            try:
+                with torch.no_grad():
+                    one, two = (model_loss(call_model(module, {**inputs, "num_items_in_batch": n})) for n in (1.0, 2.0))
+            finally:
+                module.train(was_training)
+            if bool(torch.isfinite(one) and one != 0):
+                return bool(torch.isclose(two * 2, one, rtol=1e-4))
+        return False
 
     def _built_in_loss_step(self, caller: str) -> bool:
         """Whether the step that ``caller`` runs is the built-in one with the built-in ``compute_loss`` (only
@@ -180,6 +183,10 @@ class InputChecks:
                 f"(y_pred, y_true), or a torch loss module (torch.nn.CrossEntropyLoss()), which is called in "
                 "torch's order."
             ) from None
+
+
+def _first_rows(t, count: int):
+    return data_layer.as_tensor(t)[:count]
 
 
 def first_batch(source, what: str, caller: str, want_batch: bool):

@@ -173,3 +173,18 @@ def test_a_classifier_that_ignores_num_items_in_batch_keeps_its_mean(transformer
     trainer.fit(model, data, batch_size=BATCH, shuffle=False, verbose=0)
     assert largest_difference(model.state_dict(), expected) <= TOLERANCE
     assert not trainer._counts_items
+
+
+def test_the_probe_reads_more_rows_when_the_first_ones_have_no_real_label(transformers):
+    """The first 8 rows are all padding: their loss is 0 whatever ``num_items_in_batch`` says, so the probe
+    looks at the whole first batch before deciding that the model's loss is a sum."""
+    ids, real = sequences()
+    labels = ids.masked_fill(~real, -100)
+    labels[:8] = -100
+    data = {"input_ids": ids, "attention_mask": real.long(), "labels": labels}
+    expected = torch_loop(tiny_gpt2(transformers), lambda model: iter([model(**data).loss]))
+    model = tiny_gpt2(transformers)
+    trainer = Trainer(strategy=make_strategy("mirrored2"), optimizer=optimizers.SGD(0.5, momentum=0.5), loss=None)
+    trainer.fit(model, data, batch_size=ROWS, shuffle=False, verbose=0)
+    assert trainer._counts_items
+    assert largest_difference(model.state_dict(), expected) <= TOLERANCE
