@@ -458,11 +458,11 @@ def test_backup_restores_a_learning_rate_set_by_a_callback(tmp_path):
 @pytest.mark.timeout(120)
 def test_backup_kept_when_delete_checkpoint_is_false_and_a_finished_backup_resumes_nothing(tmp_path):
     backup = tmp_path / "backup"
-    exists_at_end = []
-    watcher = LambdaCallback(on_epoch_end=lambda epoch, logs: exists_at_end.append((backup / "backup.pt").exists()))
+    exists_at_begin = []  # the backup writes after the other callbacks' on_epoch_end: seen at the next epoch
+    watcher = LambdaCallback(on_epoch_begin=lambda epoch, logs: exists_at_begin.append((backup / "backup.pt").exists()))
     trainer = make_trainer()
     history = fit(trainer, make_model(), [BackupAndRestore(backup, delete_checkpoint=False), watcher], epochs=2)
-    assert exists_at_end == [True, True]
+    assert exists_at_begin == [False, True]
     assert (backup / "backup.pt").exists()
     final = {k: v.clone() for k, v in trainer.model_state_dict().items()}
 
@@ -485,7 +485,7 @@ def test_backup_deleted_after_a_normal_finish(tmp_path):
         on_train_batch_end=lambda batch, logs: exists_during.append((backup / "backup.pt").exists())
     )
     fit(make_trainer(), make_model(), [BackupAndRestore(backup, save_freq=2), watcher], epochs=1)
-    assert exists_during == [False, True, True, True, True]
+    assert exists_during == [False, False, True, True, True]  # written after the watcher's hook of step 2
     assert not (backup / "backup.pt").exists()
 
 

@@ -64,7 +64,7 @@ def make_optimizer(kind):
     return optimizers.SGD(0.1, momentum=0.9)
 
 
-def fit(factory, interval, kind="ours", callbacks=(), strategy="mirrored2", epochs=EPOCHS, **kwargs):
+def fit(factory, interval, kind="ours", callbacks=(), strategy="mirrored2", epochs=EPOCHS, first=(), **kwargs):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     trainer = Trainer(strategy=make_strategy(strategy), optimizer=make_optimizer(kind), seed=0)
@@ -78,7 +78,7 @@ def fit(factory, interval, kind="ours", callbacks=(), strategy="mirrored2", epoc
         validation_split=0.2,
         verbose=0,
         shuffle=False,
-        callbacks=[scheduler, recorder, *callbacks],
+        callbacks=[*first, scheduler, recorder, *callbacks],
     )
     return trainer, model, history.history, recorder
 
@@ -260,6 +260,22 @@ def test_a_resumed_run_continues_the_schedule_exactly(tmp_path, name):
         factory, interval, callbacks=[BackupAndRestore(backup, save_freq=4)]
     )
     assert resumed.rates == recorder.rates[12:] and resumed.momenta == recorder.momenta[12:]
+    assert resumed_history == history
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
+
+
+@pytest.mark.parametrize("name", ["one_cycle_step", "step_lr_epoch"])
+@pytest.mark.parametrize("save_freq", [4, "epoch"])
+def test_a_backup_listed_before_the_scheduler_saves_after_its_step(tmp_path, name, save_freq):
+    """A backup is written once every callback has acted on the step (or epoch): the scheduler has stepped,
+    so the resumed run does not replay a learning rate, whichever callback comes first in the list."""
+    factory, interval = SCHEDULERS[name]
+    backup = tmp_path / "backup"
+    _, model, history, recorder = fit(factory, interval)
+    with pytest.raises(KeyboardInterrupt):
+        fit(factory, interval, first=[BackupAndRestore(backup, save_freq=save_freq)], callbacks=[InterruptAt(15)])
+    _, resumed_model, resumed_history, resumed = fit(factory, interval, first=[BackupAndRestore(backup, save_freq)])
+    assert resumed.rates == recorder.rates[-len(resumed.rates) :]
     assert resumed_history == history
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
 

@@ -26,6 +26,9 @@ class BackupAndRestore(_Periodic):
     ``DataLoader``) are resumed by skipping the consumed batches of a fresh pass; their
     shuffle order is their own.
 
+    It saves at the end of a step or an epoch after every other callback (a learning-rate scheduler has
+    stepped), wherever it stands in the list of callbacks (Keras' saves in its place).
+
     Across workers (``MultiWorkerMirroredStrategy``) the chief writes the backup, with every
     worker's RNG state and every replica's metric accumulators, and decides whether to resume;
     every worker then reads the file, so ``backup_dir`` must be storage every worker sees (one
@@ -34,6 +37,7 @@ class BackupAndRestore(_Periodic):
     """
 
     _decides_from_logs = True
+    _saves_training_state = True  # saves after the other callbacks (callback_list.py)
 
     def __init__(self, backup_dir, save_freq: str | int = "epoch", delete_checkpoint: bool = True):
         super().__init__(save_freq)

@@ -5,6 +5,7 @@ hooks called in order, which logs they read, which keep state, whether one may s
 from __future__ import annotations
 
 from .callback import Callback
+from .history import History
 
 _BATCH_HOOKS = (
     "on_train_batch_begin",
@@ -16,12 +17,21 @@ _BATCH_HOOKS = (
 )
 
 
+# Hooks at whose end a callback that saves the training state (``_saves_training_state``: BackupAndRestore)
+# saves it: it acts after every other callback (before History, which the saved state expects
+# not to have recorded the epoch yet), so the state it saves is the one the step or epoch ends with (a
+# learning-rate scheduler's step included), wherever it stands in the list.
+_SAVING_HOOKS = ("on_train_batch_end", "on_epoch_end")
+
+
 class CallbackList:
-    """Calls every callback's hook in order. ``wants_batch_logs`` tells the trainer whether
-    any callback reads per-batch logs (only then are metrics read every step)."""
+    """Calls every callback's hook in order (at the end of a step or an epoch, the callbacks that save the
+    training state after the others). ``wants_batch_logs`` tells the trainer whether any callback reads
+    per-batch logs (only then are metrics read every step)."""
 
     def __init__(self, callbacks=(), trainer=None, model=None, params=None):
         self.callbacks = list(callbacks)
+        self._saving_last = _saving_last(self.callbacks)
         for cb in self.callbacks:
             if not isinstance(cb, Callback):
                 raise TypeError(f"callbacks must be Callback instances, got {type(cb).__name__}.")
@@ -55,8 +65,18 @@ class CallbackList:
         return iter(self.callbacks)
 
     def call(self, hook: str, *args) -> None:
-        for cb in self.callbacks:
+        for cb in self._saving_last if hook in _SAVING_HOOKS else self.callbacks:
             getattr(cb, hook)(*args)
+
+
+def _saving_last(callbacks: list) -> list:
+    """``callbacks`` with those that save the training state moved just before ``History`` (else to the end)."""
+    saving = [cb for cb in callbacks if getattr(cb, "_saves_training_state", False)]
+    if not saving:
+        return callbacks
+    rest = [cb for cb in callbacks if not getattr(cb, "_saves_training_state", False)]
+    at = next((i for i, cb in enumerate(rest) if isinstance(cb, History)), len(rest))
+    return rest[:at] + saving + rest[at:]
 
 
 def may_stop_training_alone(callbacks) -> bool:
