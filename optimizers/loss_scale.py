@@ -57,6 +57,18 @@ __all__ = ["LossScaleOptimizer"]
 _STAGE = "loss_scale"  # the name of the scaler's stage in the inner optimizer's pipeline
 
 
+def _inner(name: str, settable: bool = False) -> property:
+    """A property of ``LossScaleOptimizer`` that is its inner optimizer's ``name``."""
+
+    def get(self):
+        return getattr(self.inner_optimizer, name)
+
+    def set_(self, value) -> None:
+        setattr(self.inner_optimizer, name, value)
+
+    return property(get, set_ if settable else None, doc=f"The inner optimizer's ``{name}``.")
+
+
 class LossScaleOptimizer(Optimizer):
     """Wraps ``inner_optimizer`` (any ``Optimizer``: built-in, subclass or ``from_torch``) with
     dynamic loss scaling (see the module docstring for the rule and the order of operations).
@@ -172,10 +184,6 @@ class LossScaleOptimizer(Optimizer):
     def averaged_weights(self, var_list=None):
         return self.inner_optimizer.averaged_weights(var_list)
 
-    @property
-    def averages_swapped_in(self) -> bool:
-        return self.inner_optimizer.averages_swapped_in
-
     def swap_in_averages(self, var_list=None, caller: str = "swap_in_averages()") -> None:
         self.inner_optimizer.swap_in_averages(var_list, caller)
 
@@ -188,46 +196,16 @@ class LossScaleOptimizer(Optimizer):
     def trained_values(self) -> dict:
         return self.inner_optimizer.trained_values()
 
-    @property
-    def iterations(self):
-        return self.inner_optimizer.iterations
-
-    @property
-    def learning_rate(self) -> float:
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, value) -> None:
-        self.inner_optimizer.learning_rate = value
-
-    @property
-    def learning_rate_schedule(self):
-        return self.inner_optimizer.learning_rate_schedule
-
-    @property
-    def gradient_accumulation_steps(self):
-        return self.inner_optimizer.gradient_accumulation_steps
-
-    @property
-    def step_weight(self) -> float:
-        return self.inner_optimizer.step_weight
-
-    @step_weight.setter
-    def step_weight(self, value: float) -> None:
-        self.inner_optimizer.step_weight = value
-
-    @property
-    def gradient_denominator(self):
-        """The inner optimizer's ``gradient_denominator`` (its pipeline divides; the scaler unscales after)."""
-        return self.inner_optimizer.gradient_denominator
-
-    @property
-    def accumulated_steps(self) -> int:
-        return self.inner_optimizer.accumulated_steps
-
-    @gradient_denominator.setter
-    def gradient_denominator(self, value) -> None:
-        self.inner_optimizer.gradient_denominator = value
+    # The inner optimizer's state, read and written through the wrapper (properties of Optimizer would otherwise
+    # answer with the wrapper's own attributes: ``__getattr__`` only forwards what is missing).
+    iterations = _inner("iterations")
+    learning_rate = _inner("learning_rate", settable=True)
+    learning_rate_schedule = _inner("learning_rate_schedule")
+    gradient_accumulation_steps = _inner("gradient_accumulation_steps")
+    step_weight = _inner("step_weight", settable=True)
+    gradient_denominator = _inner("gradient_denominator", settable=True)
+    accumulated_steps = _inner("accumulated_steps")
+    averages_swapped_in = _inner("averages_swapped_in")
 
     @property
     def variables(self) -> list:

@@ -8,13 +8,14 @@ from __future__ import annotations
 import csv
 import os
 import re
-import textwrap
 import uuid
 
 import pytest
 import torch
+from test_recipes import run_cli
+from test_recipes import write as write_named
 
-from replicafit.trainer import Trainer, cli, datasets, metrics, recipes
+from replicafit.trainer import Trainer, datasets, metrics, recipes
 from replicafit.trainer.registry import REGISTRIES
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,15 +45,7 @@ fit:
 
 
 def write(tmp_path, text: str):
-    path = tmp_path / f"recipe_{uuid.uuid4().hex[:8]}.yaml"
-    path.write_text(textwrap.dedent(text).lstrip("\n"))
-    return path
-
-
-def run_cli(capsys, *argv):
-    status = cli.main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return status, out, err
+    return write_named(tmp_path, text, f"recipe_{uuid.uuid4().hex[:8]}.yaml")  # several recipes per folder
 
 
 def history(run_dir) -> list:
