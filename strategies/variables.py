@@ -475,8 +475,23 @@ class LocalVariable(Variable):
         return self._short_repr()
 
 
+class _ContainerRef(weakref.ref):
+    """A tensor's link to the distributed variable it is a component of. It does not travel: a copy or a
+    pickle of the tensor (``torch.save(model)``, ``copy.deepcopy``) has none (a plain weak reference
+    cannot be pickled at all)."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return (_no_container, ())
+
+
+def _no_container():
+    return None
+
+
 def _link(component, container) -> None:
-    ref = weakref.ref(container)
+    ref = _ContainerRef(container)
     component._replicafit_container = ref
     component._tensor._replicafit_container = ref
 

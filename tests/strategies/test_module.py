@@ -437,3 +437,16 @@ def test_repr_names_module_and_strategy(strategy):
     text = repr(dm)
     assert text.startswith("DistributedModule(Sequential")
     assert repr(strategy) in text
+
+
+def test_a_distributed_module_still_saves_whole_with_torch_save(tmp_path):
+    """``torch.save(model)`` of a module once distributed (regression: its tensors' links to their
+    distributed variables were weak references, which cannot be pickled)."""
+    model = make_model()
+    ds.MirroredStrategy(["cpu:0", "cpu:1"]).distribute_module(model)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    for (key, value), (_, restored) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(value, restored), key
+    x = torch.randn(2, 4)
+    assert torch.equal(loaded.eval()(x), model.eval()(x))
