@@ -24,7 +24,8 @@ strategy's private state::
 
 Rooms: the strategies (``distribute_lib.py``'s ``Strategy``/``StrategyExtended``, ``one_device.py``,
 ``mirrored.py``, ``central_storage.py``, ``multi_worker_mirrored.py``); contexts (``context.py``);
-values and variables (``values.py``, ``variables.py``, ``module.py``); the replica runner
+values and variables (``values.py``, ``variables.py``, ``module.py``, with ``sync_batchnorm.py`` for
+``nn.SyncBatchNorm`` across replicas and workers); the replica runner
 (``runner.py``, with ``replica_context.py``, ``rendezvous.py`` for ``merge_call``,
 ``cooperative.py`` for replicas taking turns on one thread, ``thread_state.py``, ``merge_fns.py``);
 reductions (``cross_device_ops.py``, ``buckets.py``, ``step_values.py``); across processes

@@ -8,7 +8,9 @@ after training the user's own object holds the trained weights.
 Each parameter and buffer is mapped once to a distributed variable: parameters are
 mirrored (central under ``CentralStorageStrategy``), floating buffers such as
 batch-norm statistics are ``SyncOnRead``/``MEAN``, integer buffers
-``SyncOnRead``/``ONLY_FIRST_REPLICA``. Per step nothing is rebuilt.
+``SyncOnRead``/``ONLY_FIRST_REPLICA``. Per step nothing is rebuilt. Each ``nn.SyncBatchNorm``
+becomes ``sync_batchnorm.SyncBatchNorm`` (statistics of the global batch); its running statistics
+are the same on every replica, so they are read as the first replica's (``ONLY_FIRST_REPLICA``).
 
 Example::
 
@@ -32,13 +34,15 @@ import torch
 
 from . import context
 from .reduce_util import VariableAggregation, VariableSynchronization
+from .replica_context import prepare_backward_collective
+from .sync_batchnorm import synchronize_batchnorm
 from .variables import SyncOnReadVariable, aggregated_reads
 
 __all__ = ["DistributedModule"]
 
 
-def _buffer_aggregation(tensor: torch.Tensor) -> VariableAggregation:
-    if tensor.is_floating_point() or tensor.is_complex():
+def _buffer_aggregation(tensor: torch.Tensor, synchronized: bool) -> VariableAggregation:
+    if (tensor.is_floating_point() or tensor.is_complex()) and not synchronized:
         return VariableAggregation.MEAN
     return VariableAggregation.ONLY_FIRST_REPLICA
 
@@ -61,6 +65,11 @@ class DistributedModule:
         first = module.to(devices[0]) if _module_device(module) not in (None, devices[0]) else module
         extended._sync_module_state(first)  # across workers: every worker starts from worker 0's values
         replicas = [first] + [copy.deepcopy(first).to(device) for device in devices[1:]]
+        layers = synchronize_batchnorm(first)
+        synchronized = {id(b) for layer in layers for b in layer.buffers(recurse=False)}
+        self._synchronizes_batchnorm = bool(layers)
+        for replica in replicas[1:]:
+            synchronize_batchnorm(replica)
         self._replicas = tuple(replicas)
         self._variables: OrderedDict = OrderedDict()
         with strategy.scope():
@@ -74,7 +83,11 @@ class DistributedModule:
                     continue
                 tensors = [r.get_buffer(name) for r in replicas]
                 self._variables[name] = extended._module_variable(
-                    name, tensors, False, VariableSynchronization.ON_READ, _buffer_aggregation(buffer)
+                    name,
+                    tensors,
+                    False,
+                    VariableSynchronization.ON_READ,
+                    _buffer_aggregation(buffer, id(buffer) in synchronized),
                 )
 
     # --- access ----------------------------------------------------------------------
@@ -116,8 +129,28 @@ class DistributedModule:
             return self._replicas[ctx._replica_id]
         return self._replicas[0]
 
+    @property
+    def synchronizes_batchnorm(self) -> bool:
+        """Whether the module has ``nn.SyncBatchNorm`` layers (statistics of the global batch).
+
+        Example::
+
+            >>> import torch, replicafit.strategies as ds
+            >>> model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(3)))
+            >>> ds.MirroredStrategy(["cpu:0", "cpu:1"]).distribute_module(model).synchronizes_batchnorm
+            True
+        """
+        return self._synchronizes_batchnorm
+
     def __call__(self, *args, **kwargs):
-        return self.local_module()(*args, **kwargs)
+        module = self.local_module()
+        if self._synchronizes_batchnorm and module.training and torch.is_grad_enabled():
+            ctx = context.current_mode().replica_context
+            if ctx is not None and not ctx._is_default and ctx.strategy is self._strategy:
+                # Its layers' backward passes are collectives: settle how the replicas run before any layer
+                # has a side effect (a start again on threads would repeat it).
+                prepare_backward_collective(ctx)
+        return module(*args, **kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Resets the gradients of every replica (the user's module alone holds only replica 0's)."""

@@ -118,7 +118,7 @@ class ReplicaContext:
         if self._state is None and self._strategy.num_replicas_in_sync == 1:
             return nest.pack_sequence_as(value, flat)
         if torch.is_grad_enabled() and any(t.requires_grad for t in flat):
-            _backward_needs_threads(self._state)
+            prepare_backward_collective(self)
             reduced = _AllReduce.apply(self, op, options, *flat)
         else:
             reduced = self._merge_call(_batch_all_reduce, (op, flat, options), {})
@@ -134,7 +134,7 @@ class ReplicaContext:
         if self._state is None and self._strategy.num_replicas_in_sync == 1:
             return nest.pack_sequence_as(value, flat)
         if torch.is_grad_enabled() and any(t.requires_grad for t in flat):
-            _backward_needs_threads(self._state)
+            prepare_backward_collective(self)
             gathered = _AllGather.apply(self, axis, options, *flat)
         else:
             gathered = [g for g, _ in self._merge_call(_batch_all_gather, (axis, flat), {})]
@@ -148,6 +148,28 @@ class DefaultReplicaContext(ReplicaContext):
     """The replica context of the default strategy (outside any scope): one replica, inline."""
 
     _is_default = True
+
+
+def prepare_backward_collective(replica_ctx) -> None:
+    """Before a replica records a collective that its backward pass will meet: replicas taking
+    turns on one thread start again on threads (``_backward_needs_threads``), and replicas that
+    share an accelerator are refused. torch runs every backward step on an accelerator on that
+    device's one autograd thread, for every replica's backward pass: the first replica to reach
+    the collective there would block the thread that the others' backward passes need."""
+    state = replica_ctx._state
+    if state is None:
+        return
+    devices = replica_ctx.strategy.extended._torch_devices
+    shared = sorted({str(d) for d in devices if d.type != "cpu" and devices.count(d) > 1})
+    if shared:
+        raise RuntimeError(
+            f"A collective in a backward pass (a differentiable all_reduce/all_gather, a SyncBatchNorm layer) "
+            f"needs each replica on a device of its own, but several replicas of {type(replica_ctx.strategy).__name__} "
+            f"share {', '.join(shared)} (logical devices): torch runs the backward pass of every replica on that "
+            "device's one autograd thread, where the replicas could never meet. Use one replica per GPU (or one "
+            "worker process per GPU), or plain BatchNorm / a collective outside the backward pass."
+        )
+    _backward_needs_threads(state)
 
 
 def _as_tensor(value):

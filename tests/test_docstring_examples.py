@@ -12,6 +12,8 @@ MODULES = [
     "replicafit.strategies.cluster",
     "replicafit.strategies.step_values",
     "replicafit.strategies.describe",
+    "replicafit.strategies.module",
+    "replicafit.strategies.sync_batchnorm",
     "replicafit.data.sources",
     "replicafit.trainer.arguments",
     "replicafit.trainer.model_io",

@@ -1,0 +1,237 @@
+"""``nn.SyncBatchNorm`` under the strategies: a replica's forward and backward pass are those of one
+BatchNorm over the global batch (oracle: plain ``nn.BatchNorm*`` on one device, the same rows)."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import threading
+
+import pytest
+import torch
+from conftest import make_strategy
+from torch import nn
+
+import replicafit.strategies as ds
+from replicafit.strategies import VariableAggregation as Agg
+from replicafit.strategies.replica_context import prepare_backward_collective
+from replicafit.strategies.sync_batchnorm import SyncBatchNorm
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def cnn(seed=0, **bn):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1, bias=False),
+        nn.BatchNorm2d(4, **bn),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 5 * 5, 6),
+        nn.BatchNorm1d(6, **bn),
+        nn.Linear(6, 2),
+    )
+
+
+def images(rows=7, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 3, 5, 5, generator=generator) * 2 + 3  # a mean far from 0: variance precision
+
+
+def slices(strategy, x, sizes):
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return strategy.experimental_distribute_values_from_function(
+        lambda ctx: x[starts[ctx.replica_id_in_sync_group] :][: sizes[ctx.replica_id_in_sync_group]]
+    )
+
+
+def one_device_step(model, x):
+    """Output, summed-loss gradients and buffers of plain BatchNorm on the whole batch (the oracle)."""
+    out = model(x)
+    grads = torch.autograd.grad((out**2).sum() / len(x), list(model.parameters()))
+    return out, grads
+
+
+def synchronized_step(strategy, model, x, sizes):
+    """The same step, each replica on its slice: outputs concatenated, gradients summed over replicas."""
+    dmodel = strategy.distribute_module(nn.SyncBatchNorm.convert_sync_batchnorm(model))
+
+    def step(rows):
+        out = dmodel(rows)
+        params = list(dmodel.local_module().parameters())
+        return out, torch.autograd.grad((out**2).sum() / len(x), params)
+
+    out, grads = strategy.run(step, args=(slices(strategy, x, sizes),))
+    outs = strategy.experimental_local_results(out)
+    per_replica = strategy.experimental_local_results(grads)
+    summed = [sum(g[i].to("cpu") for g in per_replica) for i in range(len(per_replica[0]))]
+    return dmodel, torch.cat([o.to("cpu") for o in outs]), summed
+
+
+CASES = [
+    ("mirrored2", [4, 3]),  # uneven
+    ("mirrored3", [3, 3, 1]),  # a partial batch's split
+    ("mirrored3", [2, 0, 5]),  # an empty replica
+    ("central_storage2", [5, 2]),
+]
+
+
+@pytest.mark.parametrize("name,sizes", CASES)
+def test_forward_backward_and_running_statistics_equal_one_batchnorm_on_the_global_batch(name, sizes):
+    reference = cnn()
+    expected_out, expected_grads = one_device_step(reference, images())
+    strategy = make_strategy(name)
+    dmodel, out, grads = synchronized_step(strategy, cnn(), images(), sizes)
+    torch.testing.assert_close(out, expected_out, rtol=0, atol=2e-6)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=5e-6)
+    expected_buffers = dict(reference.named_buffers())
+    for replica in dmodel.replicas:  # every replica holds the statistics of the global batch
+        for key, value in replica.named_buffers():
+            torch.testing.assert_close(value.to("cpu"), expected_buffers[key], rtol=0, atol=1e-6)
+            assert torch.equal(value, dict(dmodel.module.named_buffers())[key].to(value.device)), key
+    state = dmodel.state_dict()
+    for key, value in expected_buffers.items():
+        torch.testing.assert_close(state[key].to("cpu"), value, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("bn", [{"momentum": None}, {"affine": False}, {"track_running_stats": False}])
+def test_layer_options_behave_as_torchs(bn):
+    """A cumulative average (``momentum=None``), no affine parameters, no running statistics."""
+    reference = cnn(**bn)
+    batches = [images(seed=s) for s in (1, 2)]
+    strategy = make_strategy("mirrored2")
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(cnn(**bn))
+    dmodel = strategy.distribute_module(model)
+    for x in batches:
+        expected_out, expected_grads = one_device_step(reference, x)
+
+        def step(rows, total):
+            out = dmodel(rows)
+            return out, torch.autograd.grad((out**2).sum() / total, list(dmodel.local_module().parameters()))
+
+        out, grads = strategy.run(step, args=(slices(strategy, x, [4, 3]), len(x)))
+        torch.testing.assert_close(torch.cat(strategy.experimental_local_results(out)), expected_out, rtol=0, atol=2e-6)
+        local = strategy.experimental_local_results(grads)
+        for i, want in enumerate(expected_grads):
+            torch.testing.assert_close(local[0][i] + local[1][i], want, rtol=0, atol=5e-6)
+    for key, value in reference.named_buffers():
+        torch.testing.assert_close(dict(model.named_buffers())[key], value, rtol=0, atol=1e-6)
+
+
+def test_eval_mode_uses_the_running_statistics_and_synchronizes_nothing(monkeypatch):
+    from replicafit.strategies import sync_batchnorm
+
+    collectives = []
+    reduce = sync_batchnorm._all_reduce
+    monkeypatch.setattr(sync_batchnorm, "_all_reduce", lambda *a: (collectives.append(1), reduce(*a))[1])
+    strategy = make_strategy("mirrored2")
+    reference = cnn().eval()
+    dmodel = strategy.distribute_module(nn.SyncBatchNorm.convert_sync_batchnorm(cnn())).eval()
+    x = images()
+    with torch.no_grad():
+        expected = reference(x)
+        out = strategy.run(dmodel, args=(slices(strategy, x, [4, 3]),))
+    torch.testing.assert_close(torch.cat(strategy.experimental_local_results(out)), expected, rtol=0, atol=1e-6)
+    assert collectives == []
+    dmodel.train()
+    with torch.no_grad():
+        strategy.run(dmodel, args=(slices(strategy, x, [4, 3]),))
+    assert len(collectives) == 4  # two layers, two replicas: one all-reduce each in training
+
+
+def test_outside_a_replica_it_is_torchs_layer_and_it_pickles_as_torchs_class():
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(cnn())
+    ds.MirroredStrategy(["cpu:0", "cpu:1"]).distribute_module(model)
+    layer = model[5]
+    assert type(layer) is SyncBatchNorm and isinstance(layer, nn.SyncBatchNorm) and "SyncBatchNorm(6" in repr(model)
+    x = torch.randn(5, 6)
+    torch.testing.assert_close(layer(x), nn.functional.batch_norm(x, None, None, training=True))
+    assert int(layer.num_batches_tracked) == 1
+    restored = pickle.loads(pickle.dumps(model))
+    assert type(restored[1]) is nn.SyncBatchNorm  # a saved model needs no replicafit
+    assert type(copy.deepcopy(model)[1]) is nn.SyncBatchNorm
+    assert torch.equal(restored[5].running_mean, layer.running_mean)
+
+
+def test_running_statistics_are_read_as_the_first_replicas_and_plain_batchnorm_keeps_the_mean():
+    strategy = make_strategy("mirrored2")
+    synced = strategy.distribute_module(nn.SyncBatchNorm.convert_sync_batchnorm(cnn()))
+    plain = strategy.distribute_module(cnn())
+    assert synced.named_variables()["1.running_mean"].aggregation is Agg.ONLY_FIRST_REPLICA
+    assert plain.named_variables()["1.running_mean"].aggregation is Agg.MEAN
+    assert synced.synchronizes_batchnorm and not plain.synchronizes_batchnorm
+
+
+def test_plain_batchnorm_under_mirrored_keeps_per_replica_statistics():
+    """TensorFlow's default, unchanged: each replica normalizes with its own slice's statistics."""
+    strategy = make_strategy("mirrored2")
+    dmodel = strategy.distribute_module(cnn())
+    x = images(8)
+    with torch.no_grad():
+        out = strategy.run(dmodel, args=(slices(strategy, x, [4, 4]),))
+        per_replica = torch.cat([cnn()(x[:4]), cnn()(x[4:])])
+        global_batch = cnn()(x)
+    got = torch.cat(strategy.experimental_local_results(out))
+    torch.testing.assert_close(got, per_replica, rtol=0, atol=1e-6)
+    assert (got - global_batch).abs().max() > 1e-2
+
+
+def test_a_global_batch_of_one_row_is_refused_as_torch_refuses_it():
+    strategy = make_strategy("mirrored2")
+    dmodel = strategy.distribute_module(nn.SyncBatchNorm.convert_sync_batchnorm(cnn()))
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel.*global batch"):
+        strategy.run(dmodel, args=(slices(strategy, images(1), [1, 0]),))
+
+
+def test_the_first_step_settles_threads_before_any_layer_so_nothing_runs_twice():
+    """Replicas that share a device take turns on one thread until a collective meets a backward pass;
+    the call then starts again on threads. It starts again before the model's first layer: a plain
+    BatchNorm ahead of the synchronized one is updated once (regression: it was updated twice)."""
+    strategy = make_strategy("mirrored2")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model[3] = nn.SyncBatchNorm.convert_sync_batchnorm(model[3])
+    dmodel = strategy.distribute_module(model)
+    threads = []
+
+    def step(rows):
+        threads.append(threading.get_ident())
+        out = dmodel(rows)
+        return torch.autograd.grad(out.square().sum(), list(dmodel.local_module().parameters()))
+
+    strategy.run(step, args=(slices(strategy, torch.randn(6, 3), [3, 3]),))
+    assert len(set(threads[-2:])) == 2  # on threads
+    assert [int(r[1].num_batches_tracked) for r in dmodel.replicas] == [1, 1]
+    assert [int(r[3].num_batches_tracked) for r in dmodel.replicas] == [1, 1]
+
+
+def test_replicas_sharing_an_accelerator_are_refused_a_collective_in_backward():
+    """torch runs every backward step on an accelerator on that device's one autograd thread: replicas on
+    logical GPUs of one GPU could never meet there, so the collective is refused up front."""
+
+    class Extended:
+        _torch_devices = (torch.device("cuda", 0), torch.device("cuda", 0))
+
+    class Strategy:
+        extended = Extended()
+
+    class Context:
+        strategy = Strategy()
+        _state = object()
+
+    with pytest.raises(RuntimeError, match="share cuda:0"):
+        prepare_backward_collective(Context())
+    Extended._torch_devices = (torch.device("cuda", 0), torch.device("cuda", 1))
+    prepare_backward_collective(Context())  # distinct GPUs: fine (not taking turns, nothing to settle)
+
+
+def test_bfloat16_inputs_normalize_in_their_dtype():
+    strategy = make_strategy("mirrored2")
+    dmodel = strategy.distribute_module(nn.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm1d(3)))
+    x = torch.randn(6, 3).bfloat16()
+    out = strategy.run(dmodel, args=(slices(strategy, x, [3, 3]),))
+    got = torch.cat(strategy.experimental_local_results(out))
+    assert got.dtype is torch.bfloat16
+    expected = nn.functional.batch_norm(x.float(), None, None, training=True)
+    torch.testing.assert_close(got.float(), expected, rtol=0.02, atol=0.02)
