@@ -219,6 +219,10 @@ class StrategyExtended:
         """Worker 0's ``value`` (a tensor or number of the same shape on every worker; a collective)."""
         return value
 
+    def _from_first_worker_many(self, tensors: list) -> list:
+        """Worker 0's ``tensors`` (the same shapes on every worker): one collective per dtype, not per tensor."""
+        return list(tensors)
+
     def gradient_step(self, variables):
         """A context for one training step whose gradients of ``variables`` may be reduced while
         backward runs: across workers they are all-reduced in buckets started during backward

@@ -213,6 +213,13 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         self._collective.broadcast(host, "broadcasting replica 0's value")
         return host.to(tensor.device)
 
+    def _from_first_worker_many(self, tensors: list) -> list:
+        if self._collective is None:
+            return list(tensors)
+        copies = [t.detach().clone().to(self._collective.device) for t in tensors]
+        _broadcast_in_place(self._collective, copies, "broadcasting replica 0's values")
+        return [copy.to(t.device) for copy, t in zip(copies, tensors)]
+
     def _sync_module_state(self, module: torch.nn.Module) -> None:
         if self._collective is None:
             return

@@ -695,9 +695,10 @@ _aggregates = threading.local()
 
 @contextlib.contextmanager
 def aggregated_reads(variables):
-    """Inside the block, cross-replica reads of these ``SyncOnRead`` variables (``SUM``/``MEAN``)
-    return aggregates computed on entry in one batched reduction per op and strategy, instead of
-    one reduction per read (across workers each is a collective). Results are bit-identical to
+    """Inside the block, cross-replica reads of these ``SyncOnRead`` variables (``SUM``/``MEAN``/
+    ``ONLY_FIRST_REPLICA``) return aggregates computed on entry in one batched reduction per op and
+    strategy (one broadcast per dtype of the first replicas' values), instead of one reduction per read
+    (across workers each is a collective). Results are bit-identical to
     reading them one by one; a write to one of them drops its aggregate.
 
     Example::
@@ -710,12 +711,19 @@ def aggregated_reads(variables):
         if isinstance(variable, SyncOnReadVariable) and variable.aggregation in (
             VariableAggregation.SUM,
             VariableAggregation.MEAN,
+            VariableAggregation.ONLY_FIRST_REPLICA,
         ):
-            op = ReduceOp.from_variable_aggregation(variable.aggregation)
+            op = variable.aggregation
+            if op is not VariableAggregation.ONLY_FIRST_REPLICA:
+                op = ReduceOp.from_variable_aggregation(op)
             groups.setdefault((id(variable._distribute_strategy), op), []).append(variable)
     computed: dict = {}
     for (_, op), members in groups.items():
         extended = members[0]._distribute_strategy.extended
+        if op is VariableAggregation.ONLY_FIRST_REPLICA:  # across workers: one broadcast per dtype
+            firsts = extended._from_first_worker_many([v._values[0]._tensor for v in members])
+            computed.update({id(v): first for v, first in zip(members, firsts)})
+            continue
         with context.enter_or_assert_strategy(members[0]._distribute_strategy):
             pairs = []
             for v in members:

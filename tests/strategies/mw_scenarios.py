@@ -116,6 +116,24 @@ def module_broadcast(rank, num_workers, port):
     return state
 
 
+def first_replica_reads(rank, num_workers, port):
+    """A state dict of a model with three (synchronized) BatchNorm layers: the worker-0 reads of their
+    statistics and step counts, and how many broadcasts the read made."""
+    strategy = strategy_for(rank, num_workers, port)
+    layers = [torch.nn.BatchNorm1d(4) for _ in range(3)]
+    dm = strategy.distribute_module(torch.nn.SyncBatchNorm.convert_sync_batchnorm(torch.nn.Sequential(*layers)))
+    for replica in dm.replicas:  # each worker's own values: a read must give worker 0's
+        for buffer in replica.buffers():
+            buffer.fill_(rank + 1)
+    collective, calls = strategy.extended._collective, []
+    broadcast = collective.broadcast
+    collective.broadcast = lambda tensor, what: (calls.append(what), broadcast(tensor, what))[1]
+    state = {k: v.clone() for k, v in dm.state_dict().items()}
+    collective.broadcast = broadcast
+    strategy.cluster.barrier("end")
+    return {"state": state, "broadcasts": len(calls)}
+
+
 def module_mismatch(rank, num_workers, port):
     strategy = strategy_for(rank, num_workers, port)
     model = torch.nn.Linear(3, 4 + rank)

@@ -93,6 +93,17 @@ def test_module_initial_values_come_from_worker_0():
 
 
 @pytest.mark.timeout(120)
+def test_first_replica_reads_of_a_state_dict_are_one_broadcast_per_dtype():
+    """Nine ONLY_FIRST_REPLICA buffers (three synchronized BatchNorm layers' statistics and step counts)
+    read in one state dict: two broadcasts (float32, int64), not one per buffer; every worker gets worker 0's."""
+    outcomes = results(run_workers(SCENARIOS, "first_replica_reads", 2, timeout=60))
+    for worker, outcome in enumerate(outcomes):
+        assert outcome["broadcasts"] == 2, worker
+        buffers = {k: v for k, v in outcome["state"].items() if "running" in k or "batches" in k}
+        assert len(buffers) == 9 and all(torch.equal(v, torch.ones_like(v)) for v in buffers.values()), worker
+
+
+@pytest.mark.timeout(120)
 def test_different_module_shapes_are_an_error_on_every_worker():
     outcomes = run_workers(SCENARIOS, "module_mismatch", 2, timeout=60)
     for outcome in outcomes:
