@@ -86,11 +86,14 @@ def mlp(
 
 
 class _CNN(nn.Module):
-    def __init__(self, in_channels, outputs, image_size, channels, dropout):
+    def __init__(self, in_channels, outputs, image_size, channels, dropout, batch_norm=False):
         super().__init__()
         layers, width, size = [], in_channels, image_size
         for count in channels:
-            layers += [nn.Conv2d(width, count, kernel_size=3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+            layers.append(nn.Conv2d(width, count, kernel_size=3, padding=1, bias=not batch_norm))
+            if batch_norm:
+                layers.append(nn.BatchNorm2d(count))
+            layers += [nn.ReLU(), nn.MaxPool2d(2)]
             width, size = count, max(1, size // 2)
         self.features = nn.Sequential(*layers)
         self.head = nn.Sequential(
@@ -107,16 +110,23 @@ class _CNN(nn.Module):
 
 
 def cnn(
-    outputs: int, in_channels: int = 1, image_size: int = 8, channels: list[int] = (16, 32), dropout: float = 0.0
+    outputs: int,
+    in_channels: int = 1,
+    image_size: int = 8,
+    channels: list[int] = (16, 32),
+    dropout: float = 0.0,
+    batch_norm: bool = False,
 ) -> nn.Module:
-    """A small convolutional network for square images: (Conv 3x3 -> ReLU -> MaxPool) per entry of
-    ``channels``, then a linear head. Accepts images ``(N, C, H, W)``, ``(N, H, W)`` or flat pixels."""
+    """A small convolutional network for square images: (Conv 3x3 -> [BatchNorm] -> ReLU -> MaxPool) per
+    entry of ``channels``, then a linear head. Accepts images ``(N, C, H, W)``, ``(N, H, W)`` or flat pixels.
+    With ``batch_norm`` the convolutions have no bias (the BatchNorm's shift replaces it)."""
     return _CNN(
         _positive("in_channels", in_channels),
         _positive("outputs", outputs),
         _positive("image_size", image_size),
         _positive_sizes("channels", channels),
         _dropout(dropout),
+        bool(batch_norm),
     )
 
 

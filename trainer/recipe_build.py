@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from .recipe_calls import _built, _dataset_info, _model_inputs, _named, _type_at
 from .recipe_entries import _entry_name, _parameters
 from .recipe_source import Recipe
-from .recipe_validation import validate
+from .recipe_validation import check_batchnorm_to_sync, validate
 
 __all__ = ["build", "Run", "TENSORBOARD_DIR"]
 
@@ -73,6 +73,8 @@ def build(recipe: Recipe, checked: dict | None = None, run_dir=None) -> Run:
     if seed is not None:
         torch.manual_seed(seed)
     model = _built(recipe, ("model",), "model", model_factory, model_args, **extra)
+    if checked.get("sync_batchnorm"):
+        model = _synchronized(recipe, model)
     with strategy.scope():
         optimizer_factory, optimizer_args = checked["optimizer"]
         if "schedule" in checked:
@@ -107,6 +109,15 @@ def build(recipe: Recipe, checked: dict | None = None, run_dir=None) -> Run:
     if info.get("validation") is not None and "validation_split" not in fit_kwargs:
         fit_kwargs["validation_data"] = info["validation"]
     return Run(recipe, strategy, model, info, trainer, callbacks, fit_kwargs, dict(checked["evaluate"]))
+
+
+def _synchronized(recipe: Recipe, model):
+    """``model`` with its BatchNorm layers converted to ``nn.SyncBatchNorm`` (recipe key
+    ``model.sync_batchnorm: true``): statistics of the whole global batch under every strategy."""
+    from torch import nn
+
+    check_batchnorm_to_sync(recipe, model)
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
 def _check_model_inputs(recipe: Recipe, factory, args: dict, extra: dict, info=None) -> None:

@@ -83,9 +83,8 @@ def validate(recipe: Recipe) -> dict:
         if problem or value < 1:
             raise recipe.error(("data", name), problem or "must be a positive integer")
     checked["data_batch"] = batch_keys
-    checked["model"] = check_entry(
-        recipe, ("model",), data["model"], "model", provided=("inputs", "outputs", "in_channels")
-    )
+    model, checked["sync_batchnorm"] = _sync_batchnorm(recipe, data["model"])
+    checked["model"] = check_entry(recipe, ("model",), model, "model", provided=("inputs", "outputs", "in_channels"))
     if kinds.is_builtin("model", checked["model"][0]):
         _check_builtin_model(recipe, checked)
     optimizer = data.get("optimizer", "adam")
@@ -129,6 +128,19 @@ def _check_seed(recipe: Recipe, seed) -> None:
         raise recipe.error(("seed",), f"must be in [0, 2**64 - 1] (what torch.manual_seed takes), got {seed}")
 
 
+def _sync_batchnorm(recipe: Recipe, model) -> tuple:
+    """``(the model entry without it, its sync_batchnorm flag)``: the recipe key that converts the built
+    model's BatchNorm layers with ``nn.SyncBatchNorm.convert_sync_batchnorm`` (not a model argument)."""
+    if not isinstance(model, dict) or "sync_batchnorm" not in model:
+        return model, False
+    flag = model["sync_batchnorm"]
+    if not isinstance(flag, bool):
+        raise recipe.error(
+            ("model", "sync_batchnorm"), f"expected true or false, got {type(flag).__name__} {_short(flag)}"
+        )
+    return {k: v for k, v in model.items() if k != "sync_batchnorm"}, flag
+
+
 def _decay_exclusions(recipe: Recipe, optimizer) -> tuple:
     """``(the optimizer entry without it, its exclude_from_weight_decay list)``: the recipe key that calls
     ``optimizer.exclude_from_weight_decay(var_names=[...])`` (a method in Python, not an argument)."""
@@ -158,7 +170,22 @@ def _check_builtin_model(recipe: Recipe, checked: dict) -> None:
         if name in params and name not in args and name not in extra:
             extra[name] = 1
     with torch.device("meta"):
-        _call(recipe, ("model",), factory, args, ours=True, **extra)
+        model = _call(recipe, ("model",), factory, args, ours=True, **extra)
+    if checked["sync_batchnorm"]:
+        check_batchnorm_to_sync(recipe, model)
+
+
+def check_batchnorm_to_sync(recipe: Recipe, model) -> None:
+    """``model.sync_batchnorm: true`` needs a model with BatchNorm layers: refused at that key otherwise."""
+    from torch import nn
+
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        return
+    builtin = _entry_name(recipe.data["model"]) in ("cnn", "mlp")
+    hint = "; the built-in cnn and mlp have them with `batch_norm: true`" if builtin else ""
+    raise recipe.error(
+        ("model", "sync_batchnorm"), f"the model has no BatchNorm layer to synchronize{hint} (or remove the key)"
+    )
 
 
 def _check_metric(recipe, index, value):

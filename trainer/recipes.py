@@ -14,6 +14,10 @@ With ``use_ema`` the averaged model is the run's result: unless the recipe lists
 ``swap_ema_weights`` itself, ``SwapEMAWeights(swap_on_epoch=True)`` comes first among the
 callbacks, so validation, best checkpoints and early stopping judge and keep the averages.
 
+The model entry takes the model's arguments and one key that is a conversion in Python:
+``sync_batchnorm: true`` (``nn.SyncBatchNorm.convert_sync_batchnorm(model)``): every BatchNorm layer
+normalizes with the statistics of the whole global batch, across replicas and workers.
+
 A bad recipe gives one message naming the file, the line and the key path::
 
     recipe.yaml:7: optimizer.learning_rat: unknown argument of 'sgd' (did you mean 'learning_rate'?)

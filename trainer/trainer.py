@@ -284,7 +284,10 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         x, y, sample_weight = self._model_floats(*unpack(data))
         variables = self._trainable
         denominator = self._element_denominator
-        if rows(x) == 0:  # an empty replica: no forward pass, zero gradients (and no real element)
+        # An empty replica: no forward pass, zero gradients (and no real element); with SyncBatchNorm layers
+        # it takes part in their collectives, forward and backward, with its zero rows.
+        empty = rows(x) == 0
+        if empty and not self.model.synchronizes_batchnorm:
             if denominator is not None:  # every worker carries the same step values, of one kind
                 self.strategy.cluster.add_to_step(denominator.step_value, 0.0 if self._count_floating else 0)
             grads = [torch.zeros_like(v.value()) for v in variables]
@@ -297,7 +300,8 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         grads = torch.autograd.grad(loss, [v.value() for v in variables], allow_unused=True)
         grads = [torch.zeros_like(v.value()) if g is None else g for g, v in zip(grads, variables)]
         self.optimizer.apply_gradients(zip(grads, variables))
-        self._update_metrics(y, y_pred, sample_weight, terms)
+        if not empty:
+            self._update_metrics(y, y_pred, sample_weight, terms)
 
     def _step_loss(self, terms: losses.LossTerms) -> torch.Tensor:
         """The replica's loss to differentiate: its share of the global batch's loss (the divisor of an

@@ -276,6 +276,47 @@ def batch_norm(rank, num_workers, port):
     return fit_batch_norm(strategy_for(rank, num_workers, port), init_seed=0)
 
 
+def batch_norm_model(kind: str, sync: bool, init_seed: int = 0) -> torch.nn.Module:
+    """A model with ``BatchNorm1d`` (``"mlp"``) or a CNN with ``BatchNorm2d`` and ``BatchNorm1d`` (``"cnn"``),
+    converted to ``nn.SyncBatchNorm`` when ``sync``."""
+    nn = torch.nn
+    torch.manual_seed(init_seed)
+    if kind == "mlp":
+        model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    else:
+        model = nn.Sequential(
+            nn.Unflatten(1, (2, 2, 2)),
+            nn.Conv2d(2, 4, 2, padding=1, bias=False),
+            nn.BatchNorm2d(4),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(36, 8),
+            nn.BatchNorm1d(8, momentum=None),
+            nn.Linear(8, 3),
+        )
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model) if sync else model
+
+
+def fit_sync_batch_norm(strategy, kind: str, sync: bool = True, rows: int = 100, batch_size: int = 32) -> dict:
+    """A fit on ``rows`` rows (100 in batches of 32: a partial last batch of 4, split 2/2/0 under Mirrored(3),
+    an empty replica); the trained state, the history and ``evaluate`` on the other rows."""
+    model = batch_norm_model(kind, sync)
+    x, y = data()
+    trainer = Trainer(
+        strategy=strategy, optimizer=optimizers.SGD(0.1, momentum=0.9), loss="cross_entropy", metrics=["accuracy"]
+    )
+    history = trainer.fit(model, (x[:rows], y[:rows]), batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "history": history.history,
+        "evaluate": trainer.evaluate(model, (x[100:], y[100:]), batch_size=16, verbose=0, return_dict=True),
+    }
+
+
+def sync_batch_norm(rank, num_workers, port, kind):
+    return fit_sync_batch_norm(strategy_for(rank, num_workers, port), kind)
+
+
 class RecordingTrainer(Trainer):
     """Records the first feature of every row each replica trains on."""
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from replicafit.trainer import cli, recipes
+from replicafit.trainer import models as builtin_models
 from replicafit.trainer.registry import REGISTRIES, register_dataset, register_model
 
 MARK = "#<"  # marks the line an error must point at
@@ -93,6 +94,29 @@ fit:
 
 # --- malformed recipes: (id, recipe text with the bad line marked, key path, message fragments) --
 MALFORMED = [
+    (
+        "sync_batchnorm_not_a_flag",
+        """
+        model:
+          type: mlp
+          batch_norm: true
+          sync_batchnorm: yes please   #<
+        data: digits
+        """,
+        "model.sync_batchnorm",
+        ["expected true or false, got str 'yes please'"],
+    ),
+    (
+        "sync_batchnorm_without_batchnorm",
+        """
+        model:
+          type: cnn
+          sync_batchnorm: true   #<
+        data: {type: digits, images: true}
+        """,
+        "model.sync_batchnorm",
+        ["no BatchNorm layer to synchronize", "`batch_norm: true`"],
+    ),
     (
         "unknown_section",
         """
@@ -1217,6 +1241,29 @@ def test_register_model_decorator(tmp_path, capsys):
     status, _, err = run_cli(capsys, "validate", misspelt)
     assert status == 2
     assert_recipe_error(err, misspelt, marked_line(misspelt), "model.type", f"did you mean '{name}'?")
+
+
+def test_sync_batchnorm_converts_the_built_model_and_a_users_model_without_batchnorm_is_refused(tmp_path):
+    synchronized = "hidden: [8]\n  batch_norm: true\n  sync_batchnorm: true"
+    path = write(tmp_path, CLASSIFICATION.replace("hidden: [8]", synchronized))
+    run = recipes.build(recipes.load(path))
+    assert [type(m) for m in run.model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)] == [
+        torch.nn.SyncBatchNorm
+    ]
+    name = unique("no_norm_model")
+    register_model(name)(lambda inputs, outputs: torch.nn.Linear(inputs, outputs))
+    plain = write(tmp_path, CLASSIFICATION.replace("type: mlp\n  hidden: [8]", f"type: {name}\n  sync_batchnorm: true"))
+    with pytest.raises(recipes.RecipeError, match="model.sync_batchnorm: the model has no BatchNorm layer") as caught:
+        recipes.build(recipes.load(plain))
+    assert "batch_norm: true" not in str(caught.value)  # no hint about the built-in models' argument
+
+
+def test_the_cnn_takes_batch_norm_before_each_activation():
+    model = builtin_models.cnn(outputs=3, channels=[4, 8], batch_norm=True)
+    kinds = [type(m).__name__ for m in model.features]
+    assert kinds == ["Conv2d", "BatchNorm2d", "ReLU", "MaxPool2d"] * 2
+    assert model.features[0].bias is None  # the BatchNorm's shift replaces it
+    assert model(torch.zeros(2, 1, 8, 8)).shape == (2, 3)
 
 
 def test_register_model_description_from_docstring(capsys):
