@@ -47,3 +47,10 @@ def test_the_token_classification_example_equals_a_plain_torch_loop():
     difference = float(done.stdout.split("largest weight difference from a plain torch loop: ")[1].split()[0])
     accuracy = float(done.stdout.split("token accuracy after 6 epochs: ")[1].split()[0])
     assert difference <= 2e-6 and accuracy >= 0.95
+
+
+@pytest.mark.timeout(120)
+def test_the_sync_batchnorm_example_takes_one_devices_steps_on_mirrored_and_two_workers():
+    done = run_example("digits_cnn_sync_batchnorm.py")  # it asserts the distances itself
+    lines = dict(line.split("loss per epoch ") for line in done.stdout.splitlines())
+    assert len(lines) == 4 and "2 workers, SyncBatchNorm       " in lines

@@ -30,6 +30,43 @@ def fit(rank, num_workers, port, implementation="RING"):
     return fit_run(strategy) | {"backend": collective.backend if collective is not None else None}
 
 
+def batch_norm_cnn(sync: bool) -> torch.nn.Module:
+    """A small CNN on the digits images with BatchNorm2d and BatchNorm1d (synchronized when ``sync``)."""
+    nn = torch.nn
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        model = nn.Sequential(
+            nn.Unflatten(1, (1, 8, 8)),
+            nn.Conv2d(1, 8, 3, padding=1, bias=False),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(128, 32),
+            nn.BatchNorm1d(32),
+            nn.ReLU(),
+            nn.Linear(32, 10),
+        )
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model) if sync else model
+
+
+def batch_norm_fit(strategy, sync: bool = True) -> dict:
+    """A fit of ``batch_norm_cnn`` on 250 digits in batches of 32 (a partial last batch of 26)."""
+    if HAVE_CUDA:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    model = batch_norm_cnn(sync)
+    trainer = Trainer(strategy=strategy, optimizer=optimizers.SGD(0.1, momentum=0.9), metrics=["accuracy"])
+    history = trainer.fit(model, digits(250), batch_size=32, epochs=2, shuffle=False, verbose=0)
+    return {"weights": weights(model), "history": history.history, "device": str(next(model.parameters()).device)}
+
+
+def sync_batch_norm(rank, num_workers, port):
+    resolver = ds.SimpleClusterResolver(num_workers, rank, "127.0.0.1", port, devices=[GPU])
+    options = ds.CommunicationOptions(timeout_seconds=60, implementation="RING")
+    return batch_norm_fit(ds.MultiWorkerMirroredStrategy(options, resolver))
+
+
 def nccl_collectives(rank, num_workers, port):
     """The collective's data operations on CUDA tensors over NCCL (a one-worker group)."""
     from replicafit.strategies.collective import Collective
