@@ -45,7 +45,7 @@ _TURNS_IN_BACKWARD = (
 )
 
 
-def _backward_needs_threads(state) -> None:
+def _backward_needs_threads(state, what: str = "A differentiable all_reduce/all_gather") -> None:
     """A differentiable collective: its backward is a rendezvous inside autograd's engine, which
     replicas taking turns on one thread cannot reach (the engine's per-thread state would be shared
     by two suspended backward passes). Before anything has been merged, the call starts again with
@@ -57,7 +57,7 @@ def _backward_needs_threads(state) -> None:
             state.rerun_on_threads = True
             state._abort()
             raise _Aborted()
-    raise RuntimeError(_TURNS_IN_BACKWARD.format(what="A differentiable all_reduce/all_gather after a merge_call"))
+    raise RuntimeError(_TURNS_IN_BACKWARD.format(what=f"{what} after a merge_call"))
 
 
 class _CoopState(_RunState):

@@ -152,6 +152,8 @@ class StrategyExtended:
         self._cross_device_ops = cross_device_ops or ReductionToOneDevice()
         self._options = options or CommunicationOptions()
         self._colocation = threading.local()
+        # Distributed modules with SyncBatchNorm layers: while one trains, the replicas run on threads (module.py).
+        self._synchronized_modules = weakref.WeakSet()
         self._runner = None
         if len(self._worker_devices) > 1:
             self._runner = ReplicaRunner(type(strategy).__name__, self._worker_devices, self._torch_devices)

@@ -68,6 +68,8 @@ class DistributedModule:
         layers = synchronize_batchnorm(first)
         synchronized = {id(b) for layer in layers for b in layer.buffers(recurse=False)}
         self._synchronizes_batchnorm = bool(layers)
+        if layers:  # while it trains, the replicas run on threads (runner.py)
+            extended._synchronized_modules.add(self)
         for replica in replicas[1:]:
             synchronize_batchnorm(replica)
         self._replicas = tuple(replicas)
@@ -149,7 +151,9 @@ class DistributedModule:
             if ctx is not None and not ctx._is_default and ctx.strategy is self._strategy:
                 # Its layers' backward passes are collectives: settle how the replicas run before any layer
                 # has a side effect (a start again on threads would repeat it).
-                prepare_backward_collective(ctx)
+                prepare_backward_collective(
+                    ctx, "A module with SyncBatchNorm layers (their backward passes are collectives)"
+                )
         return module(*args, **kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

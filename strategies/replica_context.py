@@ -150,26 +150,12 @@ class DefaultReplicaContext(ReplicaContext):
     _is_default = True
 
 
-def prepare_backward_collective(replica_ctx) -> None:
-    """Before a replica records a collective that its backward pass will meet: replicas taking
-    turns on one thread start again on threads (``_backward_needs_threads``), and replicas that
-    share an accelerator are refused. torch runs every backward step on an accelerator on that
-    device's one autograd thread, for every replica's backward pass: the first replica to reach
-    the collective there would block the thread that the others' backward passes need."""
-    state = replica_ctx._state
-    if state is None:
-        return
-    devices = replica_ctx.strategy.extended._torch_devices
-    shared = sorted({str(d) for d in devices if d.type != "cpu" and devices.count(d) > 1})
-    if shared:
-        raise RuntimeError(
-            f"A collective in a backward pass (a differentiable all_reduce/all_gather, a SyncBatchNorm layer) "
-            f"needs each replica on a device of its own, but several replicas of {type(replica_ctx.strategy).__name__} "
-            f"share {', '.join(shared)} (logical devices): torch runs the backward pass of every replica on that "
-            "device's one autograd thread, where the replicas could never meet. Use one replica per GPU (or one "
-            "worker process per GPU), or plain BatchNorm / a collective outside the backward pass."
-        )
-    _backward_needs_threads(state)
+def prepare_backward_collective(replica_ctx, what: str = "A differentiable all_reduce/all_gather") -> None:
+    """Before a replica records a collective that its backward pass will meet: replicas taking turns on
+    one thread start again on threads (``_backward_needs_threads``; ``what`` names the collective in the
+    error where they cannot). On threads, replicas on an accelerator run their backward passes on their
+    own threads (``runner.py``), so they meet there."""
+    _backward_needs_threads(replica_ctx._state, what)
 
 
 def _as_tensor(value):

@@ -5,7 +5,9 @@ thread (``inline_call``). Replicas that share one physical device (logical CPUs,
 replicas on one GPU) *take turns* on the caller's thread as persistent greenlets that switch
 only at a rendezvous (``cooperative.py``), so a step costs no thread hand-off and torch's
 intra-op pool is used as by one replica (``set_replica_execution``); a function that reaches
-a differentiable collective before anything is merged starts again on threads, and keeps them.
+a differentiable collective before anything is merged starts again on threads, and keeps them
+(every call does while a module with SyncBatchNorm layers trains; a replica on an accelerator then
+runs its backward passes on its own thread, not on the device's autograd thread that all share).
 Replicas on distinct devices run side by side: replica 0 on the caller's thread, replicas
 1..n-1 on persistent worker threads (one *crew* per concurrent call, reused from call to call).
 Either way every replica carries its own torch thread-local state (``thread_state.py``) and
@@ -209,7 +211,7 @@ class ReplicaRunner:
         count = len(self._devices)
         if timeout is None and self.shares_device and _replica_execution == "auto":
             key = _function_key(fn)
-            if key not in self._needs_threads:
+            if key not in self._needs_threads and not _trains_synchronized(strategy):
                 outputs = self._run_cooperatively(strategy, fn, args, kwargs)
                 if outputs is not None:
                     return outputs
@@ -271,6 +273,13 @@ class ReplicaRunner:
         )
 
 
+def _trains_synchronized(strategy) -> bool:
+    """Whether a module of ``strategy`` with SyncBatchNorm layers is in training mode: its layers' backward
+    passes are collectives, which replicas taking turns cannot meet, so every call runs on threads then
+    (a step of one's own may make a collective before the model's: it could not start again on threads)."""
+    return any(module.training for module in list(strategy.extended._synchronized_modules))
+
+
 def _function_key(fn):
     """What identifies a replica function from call to call (a bound method or a closure is a new
     object every time; its code is not)."""
@@ -302,15 +311,17 @@ class _ReplicaTask:
             current = self.torch_state if self.on_caller_thread else capture_torch_state()
             nesting = None if self.on_caller_thread else _autocast_nesting()  # (the caller's: run() restores it)
             streams = None if isinstance(state, _CoopState) else state.streams
+            # On threads, a replica on an accelerator runs its backward passes on its own thread: torch would
+            # run them on the device's one autograd thread, shared by every replica on that device, where a
+            # collective in a backward pass (a differentiable all_reduce, a SyncBatchNorm layer) could never
+            # meet the other replicas' (torch's setting is per thread).
+            own_backward = not isinstance(state, _CoopState) and self.device.type != "cpu"
             try:
-                if streams is not None:  # a replica on a thread of its own (taking turns: _switch_to swaps)
-                    with streams.on_thread(self.replica_id), torch_state(self.torch_state, self.device, current):
-                        output = self.fn(*self.args, **self.kwargs)
-                elif self.torch_state == current and self.device.type != "cuda":
-                    output = self.fn(*self.args, **self.kwargs)
+                if own_backward:
+                    with torch.autograd.set_multithreading_enabled(False):
+                        output = self._call_in(streams, current)
                 else:
-                    with torch_state(self.torch_state, self.device, current):
-                        output = self.fn(*self.args, **self.kwargs)
+                    output = self._call_in(streams, current)
             finally:
                 if nesting is not None:
                     _close_autocast_regions(nesting)
@@ -327,6 +338,16 @@ class _ReplicaTask:
         else:
             context.truncate(depth)
             state.finish(self.replica_id, output)
+
+    def _call_in(self, streams, current):
+        """The replica function, with this replica's random stream (on a thread of its own) and torch state."""
+        if streams is not None:  # a replica on a thread of its own (taking turns: _switch_to swaps)
+            with streams.on_thread(self.replica_id), torch_state(self.torch_state, self.device, current):
+                return self.fn(*self.args, **self.kwargs)
+        if self.torch_state == current and self.device.type != "cuda":
+            return self.fn(*self.args, **self.kwargs)
+        with torch_state(self.torch_state, self.device, current):
+            return self.fn(*self.args, **self.kwargs)
 
 
 def inline_call(strategy, fn, args, kwargs, device: torch.device):

@@ -9,18 +9,24 @@ with several replicas in sync, normalizes with the mean and variance of the glob
 the local replicas and across workers, weighted by each replica's number of rows, so that uneven
 splits, a partial last batch and an empty replica are exact. Everywhere else it is torch's layer.
 
-The statistics take one packed all-reduce per layer in the forward pass (every channel's row
-count, sum and sum of squared deviations, in float64) and one in the backward pass (every
-channel's sum of the output gradient and of its product with the normalized input), through the
-replica context's collective (the strategy's cross-device ops, bounded by its communication
-timeout). Each replica works out its own slice's moments in two passes and the replicas' moments
-are combined in float64, so the variance keeps its precision when the mean is large. The backward
-pass is the global-batch BatchNorm's, the gradients of ``weight`` and ``bias`` are the replica's
-own share (the optimizer sums them). Running statistics are updated from the global statistics,
-so they are identical on every replica and worker (read as the first replica's: one copy in a
-checkpoint). Evaluation normalizes with the running statistics, as torch's layer does, and
-synchronizes nothing. Plain ``nn.BatchNorm*`` layers keep per-replica statistics (TensorFlow's
-default).
+The statistics take one all-reduce per layer in the forward pass and one in the backward pass,
+through the replica context's collective (the strategy's cross-device ops, bounded by its
+communication timeout). Forward, each replica works out its slice's row count, mean and sum of
+squared deviations about that mean (corrected for the rounding of the mean), in float64 (float32 on
+Apple's MPS), and writes them into its own row of a table of zeros; the all-reduce of the table is a
+gather (adding zeros is exact), and every replica merges the rows in replica order with Chan et al.'s
+formula, without cancellation: the variance is as precise as one device's, however large the mean.
+Backward, one all-reduce of every channel's sum of the output gradient and of its product with the
+normalized input gives the global-batch BatchNorm's gradient; the gradients of ``weight`` and
+``bias`` are the replica's own share (the optimizer sums them). Running statistics are updated from
+the global statistics, so they are identical on every replica and worker (read as the first
+replica's: one copy in a checkpoint). Evaluation normalizes with the running statistics, as torch's
+layer does, and synchronizes nothing. Plain ``nn.BatchNorm*`` layers keep per-replica statistics
+(TensorFlow's default).
+
+While a module with these layers trains, its strategy runs the replicas on threads (their backward
+passes meet at a collective, which replicas taking turns on one thread cannot); replicas on an
+accelerator then run their backward passes on their own threads (``runner.py``).
 
 Example::
 
@@ -53,6 +59,8 @@ from .step_values import wide_float
 
 __all__ = ["SyncBatchNorm"]
 
+_WHAT = "A SyncBatchNorm layer (its backward pass is a collective)"
+
 
 class SyncBatchNorm(nn.SyncBatchNorm):
     """torch's ``nn.SyncBatchNorm``, synchronized through the replica context of a replicafit
@@ -72,7 +80,7 @@ class SyncBatchNorm(nn.SyncBatchNorm):
             return super().forward(input)  # torch's own layer: eval mode, or outside our replicas
         synchronized = replica.num_replicas_in_sync > 1
         if synchronized and torch.is_grad_enabled() and input.requires_grad:
-            prepare_backward_collective(replica)  # before any side effect: the call may start again on threads
+            prepare_backward_collective(replica, _WHAT)  # before any side effect: the call may start again on threads
         self._check_input_dim(input)
         self._check_non_zero_input_channels(input)
         factor = 0.0 if self.momentum is None else self.momentum
@@ -131,7 +139,7 @@ def sync_batch_norm(replica, x, weight, bias, running_mean, running_var, factor:
         out = sync_batch_norm(replica, x, layer.weight, layer.bias, layer.running_mean, layer.running_var, 0.1, 1e-5)
     """
     if torch.is_grad_enabled() and x.requires_grad:
-        prepare_backward_collective(replica)  # its backward pass is a collective too
+        prepare_backward_collective(replica, _WHAT)  # its backward pass is a collective too
     return _SyncBatchNormFunction.apply(x, weight, bias, running_mean, running_var, replica, factor, eps)
 
 
@@ -154,33 +162,37 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, replica, factor, eps):
         channels = x.shape[1]
-        dims, shape = _channels(x)
+        dims, _ = _channels(x)
         rows = x.numel() // channels
         wide = wide_float(x.device)
         with torch._C.DisableTorchFunction():
             compute = x if x.dtype in (torch.float32, torch.float64) else x.float()
-            if rows:  # two passes: the deviations keep their precision
-                mean = compute.mean(dims, keepdim=True)
-                moments = torch.stack([mean.view(channels), (compute - mean).square_().sum(dims)]).to(wide)
-            else:
-                moments = torch.zeros(2, channels, dtype=wide, device=x.device)
-            # every channel's (row count, sum, sum of squares about 0), as the replicas' totals add up
-            mean = moments[0]
-            packed = torch.cat(
-                [mean * rows, torch.addcmul(moments[1], mean, mean, value=rows), moments.new_full((1,), rows)]
-            )
-        total = _all_reduce(replica, packed)
+            # Every replica's (row count, mean, sum of squared deviations about that mean) in its own row of
+            # a table of zeros, summed across replicas and workers: a gather by one all-reduce, exact.
+            table = torch.zeros(replica.num_replicas_in_sync, 1 + 2 * channels, dtype=wide, device=x.device)
+            if rows:
+                pivot = compute.mean(dims, keepdim=True)  # rounded: the deviations from it say by how much
+                centred = compute - pivot
+                moments = torch.stack([centred.sum(dims), centred.square_().sum(dims)]).to(wide)
+                shift = moments[0] / rows
+                mine = table[replica.replica_id_in_sync_group]
+                mine[0] = rows
+                torch.add(pivot.view(channels).to(wide), shift, out=mine[1 : 1 + channels])
+                torch.addcmul(moments[1], moments[0], shift, value=-1, out=mine[1 + channels :])
+        table = _all_reduce(replica, table)
         with torch._C.DisableTorchFunction():
-            n = total[-1]
+            counts = table[:, :1]
+            n = counts.sum()
             if not reading_back_waits(x.device) and n.item() <= 1:  # (on an accelerator the host would wait)
                 raise ValueError(
                     f"Expected more than 1 value per channel when training, got {int(n.item())} in the global "
                     f"batch (input size of this replica {list(x.shape)}): a SyncBatchNorm layer normalizes over the "
                     "whole global batch, which needs at least two values per channel."
                 )
-            sums = total[:channels]
-            mean = sums / n
-            squares = torch.addcmul(total[channels : 2 * channels], sums, mean, value=-1).clamp_(min=0)
+            # Chan et al.'s merge, in replica order (the same on every replica): no cancellation
+            means = table[:, 1 : 1 + channels]
+            mean = (counts * means).sum(0) / n
+            squares = table[:, 1 + channels :].sum(0) + (counts * (means - mean).square_()).sum(0)
             statistics = torch.stack([mean, squares / n]).to(compute.dtype)  # the mean, the biased variance
             mean, var = statistics[0], statistics[1]
             if running_mean is not None:
@@ -188,21 +200,28 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                     running_mean.lerp_(mean.to(running_mean.dtype), factor)
                     unbiased = squares / (n - 1).clamp(min=1)
                     running_var.lerp_(unbiased.to(running_var.dtype), factor)
-            out = F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+            # Parameters in a half type (model.half()) normalize in the statistics' type, as torch's kernels do.
+            weight_c = None if weight is None else weight.to(compute.dtype)
+            bias_c = None if bias is None else bias.to(compute.dtype)
+            out = F.batch_norm(x, mean, var, weight_c, bias_c, False, 0.0, eps)
             invstd = torch.rsqrt(var + eps)
-        ctx.save_for_backward(x, weight, mean, invstd, n)
-        ctx.replica, ctx.eps, ctx.bias_dtype = replica, eps, None if bias is None else bias.dtype
+        ctx.save_for_backward(x, weight_c, mean, invstd, n)
+        ctx.replica, ctx.eps = replica, eps
+        ctx.dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, mean, invstd, n = ctx.saved_tensors
         channels = x.shape[1]
-        dims, shape = _channels(x)
+        _, shape = _channels(x)
+        weight_dtype, bias_dtype = ctx.dtypes
         with torch._C.DisableTorchFunction():
             if x.numel():
+                # (ones without a weight: the kernel's gradient of the weight is sum(dy * xhat) either way)
+                ones = torch.ones(channels, dtype=mean.dtype, device=x.device) if weight is None else weight
                 _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                    grad, x, weight, None, None, mean, invstd, True, ctx.eps, [False, True, True]
+                    grad, x, ones, None, None, mean, invstd, True, ctx.eps, [False, True, True]
                 )
             else:  # (torch's kernel divides by the row count)
                 sum_dy_xhat = sum_dy = torch.zeros(channels, dtype=mean.dtype, device=x.device)
@@ -213,10 +232,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             total = _all_reduce(ctx.replica, packed)
             with torch._C.DisableTorchFunction():
                 means = (total / n).to(mean.dtype).view(2, channels)  # mean(dy), mean(dy * xhat), global
-                scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
+                scale = invstd if weight is None else invstd * weight
                 # dx = weight * invstd * (dy - mean(dy) - xhat * mean(dy * xhat)), xhat = (x - mean) * invstd
                 centred = (x - mean.view(shape)).mul_((invstd * means[1]).view(shape))
                 grad_x = (grad - means[0].view(shape)).sub_(centred).mul_(scale.view(shape)).to(x.dtype)
-        grad_weight = sum_dy_xhat.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-        grad_bias = sum_dy.to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
+        grad_weight = sum_dy_xhat.to(weight_dtype) if weight_dtype is not None and ctx.needs_input_grad[1] else None
+        grad_bias = sum_dy.to(bias_dtype) if bias_dtype is not None and ctx.needs_input_grad[2] else None
         return grad_x, grad_weight, grad_bias, None, None, None, None, None

@@ -483,11 +483,7 @@ class _ContainerRef(weakref.ref):
     __slots__ = ()
 
     def __reduce__(self):
-        return (_no_container, ())
-
-
-def _no_container():
-    return None
+        return (type(None), ())  # unpickles as None, with builtins alone
 
 
 def _link(component, container) -> None:
