@@ -1,4 +1,5 @@
-"""The distributed dataset layer: sources of global batches, the split across replicas, prefetch.
+"""The distributed dataset layer: sources of global batches, the split across replicas, what each
+worker reads (``AutoShardPolicy``, ``sharding.py``: by default only its replicas' rows), prefetch.
 
 Example::
 
@@ -21,11 +22,12 @@ from .input_lib import (
     split_global_batch,
     split_sizes,
 )
-from .options import InputContext, InputOptions, InputReplicationMode
+from .options import AutoShardPolicy, InputContext, InputOptions, InputReplicationMode
 from .sources import ArrayBatches, DatasetBatches, as_global_batches, as_tensor, epoch_permutation, is_array_nest
 
 __all__ = [
     "ArrayBatches",
+    "AutoShardPolicy",
     "DatasetBatches",
     "DistributedDataset",
     "DistributedDatasetsFromFunction",

@@ -37,6 +37,7 @@ from replicafit.strategies import context, nest
 from replicafit.strategies.devices import torch_device
 from replicafit.strategies.values import PerReplica
 
+from . import sharding
 from .options import InputContext, InputOptions, InputReplicationMode
 
 __all__ = [
@@ -151,12 +152,13 @@ class _Placer:
 
 
 class _Step:
-    """A step's distributed batch with the number of rows of the global batch (all workers)."""
+    """A step's distributed batch with the number of rows of the global batch (all workers) and this
+    worker's part of it on the host, before the split (``host``: kept by the iterator for its first step)."""
 
-    __slots__ = ("value", "rows")
+    __slots__ = ("value", "rows", "host")
 
-    def __init__(self, value, rows: int):
-        self.value, self.rows = value, rows
+    def __init__(self, value, rows: int, host=None):
+        self.value, self.rows, self.host = value, rows, host
 
 
 class _Agreement:
@@ -209,14 +211,39 @@ def _split_step(element, workers: InputWorkers, placer: _Placer) -> _Step:
     """``split_global_batch`` with the global batch's row count (across workers), one flatten."""
     flat = [_as_tensor(leaf) for leaf in nest.flatten(element)]
     size = _batch_size(flat)
-    return _Step(_split(element, flat, size, workers, placer), size)
+    return _Step(_split(element, flat, size, workers, placer), size, element)
 
 
-def _split(element, flat, size: int, workers: InputWorkers, placer: _Placer):
+def _split_part(item, workers: InputWorkers, placer: _Placer) -> _Step:
+    """A step of a source sharded by rows: ``item`` is ``(this worker's rows of a global batch, the global
+    batch's row count)``."""
+    part, rows = item
+    flat = [_as_tensor(leaf) for leaf in nest.flatten(part)]
+    sizes = split_sizes(rows, workers.num_replicas_in_sync)
+    wanted = sum(sizes[workers.first_replica : workers.first_replica + workers.num_local_replicas])
+    if _batch_size(flat) != wanted:
+        raise RuntimeError(
+            f"This worker's part of a global batch of {rows} rows has {_batch_size(flat)} rows instead of its "
+            f"replicas' {wanted}: the source's collate_fn must keep one row per example. Or read the source whole "
+            "on every worker: InputOptions(auto_shard_policy=AutoShardPolicy.DATA)."
+        )
+    return _Step(_split(part, flat, rows, workers, placer, part=True), rows, part)
+
+
+def _split_own(element, workers: InputWorkers, placer: _Placer):
+    """A worker's own batch (a shard, an undivided source) split over its replicas by the split rule."""
+    flat = [_as_tensor(leaf) for leaf in nest.flatten(element)]
+    local = InputWorkers(workers.devices)
+    return _split(element, flat, _batch_size(flat), local, placer), _batch_size(flat)
+
+
+def _split(element, flat, size: int, workers: InputWorkers, placer: _Placer, part: bool = False):
+    """This worker's replicas' slices of a global batch of ``size`` rows: ``element`` is the whole batch,
+    or (``part``) only this worker's rows of it."""
     if workers.num_replicas_in_sync == 1:  # one replica: the whole batch, placed
         return nest.pack_sequence_as(element, [placer.place(leaf, 0) for leaf in flat])
     sizes = split_sizes(size, workers.num_replicas_in_sync)
-    start = sum(sizes[: workers.first_replica])
+    start = 0 if part else sum(sizes[: workers.first_replica])
     per_replica = []
     for local_id in range(workers.num_local_replicas):
         rows = sizes[workers.first_replica + local_id]
@@ -282,8 +309,11 @@ class DistributedIterator:
     does exhausting or dropping the iterator.
     """
 
-    # Rows of the last step's global batch over every worker (set across workers, else None).
+    # Rows of the last step's global batch over every worker (where the steps carry it, else None).
     global_batch_size = None
+    # The first step's host batch: this worker's part of the first global batch, before the split
+    # (where the steps carry it, else None); what fit's and evaluate's entry checks read.
+    first_host_batch = None
 
     def __init__(self, produce, buffer_size: int = 1):
         self._produce = produce
@@ -332,6 +362,10 @@ class DistributedIterator:
     def _unwrap(self, item):
         if type(item) is _Step:
             self.global_batch_size = item.rows
+            if item.host is not None:
+                if self.first_host_batch is None:
+                    self.first_host_batch = item.host
+                item.host = None
             return item.value
         return item
 
@@ -367,7 +401,8 @@ class DistributedDataset:
     Iterating yields the source's element nest with every leaf a ``PerReplica`` of the
     replicas' slices (a plain tensor with one replica), placed on the replicas'
     devices. Re-iterating restarts the source (one epoch per ``iter()``); ``len()`` is
-    the source's, where it has one.
+    the source's, where it has one. Across workers each worker reads what
+    ``options.auto_shard_policy`` says (``sharding.py``): by default only its replicas' rows.
     """
 
     def __init__(self, dataset, strategy, options: InputOptions | None = None, *, workers: InputWorkers | None = None):
@@ -385,9 +420,17 @@ class DistributedDataset:
         self._options = options
         self._workers = workers or InputWorkers.of(strategy)
         self._placer = _Placer(self._workers, options)
+        self._plan = sharding.plan(dataset, self._workers, options.auto_shard_policy)
+
+    @property
+    def sharding(self) -> str:
+        """How this worker reads the source: ``"rows"`` (only its replicas' rows), ``"shards"`` (its
+        shard), ``"off"`` (the source as its own input) or ``"data"`` (every global batch, keeping its
+        rows; one process always)."""
+        return self._plan.kind
 
     def __iter__(self) -> DistributedIterator:
-        return self.iterate(iter(self._dataset), _length_of(self._dataset))
+        return self.start(None, 0)
 
     def __len__(self) -> int:
         length = _length_of(self._dataset)
@@ -399,21 +442,41 @@ class DistributedDataset:
             )
         return length
 
+    def start(self, pass_index: int | None = None, position: int = 0) -> DistributedIterator:
+        """The distributed batches of pass ``pass_index`` over the source (``None``: the pass a batched
+        source is set to, ``set_epoch``) from batch number ``position`` on, without reading the batches
+        before it where the source can start there (batched arrays and datasets, a sharded loader).
+
+        Example::
+
+            iterator = dist.start(3, 10)   # epoch 3's batches from the eleventh on
+        """
+        plan = self._plan
+        if plan.kind == "rows":
+            parts = plan.reader.iterate_rows(pass_index, position)
+            return self._counted(parts, max(0, len(plan.reader) - position), _split_part)
+        if plan.kind in ("shards", "off"):
+            return self._own(plan.reader, position)
+        source = self._dataset
+        if hasattr(source, "iterate"):
+            batches = source.iterate(pass_index, position)
+        else:
+            batches = iter(source)
+            for _ in range(position):
+                next(batches)
+        total = _length_of(source)
+        return self.iterate(batches, None if total is None else max(0, total - position))
+
     def iterate(self, batches, length: int | None = None) -> DistributedIterator:
         """Distributes the global batches of the iterator ``batches`` (e.g. a resumed epoch).
 
         ``length``: how many batches ``batches`` holds, where known. Across workers a known
         length is agreed once, up front, instead of one small collective per step.
         """
-        workers, placer = self._workers, self._placer
-        if workers.cluster is None:
-
-            def produce():
-                return split_global_batch(next(batches), workers, placer)
-
-            return DistributedIterator(produce, self._placer.buffer_size)
-        if length is not None:
-            return self._iterate_counted(batches, length)
+        workers = self._workers
+        if workers.cluster is None or length is not None:
+            return self._counted(batches, length, _split_step)
+        placer = self._placer
         agreement = _Agreement(workers.cluster)
 
         def produce_agreed():
@@ -426,11 +489,17 @@ class DistributedDataset:
 
         return DistributedIterator(produce_agreed, self._placer.buffer_size)
 
-    def _iterate_counted(self, batches, length: int) -> DistributedIterator:
-        """Across workers, a source of known length: the lengths are compared once; each worker then
-        checks that its source yields exactly that many batches (an error ends it, and its peers see
-        a ``WorkerFailedError`` at their next collective)."""
+    def _counted(self, elements, length: int | None, make) -> DistributedIterator:
+        """``make(element, workers, placer)`` for each element. Across workers the source's known
+        ``length`` is compared once; each worker then checks that its source yields exactly that many
+        (an error ends it, and its peers see a ``WorkerFailedError`` at their next collective)."""
         workers, placer = self._workers, self._placer
+        if workers.cluster is None:
+
+            def produce():
+                return make(next(elements), workers, placer)
+
+            return DistributedIterator(produce, placer.buffer_size)
         lengths = workers.cluster.all_gather(length, "the input agreement (lengths)")
         if len(set(lengths)) > 1:
             shown = ", ".join(f"worker {w}: {n}" for w, n in enumerate(lengths))
@@ -442,7 +511,7 @@ class DistributedDataset:
         count = [0]
 
         def produce_counted():
-            element = next(batches, _END)
+            element = next(elements, _END)
             if element is not _END and count[0] == length:
                 raise RuntimeError(
                     f"The input source yielded more than its length of {length} batches: the workers agreed on "
@@ -457,9 +526,44 @@ class DistributedDataset:
                     )
                 raise StopIteration
             count[0] += 1
-            return _split_step(element, workers, placer)
+            return make(element, workers, placer)
 
-        return DistributedIterator(produce_counted, self._placer.buffer_size)
+        return DistributedIterator(produce_counted, placer.buffer_size)
+
+    def _own(self, source, position: int) -> DistributedIterator:
+        """A worker's own input (its shard, or an undivided source): each of its batches is split over its
+        replicas; the workers agree at every step whether any still has a batch (one that has run out
+        gives its replicas empty batches) and on the global batch's rows."""
+        workers, placer = self._workers, self._placer
+        batches = iter(source)
+        for _ in range(position):
+            next(batches, None)
+        channel = workers.cluster.input_channel() if workers.cluster is not None else None
+        seen = [None]  # this worker's last batch: the template of its empty ones
+
+        def produce():
+            element = next(batches, _END)
+            mine = 0 if element is _END else _batch_size([_as_tensor(v) for v in nest.flatten(element)])
+            rows = mine
+            if channel is not None:
+                having, rows = channel.sum([int(element is not _END), mine], "the input agreement")
+                if having == 0:
+                    raise StopIteration
+                if element is _END and seen[0] is None:
+                    raise ValueError(
+                        "This worker's input yielded no batch while other workers still have data, so its "
+                        "replicas cannot be given empty batches of the right shape: give every worker's shard "
+                        "at least one batch."
+                    )
+            elif element is _END:
+                raise StopIteration
+            if element is _END:
+                element = _empty_like(seen[0])
+            seen[0] = element
+            value, _ = _split_own(element, workers, placer)
+            return _Step(value, rows, element)
+
+        return DistributedIterator(produce, placer.buffer_size)
 
 
 def _length_of(dataset) -> int | None:

@@ -1,10 +1,39 @@
-"""Input options and contexts: ``InputOptions``, ``InputContext``, ``InputReplicationMode``."""
+"""Input options and contexts: ``InputOptions``, ``AutoShardPolicy``, ``InputContext``, ``InputReplicationMode``."""
 
 from __future__ import annotations
 
 import enum
 
-__all__ = ["InputReplicationMode", "InputOptions", "InputContext"]
+__all__ = ["AutoShardPolicy", "InputReplicationMode", "InputOptions", "InputContext"]
+
+
+class AutoShardPolicy(enum.Enum):
+    """What each worker of ``MultiWorkerMirroredStrategy`` reads of a distributed dataset
+    (``tf.data.experimental.AutoShardPolicy``'s names, with meanings that keep global batches).
+
+    ``AUTO`` (default): a source whose rows can be addressed (arrays, tensors, a map-style ``Dataset``
+    with ``batch_size``, a ``DataLoader`` over one) is sharded by rows: each worker fetches, collates
+    and moves only the rows of each global batch that its replicas get under the split rule, the
+    global batches and their order being one process's. Else a source that offers
+    ``shard(num_shards, index)`` is sharded by its shards (``FILE``); else ``DATA``, with a warning
+    that says why and how to fix it.
+    ``FILE``: each worker reads ``source.shard(num_workers, worker_index)`` as its own input (a
+    ``ValueError`` for a source without ``shard``); its batches are its replicas' share of each step.
+    ``DATA``: every worker reads every global batch and keeps its replicas' rows (TensorFlow's
+    ``DATA`` keeps every ``num_workers``-th element, which would change the split rule; ours does not).
+    ``OFF``: the source is not divided: each worker takes it as its own input and its batches as the
+    worker's batches (a source sharded by hand, a ``DataLoader`` with a ``DistributedSampler``).
+
+    Example::
+
+        options = data.InputOptions(auto_shard_policy=data.AutoShardPolicy.FILE)
+        dist = strategy.experimental_distribute_dataset(sharded_files, options)
+    """
+
+    AUTO = "AUTO"
+    FILE = "FILE"
+    DATA = "DATA"
+    OFF = "OFF"
 
 
 class InputReplicationMode(enum.Enum):
@@ -47,8 +76,10 @@ class InputOptions:
         experimental_replication_mode: InputReplicationMode = InputReplicationMode.PER_WORKER,
         experimental_place_dataset_on_device: bool = False,
         experimental_per_replica_buffer_size: int | None = None,
+        auto_shard_policy: AutoShardPolicy | str = AutoShardPolicy.AUTO,
     ):
         mode = InputReplicationMode(experimental_replication_mode)
+        policy = _policy(auto_shard_policy)
         if experimental_place_dataset_on_device and mode is not InputReplicationMode.PER_REPLICA:
             raise ValueError(
                 "When `experimental_place_dataset_on_device` is set for dataset placement, you must "
@@ -66,13 +97,25 @@ class InputOptions:
         self.experimental_replication_mode = mode
         self.experimental_place_dataset_on_device = bool(experimental_place_dataset_on_device)
         self.experimental_per_replica_buffer_size = experimental_per_replica_buffer_size
+        self.auto_shard_policy = policy
 
     def __repr__(self) -> str:
         return (
             f"InputOptions(experimental_fetch_to_device={self.experimental_fetch_to_device}, "
             f"experimental_replication_mode={self.experimental_replication_mode}, "
-            f"experimental_per_replica_buffer_size={self.experimental_per_replica_buffer_size})"
+            f"experimental_per_replica_buffer_size={self.experimental_per_replica_buffer_size}, "
+            f"auto_shard_policy={self.auto_shard_policy})"
         )
+
+
+def _policy(value) -> AutoShardPolicy:
+    """``value`` as an ``AutoShardPolicy`` (a member or its name, any case), else a ``ValueError``."""
+    if isinstance(value, AutoShardPolicy):
+        return value
+    if isinstance(value, str) and value.upper() in AutoShardPolicy.__members__:
+        return AutoShardPolicy[value.upper()]
+    names = ", ".join(AutoShardPolicy.__members__)
+    raise ValueError(f"auto_shard_policy must be an AutoShardPolicy or one of {names}, got {value!r}.")
 
 
 class InputContext:

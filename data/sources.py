@@ -88,6 +88,29 @@ class _Batched:
             end = min(begin + self.batch_size, self._size)
             yield self._batch(order, begin, end)
 
+    def iterate_rows(self, epoch: int | None, start: int, share):
+        """Part of each global batch of ``epoch`` from batch number ``start`` on: ``(part, rows)``, where
+        ``share(rows)`` gives the ``(offset, count)`` of the part within the global batch of ``rows``
+        rows. Only the part's examples are read; an empty part keeps the batch's trailing shapes (one
+        example is read for them).
+
+        Example (the second half of every batch)::
+
+            for part, rows in batches.iterate_rows(0, 0, lambda rows: (rows // 2, rows - rows // 2)): ...
+        """
+        order = self.order(epoch)
+        for index in range(start, len(self)):
+            begin = index * self.batch_size
+            rows = min(self.batch_size, self._size - begin)
+            offset, count = share(rows)
+            if count:
+                yield self._batch(order, begin + offset, begin + offset + count), rows
+            else:
+                yield self._empty_batch(order, begin), rows
+
+    def _empty_batch(self, order, begin: int):
+        return nest.map_structure(lambda leaf: leaf[:0], self._batch(order, begin, begin + 1))
+
     def _batch(self, order, begin: int, end: int):
         raise NotImplementedError
 
@@ -133,6 +156,9 @@ class ArrayBatches(_Batched):
         else:
             parts = [leaf.index_select(0, self._order_on(order, leaf.device)[begin:end]) for leaf in self._leaves]
         return nest.pack_sequence_as(self._structure, parts)
+
+    def _empty_batch(self, order, begin: int):
+        return self._batch(order, begin, begin)  # a slice of no rows: no example read
 
     def _order_on(self, order: np.ndarray, device: torch.device) -> torch.Tensor:
         """The epoch's order as an index tensor on ``device`` (arrays already on a GPU are gathered

@@ -29,7 +29,7 @@ from replicafit.strategies.step_values import wide_float
 from . import callbacks as callbacks_module
 from . import losses
 from .arguments import FIT_ARGUMENTS, check_arguments
-from .input_checks import first_batch, in_memory_labels
+from .input_checks import in_memory_labels
 from .inputs import Cursor, batch_source, length_of, rows, split_off_validation, unpack
 
 _DENOMINATOR = "replicafit/loss denominator"  # the step value of an element-level loss's real elements
@@ -95,23 +95,26 @@ class FitLoop:
             shuffle=shuffle,
         )
         self._seed_fit()
-        train_data, source, first, validation_data = self._fit_data(
+        train_data, source, validation_data = self._fit_data(
             dataset, batch_size, validation_data, validation_split, shuffle
         )
-        distributed = self.strategy.experimental_distribute_dataset(source)
+        distributed = self._distribute_data(source)
+        repeat = steps_per_epoch is not None
+        self._cursor = cursor = Cursor(source, distributed, repeat=repeat)
+        # The first step of the first epoch, read once: the entry checks look at it, the first step trains on it.
+        first = self._first_look(cursor, 0 if repeat else initial_epoch, "training data", "fit()")
         dm = self._distribute(model)
         dm.train()
         self._trainable = dm.trainable_variables
         steps = steps_per_epoch if steps_per_epoch is not None else length_of(source)
         history, callback_list = self._fit_callbacks(callbacks, model, epochs, steps, verbose)
         self.history, self.stop_training, self._resume = history, False, None
-        self._cursor = cursor = Cursor(source, distributed, repeat=steps_per_epoch is not None)
         self._first_batch_structure(first, dm, "fit()", in_memory_labels(train_data))
         self._begin_training(callback_list)
         resume = self._resume  # where a backup restored in on_train_begin left off
         start_epoch = initial_epoch if resume is None else resume["epoch"]
         plan = self._fit_plan(callback_list, steps, validation_data, batch_size)
-        self._start_element_reduction(first)
+        self._start_element_reduction(first, cursor.global_batch_size)
         logs: dict = {}
         try:
             for epoch in range(start_epoch, epochs):
@@ -147,15 +150,14 @@ class FitLoop:
         self._replica_rng_loaded = False
 
     def _fit_data(self, dataset, batch_size, validation_data, validation_split, shuffle) -> tuple:
-        """``(training data, its source of global batches, its first batch, validation data)``, each
-        checked to yield a batch (a one-shot validation iterator comes back re-chained)."""
+        """``(training data, its source of global batches, validation data)``, the validation data checked
+        to yield a batch (a one-shot validation iterator comes back re-chained)."""
         train_data, split_validation = split_off_validation(dataset, validation_split)
         validation_data = validation_data if validation_data is not None else split_validation
         source = batch_source(train_data, batch_size, shuffle, self._data_seed)
-        source, first = first_batch(source, "training data", "fit()", self._probes_outputs())
         if validation_data is not None:
             validation_data = self._checked_validation(validation_data, batch_size)
-        return train_data, source, first, validation_data
+        return train_data, source, validation_data
 
     def _fit_callbacks(self, callbacks, model, epochs, steps, verbose) -> tuple:
         """``(History, CallbackList)`` of this fit: the user's callbacks, then History, then the progress bar."""
@@ -233,8 +235,10 @@ class FitLoop:
             cursor.start(*resumed["cursor"])
         elif not cursor.repeat:
             cursor.start(epoch, 0)
+        elif resumed is not None:  # (the cursor may have read ahead at the start: it goes where the backup left)
+            cursor.start(*resumed["cursor"])
         elif not cursor.started:
-            cursor.start(*(resumed["cursor"] if resumed is not None else (0, 0)))
+            cursor.start(0, 0)
 
     def _train_steps(self, step: int, cursor, callback_list, plan) -> None:
         """The epoch's training steps from ``step`` on, until ``plan.steps``, the data's end or ``stop_training``."""
@@ -259,7 +263,7 @@ class FitLoop:
             if self.stop_training:
                 break
 
-    def _start_element_reduction(self, first) -> None:
+    def _start_element_reduction(self, first, first_rows) -> None:
         """An element-level loss (``losses`` module docstring) in the built-in step: its real elements' weight
         rides with each update's reduction (``optimizer.gradient_denominator``); each replica divides its
         loss by a constant before backward, the first global batch's count of label elements (its rows
@@ -279,7 +283,8 @@ class FitLoop:
         leaves = [t for t in nest.flatten(y) if hasattr(t, "shape")] if y is not None else []
         per_row = math.prod(leaves[0].shape[1:]) if leaves else 1
         cluster = self.strategy.cluster
-        prescale = cluster.broadcast(float(max(1, rows(x) * per_row)), "agreeing on the loss's prescale")
+        first_rows = rows(x) if first_rows is None else first_rows  # the whole first global batch's rows
+        prescale = cluster.broadcast(float(max(1, first_rows * per_row)), "agreeing on the loss's prescale")
         # What an interrupted fit left is dropped, unless its open window goes on in memory (its count with it).
         if restored is not None or not self.optimizer.accumulated_steps:
             cluster.discard_step_value(_DENOMINATOR)

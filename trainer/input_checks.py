@@ -51,8 +51,54 @@ class InputChecks:
         checked, _ = first_batch(source, "validation data", "fit()", False)
         return checked if one_shot(source) else validation_data
 
+    def _first_look(self, cursor, pass_index: int, what: str, caller: str):
+        """The host batch of the first step of pass ``pass_index`` (across workers this worker's part of the
+        first global batch), read once: the cursor's next step is that batch. ``ValueError`` if the data
+        yields no batch at all."""
+        first = cursor.peek(pass_index, 0)
+        if first is None:
+            raise ValueError(
+                f"The {what} of {caller} is empty: it yields no batch. Pass at least one example "
+                "(check the arrays, Dataset or iterable, and any filtering or splitting before it)."
+            )
+        return first
+
     def _first_batch_structure(self, first, dm, caller: str = "fit()", all_labels=None) -> None:
-        """Builds the metrics, which need to know whether the model has several outputs, and the shapes of
+        """The entry checks and the metrics of ``_first_batch_checks``, alike on every worker.
+
+        Across workers each worker checks its own part of the first global batch; one whose part has no
+        row checks the chief's first row instead (the chief's replicas come first in the split rule, so it
+        always has rows). A problem found on any worker is an error on every worker, and the decision
+        that probes the model's loss (``loss=None``) is the chief's.
+        """
+        cluster = self.strategy.cluster
+        if cluster.num_workers == 1:
+            self._prepare_metrics(*self._first_batch_checks(first, dm, caller, all_labels))
+            return
+        empty = first is not None and rows(unpack(first)[0]) == 0
+        if cluster.any(empty, "agreeing whether a worker's first batch is empty"):
+            head = nest.map_structure(lambda t: data_layer.as_tensor(t)[:1], first) if cluster.is_chief else None
+            head = cluster.broadcast(head, "broadcasting the chief's first row")
+            first = head if empty else first
+        error = found = None
+        try:
+            found = self._first_batch_checks(first, dm, caller, all_labels)
+        except Exception as problem:  # noqa: BLE001 - every worker learns of it, then it is raised here
+            error = problem
+        said = cluster.all_gather(None if error is None else f"{type(error).__name__}: {error}", "the entry checks")
+        if error is not None:
+            raise error
+        for worker, message in enumerate(said):
+            if message is not None:
+                raise ValueError(
+                    f"Worker {worker} found a problem in its part of the first batch of {caller}: {message}"
+                )
+        self._counts_items = cluster.broadcast(self._counts_items, "agreeing whether the model's loss counts items")
+        self._prepare_metrics(*found)  # (variables: collectives, only once every worker passed)
+
+    def _first_batch_checks(self, first, dm, caller: str = "fit()", all_labels=None) -> tuple:
+        """The checks on the first batch, and what the metrics need to know (``(structure, labels,
+        output)`` for ``_prepare_metrics``): whether the model has several outputs, and the shapes of
         each output's labels and predictions (``"accuracy"`` is resolved from them, as in Keras 3).
 
         The model (in eval mode, no gradients) is probed with one example of the first
@@ -102,7 +148,7 @@ class InputChecks:
                         whole = all_labels if all_labels is not None else y
                         self._check_loss_on_first_batch(whole, labels, output, caller)
         self._counts_items = self.loss is None and first is not None and self._probe_counts_items(first, dm)
-        self._prepare_metrics(structure, labels, output)
+        return structure, labels, output
 
     def _probe_counts_items(self, first, dm) -> bool:
         """``Trainer(loss=None)``: whether the model's loss is a sum divided by the ``num_items_in_batch`` it is

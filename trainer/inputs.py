@@ -116,29 +116,46 @@ def length_of(source):
 class Cursor:
     """Where the data stands: the pass over the source and the batches taken from it.
 
-    Batched arrays/datasets (``iterate(pass, start)``) resume exactly; other sources
-    skip the consumed batches of a fresh pass.
+    Batched arrays/datasets and loaders sharded by rows resume exactly without reading what they skip;
+    other sources skip the consumed batches of a fresh pass. ``peek`` reads the first step of a pass
+    ahead (fit's entry checks look at it), and ``next`` then returns that same step: nothing is read
+    twice.
     """
 
     def __init__(self, source, distributed, repeat: bool):
         self.source, self.distributed, self.repeat = source, distributed, repeat
         self.pass_index, self.position = 0, 0
         self._iterator = None
+        self._held = None  # the step peek read ahead, and where it stands: (pass, position, batch)
 
     def start(self, pass_index: int, position: int = 0) -> None:
+        held = self._held
+        if held is not None and held[:2] == (pass_index, position) and self._iterator is not None:
+            self.pass_index, self.position = pass_index, position  # the peeked pass: go on from its step
+            return
+        self._held = None
         if self._iterator is not None:
             self._iterator.close()
         self.pass_index, self.position = pass_index, position
-        if hasattr(self.source, "iterate"):
-            batches = self.source.iterate(pass_index, position)
-        else:
-            batches = iter(self.source)
-            for _ in range(position):
-                next(batches)
-        total = length_of(self.source)  # known: agreed once across workers rather than step by step
-        self._iterator = self.distributed.iterate(batches, None if total is None else max(0, total - position))
+        self._iterator = self.distributed.start(pass_index, position)
+
+    def peek(self, pass_index: int, position: int = 0):
+        """The host batch of the step at ``(pass_index, position)`` (this worker's part of that global batch,
+        before the split), read ahead: the next ``next()`` returns its distributed step. ``None`` when the
+        pass has no step there."""
+        self.start(pass_index, position)
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            return None
+        self._held = (pass_index, position, batch)
+        return self._iterator.first_host_batch
 
     def next(self):
+        if self._held is not None:
+            batch, self._held = self._held[2], None
+            self.position += 1
+            return batch
         try:
             batch = next(self._iterator)
         except StopIteration:
@@ -163,9 +180,10 @@ class Cursor:
 
     @property
     def global_batch_size(self):
-        """Rows of the last batch over every worker (known across workers, else None)."""
+        """Rows of the last batch over every worker (known once a step is read, else None)."""
         return getattr(self._iterator, "global_batch_size", None)
 
     def close(self) -> None:
+        self._held = None
         if self._iterator is not None:
             self._iterator.close()

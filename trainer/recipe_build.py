@@ -55,6 +55,8 @@ def build(recipe: Recipe, checked: dict | None = None, run_dir=None) -> Run:
     """
     import torch
 
+    from replicafit.data import InputOptions
+
     from .callbacks import SwapEMAWeights
     from .trainer import Trainer
 
@@ -100,8 +102,16 @@ def build(recipe: Recipe, checked: dict | None = None, run_dir=None) -> Run:
         # judge (and keep) the averages. A recipe that lists swap_ema_weights itself decides.
         callbacks.insert(0, SwapEMAWeights(swap_on_epoch=True))
     precision = str(data.get("precision", "32"))
+    policy = checked.get("auto_shard_policy")
+    options = None if policy is None else InputOptions(auto_shard_policy=policy)
     trainer = Trainer(
-        strategy=strategy, optimizer=optimizer, loss=loss, metrics=metrics, seed=seed, precision=precision
+        strategy=strategy,
+        optimizer=optimizer,
+        loss=loss,
+        metrics=metrics,
+        seed=seed,
+        precision=precision,
+        input_options=options,
     )
     fit_kwargs = dict(checked["fit"])
     fit_kwargs.update(checked["data_batch"])

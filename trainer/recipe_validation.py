@@ -72,9 +72,12 @@ def validate(recipe: Recipe) -> dict:
         checked["strategy_instance"] = _call(recipe, ("strategy",), *checked["strategy"], ours=True)
     data_entry = data["data"]
     batch_keys = {}
+    checked["auto_shard_policy"] = None
     if isinstance(data_entry, dict):
         batch_keys = {k: data_entry[k] for k in ("batch_size",) if k in data_entry}
-        data_entry = {k: v for k, v in data_entry.items() if k not in batch_keys}
+        if "auto_shard_policy" in data_entry:  # how the trainer distributes the data, not a dataset argument
+            checked["auto_shard_policy"] = _shard_policy(recipe, data_entry["auto_shard_policy"])
+        data_entry = {k: v for k, v in data_entry.items() if k not in batch_keys and k != "auto_shard_policy"}
     checked["data"] = check_entry(recipe, ("data",), data_entry, "dataset")
     if kinds.is_builtin("dataset", checked["data"][0]):  # loads now: bad values fail here
         checked["data_instance"] = _dataset_info(recipe, _call(recipe, ("data",), *checked["data"], ours=True))
@@ -126,6 +129,20 @@ def _check_seed(recipe: Recipe, seed) -> None:
         raise recipe.error(("seed",), f"expected an integer, got {type(seed).__name__} {_short(seed)}")
     if not 0 <= seed <= MAX_SEED:
         raise recipe.error(("seed",), f"must be in [0, 2**64 - 1] (what torch.manual_seed takes), got {seed}")
+
+
+def _shard_policy(recipe: Recipe, value):
+    """``data.auto_shard_policy``: a ``data.AutoShardPolicy`` name (what each worker reads)."""
+    from replicafit.data import AutoShardPolicy
+
+    names = list(AutoShardPolicy.__members__)
+    if value is False:  # YAML reads an unquoted `off` as false
+        return AutoShardPolicy.OFF
+    if not isinstance(value, str) or value.upper() not in names:
+        got = f"{type(value).__name__} {_short(value)}"
+        hint = did_you_mean(value.upper(), names) if isinstance(value, str) else ""
+        raise recipe.error(("data", "auto_shard_policy"), f"expected one of {', '.join(names)}{hint}, got {got}")
+    return AutoShardPolicy[value.upper()]
 
 
 def _sync_batchnorm(recipe: Recipe, model) -> tuple:

@@ -14,6 +14,10 @@ With ``use_ema`` the averaged model is the run's result: unless the recipe lists
 ``swap_ema_weights`` itself, ``SwapEMAWeights(swap_on_epoch=True)`` comes first among the
 callbacks, so validation, best checkpoints and early stopping judge and keep the averages.
 
+The data entry takes the dataset's arguments, ``batch_size`` and one key of the trainer's:
+``auto_shard_policy: AUTO | FILE | DATA | OFF`` (``Trainer(input_options=InputOptions(auto_shard_policy=...))``:
+what each worker reads under ``MultiWorkerMirroredStrategy``, ``data.AutoShardPolicy``).
+
 The model entry takes the model's arguments and one key that is a conversion in Python:
 ``sync_batchnorm: true`` (``nn.SyncBatchNorm.convert_sync_batchnorm(model)``): every BatchNorm layer
 normalizes with the statistics of the whole global batch, across replicas and workers.

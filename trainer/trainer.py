@@ -55,8 +55,8 @@ from . import callbacks as callbacks_module
 from . import losses, metrics
 from .arguments import AUTOCAST, EVALUATE_ARGUMENTS, check_arguments, check_precision
 from .fit_loop import FitLoop
-from .input_checks import InputChecks, first_batch, in_memory_labels
-from .inputs import as_dtype, batch_source, batchable, rows, unpack
+from .input_checks import InputChecks, in_memory_labels
+from .inputs import Cursor, as_dtype, batch_source, batchable, rows, unpack
 from .model_io import ModelIO, call_model, inputs_with_labels, model_loss, prediction_of, real_items
 from .training_state import TrainingState
 
@@ -89,15 +89,32 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         ``fit``, ``evaluate`` and ``predict`` all use it (``predict`` returns floating
         outputs as float32). A custom ``train_step`` differentiates
         ``self.optimizer.scale_loss(loss)``.
+      input_options: the ``data.InputOptions`` that ``fit``, ``evaluate`` and ``predict`` distribute
+        their data with (``None``: the defaults). Its ``auto_shard_policy`` says what each worker
+        reads under ``MultiWorkerMirroredStrategy``: by default only its replicas' rows where they
+        can be addressed (``data.AutoShardPolicy``).
+
+    Example::
+
+        trainer = Trainer(strategy, input_options=data.InputOptions(auto_shard_policy="FILE"))
 
     Override ``train_step``, ``test_step`` or ``predict_step`` (each runs per replica on
     that replica's slice) for custom logic.
     """
 
     def __init__(
-        self, strategy=None, optimizer="adam", loss="cross_entropy", metrics=("accuracy",), seed=None, precision="32"
+        self,
+        strategy=None,
+        optimizer="adam",
+        loss="cross_entropy",
+        metrics=("accuracy",),
+        seed=None,
+        precision="32",
+        *,
+        input_options=None,
     ):
         self.strategy = strategy or ds.get_strategy()
+        self.input_options = input_options
         self.precision = check_precision(precision)
         self._autocast_dtype = AUTOCAST[self.precision]
         with context.enter_or_assert_strategy(self.strategy):
@@ -393,6 +410,10 @@ class Trainer(FitLoop, TrainingState, InputChecks):
             rows = known or cluster.sum(rows, "reduce (the global row count)")
         self._global_batch = max(1, rows)
 
+    def _distribute_data(self, source):
+        """``source`` split across the replicas, with this trainer's ``input_options``."""
+        return self.strategy.experimental_distribute_dataset(source, self.input_options)
+
     def _is_builtin(self, *methods: str) -> bool:
         """Whether these methods are ``Trainer``'s own, not a subclass's overrides."""
         return all(getattr(type(self), name) is getattr(Trainer, name) for name in methods)
@@ -415,15 +436,20 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         """
         check_arguments("evaluate", EVALUATE_ARGUMENTS, batch_size=batch_size, steps=steps)
         source = batch_source(dataset, batch_size, False, None)
-        source, first = first_batch(source, "evaluation data", "evaluate()", self._probes_outputs())
-        dm = self._distribute(model)
-        self._first_batch_structure(first, dm, "evaluate()", in_memory_labels(dataset))
+        cursor = Cursor(source, self._distribute_data(source), repeat=False)
+        try:
+            first = self._first_look(cursor, 0, "evaluation data", "evaluate()")  # read once: evaluated too
+            dm = self._distribute(model)
+            self._first_batch_structure(first, dm, "evaluate()", in_memory_labels(dataset))
+        except BaseException:
+            cursor.close()
+            raise
         was_training = dm.training
         dm.eval()
         callback_list = callbacks_module.CallbackList(
             list(callbacks or []), trainer=self, model=model, params={"steps": steps, "verbose": verbose}
         )
-        logs = self._test_loop(dm, was_training, source, steps, callback_list)
+        logs = self._test_loop(dm, was_training, cursor, steps, callback_list)
         if return_dict:
             return logs
         values = list(logs.values())
@@ -438,23 +464,31 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         dm = self._distributed
         was_training = dm.training
         dm.eval()
-        return self._test_loop(dm, was_training, source, None, callback_list, saved)
+        cursor = Cursor(source, self._distribute_data(source), repeat=False)
+        return self._test_loop(dm, was_training, cursor, None, callback_list, saved)
 
-    def _test_loop(self, dm, was_training: bool, source, steps, callback_list, saved=None) -> dict:
-        """``test_step`` over ``source`` (``steps`` batches at most) with the test hooks, ``dm`` in eval mode
+    def _test_loop(self, dm, was_training: bool, cursor, steps, callback_list, saved=None) -> dict:
+        """``test_step`` over the batches of ``cursor`` (a ``Cursor``, from its first pass's start unless it
+        has read ahead there; ``steps`` batches at most) with the test hooks, ``dm`` in eval mode
         (``was_training`` is put back); the logs. ``saved`` metric states, if any, are loaded back before
-        ``on_test_end``."""
+        ``on_test_end``. The cursor is closed at the end."""
         callback_list.call("on_test_begin", {})
         try:
             self._reset_metrics()
-            for index, batch in enumerate(self.strategy.experimental_distribute_dataset(source)):
-                if steps is not None and index >= steps:
+            cursor.start(0, 0)
+            index = 0
+            while steps is None or index < steps:
+                try:
+                    batch = cursor.next()
+                except StopIteration:
                     break
                 callback_list.call("on_test_batch_begin", index, {})
                 self.strategy.run(self.test_step, args=(batch,))
                 callback_list.call("on_test_batch_end", index, {})
+                index += 1
             logs = self._logs()
         finally:
+            cursor.close()
             dm.train(was_training)
             if saved is not None:
                 for metric in self._all_metrics():
@@ -465,7 +499,11 @@ class Trainer(FitLoop, TrainingState, InputChecks):
     def predict(self, model, dataset, batch_size=None, steps=None, verbose="auto"):
         """The model's outputs for every example of ``dataset``, in input order, concatenated
         across replicas and batches (the partial batch included); nests keep their shape. A
-        ``ModelOutput`` (or a dict with ``logits``) gives its logits (``model_io.prediction_of``)."""
+        ``ModelOutput`` (or a dict with ``logits``) gives its logits (``model_io.prediction_of``).
+
+        Across workers each worker predicts its replicas' rows (it reads only those where they can be
+        addressed) and every worker returns every row, in order, as Accelerate's ``gather_for_metrics``
+        does: the same program runs on every worker, so any of them may go on with the predictions."""
         inputs = dataset
         if batchable(dataset) and not isinstance(dataset, torch.utils.data.Dataset):
             inputs = dataset if isinstance(dataset, tuple) else (dataset,)
@@ -476,7 +514,7 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         dm.eval()
         outputs = []
         try:
-            for index, batch in enumerate(self.strategy.experimental_distribute_dataset(source)):
+            for index, batch in enumerate(self._distribute_data(source)):
                 if steps is not None and index >= steps:
                     break
                 result = self.strategy.run(self.predict_step, args=(batch,))

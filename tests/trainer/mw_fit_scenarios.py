@@ -346,3 +346,93 @@ def join_alone(rank, num_workers, port):
     except ds.WorkerFailedError as error:
         return str(error)
     return "joined"
+
+
+class CountingDataset(torch.utils.data.Dataset):
+    """``(x[i], y[i])`` examples, counting how many are read."""
+
+    def __init__(self, x, y):
+        self.x, self.y, self.reads = x, y, 0
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        self.reads += 1
+        return self.x[index], self.y[index]
+
+
+def sharded_run(strategy, kind: str, rows: int = 150, batch: int = 32) -> dict:
+    """fit (2 epochs, shuffled), evaluate and predict on a counting map-style ``Dataset`` (``kind="dataset"``,
+    with ``batch_size``) or a ``DataLoader(shuffle=True)`` of one (``kind="loader"``); the results and how
+    many examples each read."""
+    x, y = data()
+    dataset = CountingDataset(x[:rows], y[:rows])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    trainer = Trainer(
+        strategy=strategy,
+        optimizer=optimizers.SGD(0.1, momentum=0.9),
+        loss="cross_entropy",
+        metrics=["accuracy"],
+        seed=5,
+    )
+    if kind == "loader":
+        train = torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True)
+        history = trainer.fit(model, train, epochs=2, verbose=0)
+    else:
+        history = trainer.fit(model, dataset, batch_size=batch, epochs=2, verbose=0)
+    reads = {"fit": dataset.reads}
+    dataset.reads = 0
+    evaluation = trainer.evaluate(model, dataset, batch_size=batch, verbose=0, return_dict=True)
+    reads["evaluate"], dataset.reads = dataset.reads, 0
+    predictions = trainer.predict(model, dataset, batch_size=batch)
+    reads["predict"] = dataset.reads
+    return {
+        "history": history.history,
+        "weights": {k: v.clone() for k, v in model.state_dict().items()},
+        "evaluate": evaluation,
+        "predict": predictions,
+        "reads": reads,
+    }
+
+
+def sharded(rank, num_workers, port, kind):
+    return sharded_run(strategy_for(rank, num_workers, port), kind)
+
+
+class BatchShards(torch.utils.data.IterableDataset):
+    """Batches of 10 rows of ``data()``, shardable by batch (as a list of files is); counts what it yields."""
+
+    def __init__(self, index=0, count=1, shardable=True):
+        self.index, self.count, self.reads = index, count, []
+        if not shardable:
+            self.shard = None
+
+    def shard(self, num_shards, index):
+        self.child = BatchShards(index, num_shards)
+        return self.child
+
+    def __iter__(self):
+        x, y = data()
+        for number in range(self.index, 12, self.count):  # 120 rows: 12 batches of 10
+            self.reads.append(number)
+            yield x[number * 10 : number * 10 + 10], y[number * 10 : number * 10 + 10]
+
+
+def file_shards(rank, num_workers, port, shardable=True):
+    """fit on an IterableDataset of batches: with shard() each worker reads its shard; without, every worker
+    reads every batch (and is warned once)."""
+    import warnings
+
+    strategy = strategy_for(rank, num_workers, port)
+    source = BatchShards(shardable=shardable)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 3))
+    trainer = Trainer(strategy=strategy, optimizer=optimizers.SGD(0.1), loss="cross_entropy", seed=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = trainer.fit(model, source, epochs=2, verbose=0)
+    reads = getattr(source, "child", source).reads
+    ours = [str(w.message) for w in caught if "AutoShardPolicy" in str(w.message)]
+    return {"reads": reads, "warnings": ours, "history": history.history}

@@ -95,6 +95,17 @@ fit:
 # --- malformed recipes: (id, recipe text with the bad line marked, key path, message fragments) --
 MALFORMED = [
     (
+        "auto_shard_policy_unknown",
+        """
+        model: mlp
+        data:
+          type: digits
+          auto_shard_policy: files   #<
+        """,
+        "data.auto_shard_policy",
+        ["expected one of AUTO, FILE, DATA, OFF", "did you mean 'FILE'?"],
+    ),
+    (
         "sync_batchnorm_not_a_flag",
         """
         model:
@@ -1256,6 +1267,15 @@ def test_sync_batchnorm_converts_the_built_model_and_a_users_model_without_batch
     with pytest.raises(recipes.RecipeError, match="model.sync_batchnorm: the model has no BatchNorm layer") as caught:
         recipes.build(recipes.load(plain))
     assert "batch_norm: true" not in str(caught.value)  # no hint about the built-in models' argument
+
+
+def test_the_data_sections_auto_shard_policy_goes_to_the_trainers_input_options(tmp_path):
+    from replicafit.data import AutoShardPolicy
+
+    path = write(tmp_path, CLASSIFICATION.replace("n_classes: 3", "n_classes: 3\n  auto_shard_policy: off"))
+    run = recipes.build(recipes.load(path))
+    assert run.trainer.input_options.auto_shard_policy is AutoShardPolicy.OFF
+    assert recipes.build(recipes.load(write(tmp_path, CLASSIFICATION, "plain.yaml"))).trainer.input_options is None
 
 
 def test_the_cnn_takes_batch_norm_before_each_activation():
