@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -43,7 +44,7 @@ class SlowDataset(torch.utils.data.Dataset):
         generator = torch.Generator().manual_seed(0)
         self.x = torch.randn(ROWS, FEATURES, generator=generator)
         self.y = torch.randint(0, CLASSES, (ROWS,), generator=generator)
-        self.reads = torch.zeros((), dtype=torch.int64).share_memory_()  # loader workers count here too
+        self.reads = multiprocessing.Value("q", 0)  # loader worker processes (forked) count here too
 
     def __len__(self):
         return ROWS
@@ -52,7 +53,8 @@ class SlowDataset(torch.utils.data.Dataset):
         end = time.perf_counter() + COST
         while time.perf_counter() < end:
             pass
-        self.reads += 1
+        with self.reads.get_lock():
+            self.reads.value += 1
         return self.x[index], self.y[index]
 
 
@@ -80,7 +82,7 @@ def ours(source: str, strategy) -> dict:
         _decides_from_logs = True
 
         def on_epoch_begin(self, epoch, logs=None):
-            dataset.reads.zero_()
+            dataset.reads.value = 0
             self.start = time.perf_counter()
 
         def on_epoch_end(self, epoch, logs=None):
@@ -91,7 +93,7 @@ def ours(source: str, strategy) -> dict:
     data = dataset if source == "dataset" else _loader(dataset, source, BATCH)
     kwargs = {"batch_size": BATCH} if source == "dataset" else {}
     trainer.fit(_model(), data, epochs=2, verbose=0, callbacks=[clock], **kwargs)
-    return {"seconds": clock.seconds, "reads": int(dataset.reads)}
+    return {"seconds": clock.seconds, "reads": dataset.reads.value}
 
 
 def ddp(source: str) -> dict:
@@ -110,7 +112,7 @@ def ddp(source: str) -> dict:
     seconds = 0.0
     for epoch in range(2):
         sampler.set_epoch(epoch)
-        dataset.reads.zero_()
+        dataset.reads.value = 0
         start = time.perf_counter()
         for x, y in loader:
             optimizer.zero_grad(set_to_none=True)
@@ -118,7 +120,7 @@ def ddp(source: str) -> dict:
             optimizer.step()
         seconds = time.perf_counter() - start
     dist.destroy_process_group()
-    return {"seconds": seconds, "reads": int(dataset.reads)}
+    return {"seconds": seconds, "reads": dataset.reads.value}
 
 
 def child(variant: str, source: str) -> None:

@@ -225,7 +225,7 @@ def _split_part(item, workers: InputWorkers, placer: _Placer) -> _Step:
         raise RuntimeError(
             f"This worker's part of a global batch of {rows} rows has {_batch_size(flat)} rows instead of its "
             f"replicas' {wanted}: the source's collate_fn must keep one row per example. Or read the source whole "
-            "on every worker: InputOptions(auto_shard_policy=AutoShardPolicy.DATA)."
+            "on every worker: InputOptions(auto_shard_policy=AutoShardPolicy.DATA) (Trainer(input_options=...))."
         )
     return _Step(_split(part, flat, rows, workers, placer, part=True), rows, part)
 
@@ -432,6 +432,12 @@ class DistributedDataset:
     def __iter__(self) -> DistributedIterator:
         return self.start(None, 0)
 
+    @property
+    def steps(self) -> int | None:
+        """The number of steps of a pass where every worker knows it without asking: the source's length
+        (rows, data); ``None`` for per-worker inputs (shards, off), whose lengths may differ."""
+        return _length_of(self._dataset) if self._plan.kind in ("rows", "data") else None
+
     def __len__(self) -> int:
         length = _length_of(self._dataset)
         if length is None:
@@ -453,17 +459,17 @@ class DistributedDataset:
         """
         plan = self._plan
         if plan.kind == "rows":
+            cluster = self._workers.cluster
+            if cluster is not None and getattr(plan.reader, "global_rng", False):
+                # The loader's sampler may shuffle with torch's generator, which reading only one's rows (a
+                # dataset that draws as it reads) moves on unevenly: every pass starts from the chief's.
+                torch.set_rng_state(cluster.broadcast(torch.get_rng_state(), "agreeing on the loader's order"))
             parts = plan.reader.iterate_rows(pass_index, position)
             return self._counted(parts, max(0, len(plan.reader) - position), _split_part)
         if plan.kind in ("shards", "off"):
-            return self._own(plan.reader, position)
+            return self._own(_pass_of(plan.reader, pass_index, position), position)
         source = self._dataset
-        if hasattr(source, "iterate"):
-            batches = source.iterate(pass_index, position)
-        else:
-            batches = iter(source)
-            for _ in range(position):
-                next(batches)
+        batches = _pass_of(source, pass_index, position)
         total = _length_of(source)
         return self.iterate(batches, None if total is None else max(0, total - position))
 
@@ -530,14 +536,11 @@ class DistributedDataset:
 
         return DistributedIterator(produce_counted, placer.buffer_size)
 
-    def _own(self, source, position: int) -> DistributedIterator:
-        """A worker's own input (its shard, or an undivided source): each of its batches is split over its
-        replicas; the workers agree at every step whether any still has a batch (one that has run out
-        gives its replicas empty batches) and on the global batch's rows."""
+    def _own(self, batches, position: int) -> DistributedIterator:
+        """A worker's own input (its shard, or an undivided source) from the iterator ``batches``: each of
+        its batches is split over its replicas; the workers agree at every step whether any still has a
+        batch (one that has run out gives its replicas empty batches) and on the global batch's rows."""
         workers, placer = self._workers, self._placer
-        batches = iter(source)
-        for _ in range(position):
-            next(batches, None)
         channel = workers.cluster.input_channel() if workers.cluster is not None else None
         seen = [None]  # this worker's last batch: the template of its empty ones
 
@@ -564,6 +567,27 @@ class DistributedDataset:
             return _Step(value, rows, element)
 
         return DistributedIterator(produce, placer.buffer_size)
+
+
+def _pass_of(source, pass_index: int | None, position: int):
+    """An iterator over pass ``pass_index`` of ``source`` from batch number ``position`` on: a batched
+    source starts there (``iterate``; with a pass named, any source that has ``iterate(pass, start)``),
+    a loader's sampler is told the pass (``set_epoch``: a ``DistributedSampler``), others skip."""
+    from .sources import _Batched
+
+    if hasattr(source, "iterate") and (pass_index is not None or isinstance(source, _Batched)):
+        return source.iterate(pass_index, position)
+    if pass_index is not None:
+        batch_sampler = getattr(source, "batch_sampler", None)
+        for sampler in (getattr(source, "sampler", None), getattr(batch_sampler, "sampler", None)):
+            if callable(getattr(sampler, "set_epoch", None)):
+                sampler.set_epoch(pass_index)
+                break
+    batches = iter(source)
+    for _ in range(position):
+        if next(batches, _END) is _END:
+            break
+    return batches
 
 
 def _length_of(dataset) -> int | None:

@@ -78,41 +78,61 @@ class _RowsOfBatches:
 
 
 class _ShardedBatchSampler(torch.utils.data.Sampler):
-    """The user's batch sampler, keeping this worker's indices of each global batch. It iterates the
-    user's sampler whole (so a random sampler draws as it would in one process) and records, in order,
-    each global batch's size and whether the worker's part is empty (it then yields the batch's first
-    index alone, read for the trailing shapes only)."""
+    """The user's batch sampler, keeping this worker's indices of each global batch. Each pass (``iter``)
+    iterates the user's sampler whole (so a random sampler draws as it would in one process) and
+    records, in order, each global batch's size and whether the worker's part is empty (it then
+    yields the batch's first index alone, read for the trailing shapes only): ``latest`` is the pass
+    begun last, with its own record (a loader iterated twice at once keeps two)."""
 
     def __init__(self, batch_sampler, share):
         self.batch_sampler, self.share = batch_sampler, share
-        self.sizes: collections.deque = collections.deque()
-        self.skip = 0  # global batches to pass over at the start of the next iteration (a resumed epoch)
+        self.skip = 0  # global batches to pass over at the start of the next pass (a resumed epoch)
+        self.latest = None
 
     def __len__(self) -> int:
         return len(self.batch_sampler)
 
     def __iter__(self):
-        self.sizes.clear()
         skip, self.skip = self.skip, 0
-        for number, indices in enumerate(self.batch_sampler):
-            if number < skip:
-                continue
-            indices = list(indices)
-            offset, count = self.share(len(indices))
-            self.sizes.append((len(indices), count == 0))
-            yield indices[offset : offset + count] if count else indices[:1]
+        self.latest = _Pass(self.batch_sampler, self.share, skip)
+        return self.latest
+
+
+class _Pass:
+    """One pass of ``_ShardedBatchSampler``: the worker's index lists, and ``sizes``, a record of each
+    global batch's ``(rows, whether the worker's part is empty)`` in the order they were yielded."""
+
+    def __init__(self, batch_sampler, share, skip: int):
+        self.batches, self.share, self.skip = iter(batch_sampler), share, skip
+        self.sizes: collections.deque = collections.deque()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        while self.skip:
+            next(self.batches)
+            self.skip -= 1
+        indices = list(next(self.batches))
+        offset, count = self.share(len(indices))
+        self.sizes.append((len(indices), count == 0))
+        return indices[offset : offset + count] if count else indices[:1]
 
 
 class ShardedLoader:
     """A ``DataLoader`` over a map-style ``Dataset``, rebuilt once around ``_ShardedBatchSampler``: its
     worker's part of each global batch and that batch's row count, ``iterate_rows(epoch, start)``.
     Everything else is the user's loader's: ``collate_fn``, ``num_workers``, ``pin_memory``,
-    ``worker_init_fn``, ``generator``, ``persistent_workers``, ``prefetch_factor``, ``timeout``, ..."""
+    ``worker_init_fn``, ``generator``, ``persistent_workers``, ``prefetch_factor``, ``timeout``, ...
+    ``global_rng``: whether its sampling may draw from torch's global generator (no ``generator``), which
+    the workers then agree on at the start of every pass (``input_lib``)."""
 
     def __init__(self, loader, share):
         self.sampler = _ShardedBatchSampler(loader.batch_sampler, share)
+        self.global_rng = loader.generator is None
+        extra = {"in_order": loader.in_order} if hasattr(loader, "in_order") else {}  # (torch >= 2.6)
         self.loader = torch.utils.data.DataLoader(
-            loader.dataset, batch_sampler=self.sampler, in_order=getattr(loader, "in_order", True), **_settings(loader)
+            loader.dataset, batch_sampler=self.sampler, **extra, **_settings(loader)
         )
 
     def __len__(self) -> int:
@@ -120,10 +140,11 @@ class ShardedLoader:
 
     def iterate_rows(self, epoch, start: int):
         """``(part, rows)`` of each global batch from batch number ``start`` on (``epoch`` is the
-        loader's business: its sampler draws a new order per iteration, as the user's would)."""
+        loader's business: its sampler draws a new order per pass, as the user's would)."""
         self.sampler.skip = start
-        sizes = self.sampler.sizes
-        for part in self.loader:
+        parts = iter(self.loader)  # (begins the sampler's pass at once, with its own record of sizes)
+        sizes = self.sampler.latest.sizes
+        for part in parts:
             rows, empty = sizes.popleft()
             yield (nest.map_structure(_no_rows, part) if empty else part), rows
 
@@ -169,6 +190,10 @@ def _loader_problem(loader) -> str | None:
         return "it has batch_size=None: its dataset's items are the batches, whose rows cannot be addressed"
     if not getattr(loader, "in_order", True):
         return "it has in_order=False: its batches may come in another order than its sampler's"
+    try:
+        len(loader.batch_sampler)
+    except TypeError:
+        return "its batch sampler has no len(): the workers could not agree on its number of batches up front"
     return None
 
 
@@ -176,8 +201,14 @@ def _shardable(source) -> bool:
     return callable(getattr(source, "shard", None))
 
 
+def _iterable_shards(dataset) -> bool:
+    """A loader's dataset that is read by its shards: an ``IterableDataset`` with ``shard``."""
+    return isinstance(dataset, torch.utils.data.IterableDataset) and _shardable(dataset)
+
+
 def _sharded_loader(loader, workers):
-    """A ``DataLoader`` over ``loader.dataset.shard(...)``, otherwise the user's."""
+    """A ``DataLoader`` over ``loader.dataset.shard(...)`` (an ``IterableDataset``: no sampler to keep),
+    otherwise the user's: its batches are the worker's."""
     shard = loader.dataset.shard(workers.num_workers, workers.worker_index)
     return torch.utils.data.DataLoader(
         shard, batch_size=loader.batch_size, drop_last=loader.drop_last, **_settings(loader)
@@ -213,13 +244,14 @@ def plan(source, workers, policy: AutoShardPolicy) -> ShardPlan:
     loader = isinstance(source, torch.utils.data.DataLoader)
     plain_loader = type(source) is torch.utils.data.DataLoader
     if policy is AutoShardPolicy.FILE:
-        if plain_loader and _shardable(source.dataset):
+        if plain_loader and _iterable_shards(source.dataset):
             return ShardPlan("shards", _sharded_loader(source, workers))
         if _shardable(source):
             return ShardPlan("shards", source.shard(workers.num_workers, workers.worker_index))
+        what = f"a DataLoader whose IterableDataset ({type(source.dataset).__name__})" if loader else "a source that"
         raise ValueError(
-            f"AutoShardPolicy.FILE needs a source with shard(num_shards, index), and a {type(source).__name__} has "
-            "none: give it one (each worker reads source.shard(num_workers, worker_index)), or use AUTO."
+            f"AutoShardPolicy.FILE needs {what} has shard(num_shards, index), and this {type(source).__name__} has "
+            "none: give it one (each worker reads shard(num_workers, worker_index)), or use AUTO."
         )
     if isinstance(source, _Batched):
         return ShardPlan("rows", _RowsOfBatches(source, share_of(workers)))
@@ -234,7 +266,7 @@ def plan(source, workers, policy: AutoShardPolicy) -> ShardPlan:
         problem = _loader_problem(source)
         if problem is None:
             return ShardPlan("rows", _rebuilt(source, workers))
-        if plain_loader and _shardable(source.dataset):
+        if plain_loader and _iterable_shards(source.dataset):
             return ShardPlan("shards", _sharded_loader(source, workers))
         return _fallback(source, problem)
     if _shardable(source):
@@ -248,8 +280,8 @@ def _fallback(source, why: str) -> ShardPlan:
         f"Every worker reads every global batch of this {type(source).__name__} and keeps its replicas' rows "
         f"(AutoShardPolicy.DATA): {why}. To read only each worker's share, pass arrays or a map-style Dataset "
         "with batch_size (or a plain DataLoader over one), give the source shard(num_shards, index), or use "
-        "strategy.distribute_datasets_from_function; InputOptions(auto_shard_policy=AutoShardPolicy.DATA) "
-        "keeps this and silences the warning.",
+        "strategy.distribute_datasets_from_function; auto_shard_policy=AutoShardPolicy.DATA keeps this and "
+        "silences the warning (InputOptions(auto_shard_policy=...); in Trainer(input_options=...) for fit).",
         stacklevel=4,
     )
     return ShardPlan("data", why=why)

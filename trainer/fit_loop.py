@@ -30,7 +30,7 @@ from . import callbacks as callbacks_module
 from . import losses
 from .arguments import FIT_ARGUMENTS, check_arguments
 from .input_checks import in_memory_labels
-from .inputs import Cursor, batch_source, length_of, rows, split_off_validation, unpack
+from .inputs import Cursor, batch_source, rows, split_off_validation, unpack
 
 _DENOMINATOR = "replicafit/loss denominator"  # the step value of an element-level loss's real elements
 
@@ -101,20 +101,24 @@ class FitLoop:
         distributed = self._distribute_data(source)
         repeat = steps_per_epoch is not None
         self._cursor = cursor = Cursor(source, distributed, repeat=repeat)
-        # The first step of the first epoch, read once: the entry checks look at it, the first step trains on it.
-        first = self._first_look(cursor, 0 if repeat else initial_epoch, "training data", "fit()")
-        dm = self._distribute(model)
-        dm.train()
-        self._trainable = dm.trainable_variables
-        steps = steps_per_epoch if steps_per_epoch is not None else length_of(source)
-        history, callback_list = self._fit_callbacks(callbacks, model, epochs, steps, verbose)
-        self.history, self.stop_training, self._resume = history, False, None
-        self._first_batch_structure(first, dm, "fit()", in_memory_labels(train_data))
-        self._begin_training(callback_list)
-        resume = self._resume  # where a backup restored in on_train_begin left off
-        start_epoch = initial_epoch if resume is None else resume["epoch"]
-        plan = self._fit_plan(callback_list, steps, validation_data, batch_size)
-        self._start_element_reduction(first, cursor.global_batch_size)
+        try:
+            # The first step of the first epoch, read once: the entry checks look at it, the first step trains on it.
+            first = self._first_look(cursor, 0 if repeat else initial_epoch, "training data", "fit()")
+            dm = self._distribute(model)
+            dm.train()
+            self._trainable = dm.trainable_variables
+            steps = steps_per_epoch if steps_per_epoch is not None else distributed.steps
+            history, callback_list = self._fit_callbacks(callbacks, model, epochs, steps, verbose)
+            self.history, self.stop_training, self._resume = history, False, None
+            self._first_batch_structure(first, dm, "fit()", in_memory_labels(train_data))
+            self._begin_training(callback_list)
+            resume = self._resume  # where a backup restored in on_train_begin left off
+            start_epoch = initial_epoch if resume is None else resume["epoch"]
+            plan = self._fit_plan(callback_list, steps, validation_data, batch_size)
+            self._start_element_reduction(first, cursor.global_batch_size)
+        except BaseException:
+            cursor.close()  # the pass read ahead (its loader's worker processes, a prefetch thread)
+            raise
         logs: dict = {}
         try:
             for epoch in range(start_epoch, epochs):

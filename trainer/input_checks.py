@@ -10,7 +10,8 @@ reading of the model's outputs is kept: ``model_io.py``).
 
 Example::
 
-    source, first = first_batch(source, "training data", "fit()", want_batch=True)  # ValueError if empty
+    first = self._first_look(cursor, 0, "training data", "fit()")  # ValueError if empty; the first step keeps it
+    source, _ = first_batch(source, "validation data", "fit()", want_batch=False)  # (validation: by length)
     labels = in_memory_labels((x, y))  # y: every label of in-memory data is checked against the loss
 """
 

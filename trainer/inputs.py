@@ -139,6 +139,13 @@ class Cursor:
         self.pass_index, self.position = pass_index, position
         self._iterator = self.distributed.start(pass_index, position)
 
+    def forget(self) -> None:
+        """Drops the pass read ahead (``peek``): the next ``start`` begins a fresh one, read anew."""
+        if self._held is not None:
+            self._held = None
+            self._iterator.close()
+            self._iterator = None
+
     def peek(self, pass_index: int, position: int = 0):
         """The host batch of the step at ``(pass_index, position)`` (this worker's part of that global batch,
         before the split), read ahead: the next ``next()`` returns its distributed step. ``None`` when the

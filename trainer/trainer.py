@@ -502,8 +502,10 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         ``ModelOutput`` (or a dict with ``logits``) gives its logits (``model_io.prediction_of``).
 
         Across workers each worker predicts its replicas' rows (it reads only those where they can be
-        addressed) and every worker returns every row, in order, as Accelerate's ``gather_for_metrics``
-        does: the same program runs on every worker, so any of them may go on with the predictions."""
+        addressed) and every worker returns every row, as Accelerate's ``gather_for_metrics`` does: the
+        same program runs on every worker, so any of them may go on with the predictions. Global batches
+        (sharded by rows, or read whole) come back in input order; per-worker inputs (``FILE``, ``OFF``)
+        step by step in worker order, with what their samplers repeat (a ``DistributedSampler`` pads)."""
         inputs = dataset
         if batchable(dataset) and not isinstance(dataset, torch.utils.data.Dataset):
             inputs = dataset if isinstance(dataset, tuple) else (dataset,)

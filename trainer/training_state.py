@@ -268,6 +268,7 @@ class TrainingState:
         self.history.history = {k: list(v) for k, v in state["history"]["history"].items()}
         self.history.epoch = list(state["history"]["epoch"])
         self._data_seed = state["data_seed"]
+        self._cursor.forget()  # a step read ahead before the restore came from the old seed and random state
         source = self._cursor.source
         if hasattr(source, "seed"):
             source.seed = self._data_seed

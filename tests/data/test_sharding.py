@@ -185,7 +185,7 @@ def test_a_source_with_shards_is_read_once_in_total_and_uneven_shards_step_toget
 def test_file_needs_shards_and_off_takes_the_source_as_each_workers_own():
     strategy = ds.MirroredStrategy(["cpu:0"])
     workers = InputWorkers(["cpu:0"], 2, 1)
-    with pytest.raises(ValueError, match="FILE needs a source with shard"):
+    with pytest.raises(ValueError, match="FILE needs a source that has shard"):
         data.DistributedDataset([torch.arange(4)], strategy, InputOptions(auto_shard_policy="FILE"), workers=workers)
     off = data.DistributedDataset([torch.arange(4)], strategy, InputOptions(auto_shard_policy="off"), workers=workers)
     assert off.sharding == "off" and [s.tolist() for s in off] == [[0, 1, 2, 3]]
@@ -241,3 +241,46 @@ def test_a_loader_with_a_distributed_sampler_is_each_workers_own_input():
 def test_one_process_reads_everything_once():
     source, dataset = batched_dataset(rows=16, batch=8)
     assert len(one_process(source, 2)) == 2 and sorted(dataset.read) == list(range(16))
+
+
+@pytest.mark.timeout(120)
+def test_two_passes_over_one_loader_at_once_keep_their_own_batch_sizes():
+    """The sampler's record of each pass's batch sizes is the pass's own (regression: a second pass wiped
+    the first's record of the batches its loader workers had asked for: IndexError)."""
+    source, _ = loader(rows=40, batch=8, shuffle=False, num_workers=2)
+    strategy = ds.MirroredStrategy(["cpu:0"])
+    workers = InputWorkers(["cpu:0"], 2, 1)
+    one = data.DistributedDataset(source, strategy, workers=workers).start(0, 0)
+    first = parts(next(one))
+    two = [parts(step) for step in data.DistributedDataset(source, strategy, workers=workers).start(0, 0)]
+    rest = [parts(step) for step in one]
+    assert (
+        [first] + rest
+        == two
+        == [[[4, 5, 6, 7]], [[12, 13, 14, 15]], [[20, 21, 22, 23]], [[28, 29, 30, 31]], [[36, 37, 38, 39]]]
+    )
+
+
+def test_each_workers_own_input_walks_the_pass_it_is_given():
+    """OFF (and FILE): a shuffled batched source shuffles per pass and starts where asked."""
+    source, _ = batched_dataset(rows=16, batch=4, shuffle=True)
+    strategy = ds.MirroredStrategy(["cpu:0"])
+    distributed = data.DistributedDataset(
+        source, strategy, InputOptions(auto_shard_policy="OFF"), workers=InputWorkers(["cpu:0"], 2, 0)
+    )
+    epochs = [[parts(step) for step in distributed.start(epoch, 0)] for epoch in (0, 1)]
+    assert epochs[0] != epochs[1]
+    assert [parts(step) for step in distributed.start(1, 2)] == epochs[1][2:]
+
+
+def test_a_batch_sampler_without_a_length_falls_back_to_data():
+    class Batches(torch.utils.data.Sampler):
+        def __iter__(self):
+            return iter([[0, 1], [2, 3]])
+
+    source = torch.utils.data.DataLoader(Counting(4), batch_sampler=Batches())
+    with pytest.warns(UserWarning, match="no len"):
+        distributed = data.DistributedDataset(
+            source, ds.MirroredStrategy(["cpu:0"]), workers=InputWorkers(["cpu:0"], 2, 1)
+        )
+    assert [parts(step) for step in distributed] == [[[1]], [[3]]]

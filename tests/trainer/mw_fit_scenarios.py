@@ -436,3 +436,80 @@ def file_shards(rank, num_workers, port, shardable=True):
     reads = getattr(source, "child", source).reads
     ours = [str(w.message) for w in caught if "AutoShardPolicy" in str(w.message)]
     return {"reads": reads, "warnings": ours, "history": history.history}
+
+
+class DrawingDataset(CountingDataset):
+    """Draws from torch's global generator as it reads (as a random transform would)."""
+
+    def __getitem__(self, index):
+        torch.rand(int(index) % 3 + 1)  # how much it draws depends on the example
+        return super().__getitem__(index)
+
+
+def rows_per_epoch(rank, num_workers, port, policy=None, epochs=3):
+    """The labels' row ids each worker trains on, per epoch, from a shuffled DataLoader without a generator
+    over a dataset that draws from the global generator (or, with ``policy="OFF"``, a DistributedSampler)."""
+    from replicafit.data import InputOptions
+
+    strategy = strategy_for(rank, num_workers, port)
+    x, _ = data()
+    ids = torch.arange(len(x))
+    dataset = DrawingDataset(x[:100], ids[:100])
+    if policy == "OFF":
+        sampler = torch.utils.data.DistributedSampler(dataset, num_workers, rank, shuffle=True, seed=1)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=10, sampler=sampler)
+    else:
+        loader = torch.utils.data.DataLoader(dataset, batch_size=16, shuffle=True)
+    seen: dict = {}
+
+    class Recording(Trainer):
+        def train_step(self, data):
+            seen.setdefault(self._epoch, []).extend(data[1].tolist())
+            data = (data[0], torch.zeros_like(data[1]))  # class 0: the ids are only recorded
+            return super().train_step(data)
+
+    options = InputOptions(auto_shard_policy=policy) if policy else None
+    model = torch.nn.Sequential(torch.nn.Linear(8, 3))
+    trainer = Recording(
+        strategy=strategy, optimizer=optimizers.SGD(0.1), loss="cross_entropy", metrics=(), input_options=options
+    )
+    trainer.fit(model, loader, epochs=epochs, verbose=0)
+    return seen
+
+
+def bad_label_on_one_worker(rank, num_workers, port):
+    """The first global batch's label out of range in worker 1's rows only: every worker must raise."""
+    strategy = strategy_for(rank, num_workers, port)
+    x, y = data()
+    y = y.clone()
+    y[20] = 7  # 3 classes; row 20 of the first batch of 32 is worker 1's (rows 16-31)
+    dataset = CountingDataset(x[:64], y[:64])
+    torch.manual_seed(0)
+    trainer = Trainer(strategy=strategy, optimizer=optimizers.SGD(0.1), loss="cross_entropy", metrics=())
+    try:
+        trainer.fit(torch.nn.Sequential(torch.nn.Linear(8, 3)), dataset, batch_size=32, shuffle=False, verbose=0)
+    except ValueError as error:
+        return {"error": str(error), "reads": dataset.reads}
+    return {"error": None}
+
+
+def uneven_file_shards(rank, num_workers, port):
+    """11 batches over 2 workers' shards: 6 and 5; the workers step together, one replica empty at the end."""
+    strategy = strategy_for(rank, num_workers, port)
+
+    class Eleven(BatchShards):
+        def shard(self, num_shards, index):
+            self.child = Eleven(index, num_shards)
+            return self.child
+
+        def __iter__(self):
+            x, y = data()
+            for number in range(self.index, 11, self.count):
+                self.reads.append(number)
+                yield x[number * 10 : number * 10 + 10], y[number * 10 : number * 10 + 10]
+
+    source = Eleven()
+    torch.manual_seed(0)
+    trainer = Trainer(strategy=strategy, optimizer=optimizers.SGD(0.1), loss="cross_entropy", metrics=())
+    history = trainer.fit(torch.nn.Sequential(torch.nn.Linear(8, 3)), source, epochs=1, verbose=0)
+    return {"reads": source.child.reads, "steps": int(trainer.optimizer.iterations), "loss": history.history["loss"]}

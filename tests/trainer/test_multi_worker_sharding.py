@@ -75,3 +75,38 @@ def test_one_process_reads_each_example_once_per_pass_the_first_batch_included()
     assert got["reads"] == {"fit": 300, "evaluate": 150, "predict": 150}
     got = scenarios.sharded_run(ds.OneDeviceStrategy("cpu"), "loader")
     assert got["reads"] == {"fit": 300, "evaluate": 150, "predict": 150}
+
+
+@pytest.mark.timeout(240)
+def test_a_generator_less_shuffle_stays_one_order_when_the_dataset_draws_as_it_reads():
+    """Each worker reads (and draws for) a different number of examples, which moved torch's generator on
+    unevenly: the loader's order is agreed at the start of every pass (regression: from the second epoch
+    on, rows were trained twice or never)."""
+    workers = results(run_workers(SCENARIOS, "rows_per_epoch", 3, timeout=200))
+    for epoch in range(3):
+        rows = sorted(r for got in workers for r in got[epoch])
+        assert rows == list(range(100)), epoch
+
+
+@pytest.mark.timeout(180)
+def test_a_distributed_sampler_loader_is_each_workers_own_and_shuffles_per_epoch():
+    workers = results(run_workers(SCENARIOS, "rows_per_epoch", 2, timeout=150, kwargs={"policy": "OFF"}))
+    for epoch in range(3):
+        assert sorted(r for got in workers for r in got[epoch]) == list(range(100)), epoch
+    assert workers[0][0] != workers[0][1]  # set_epoch: another order each epoch
+
+
+@pytest.mark.timeout(180)
+def test_a_problem_in_one_workers_part_of_the_first_batch_is_an_error_on_every_worker():
+    workers = results(run_workers(SCENARIOS, "bad_label_on_one_worker", 2, timeout=150))
+    assert "out of range" in workers[1]["error"] or "7" in workers[1]["error"]
+    assert workers[0]["error"].startswith("Worker 1 found a problem in its part of the first batch of fit()")
+    assert workers[0]["reads"] == 16  # each worker read its 16 rows of the first batch, once
+
+
+@pytest.mark.timeout(180)
+def test_uneven_shards_step_together_until_every_worker_is_out():
+    workers = results(run_workers(SCENARIOS, "uneven_file_shards", 2, timeout=150))
+    assert sorted(workers[0]["reads"] + workers[1]["reads"]) == list(range(11))
+    assert workers[0]["steps"] == workers[1]["steps"] == 6  # the sixth step: worker 1's replica empty
+    assert workers[0]["loss"] == workers[1]["loss"]
