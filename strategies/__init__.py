@@ -29,7 +29,7 @@ values and variables (``values.py``, ``variables.py``, ``module.py``, with ``syn
 (``runner.py``, with ``replica_context.py``, ``rendezvous.py`` for ``merge_call``,
 ``cooperative.py`` for replicas taking turns on one thread, ``thread_state.py``, ``merge_fns.py``);
 reductions (``cross_device_ops.py``, ``buckets.py``, ``step_values.py``); across processes
-(``cluster_resolver.py``, ``collective.py``, ``cluster.py``); devices and randomness
+(``cluster_resolver.py`` with ``slurm.py``, ``collective.py``, ``cluster.py``); devices and randomness
 (``devices.py``, ``rng.py``); and helpers (``nest.py``, ``describe.py``, ``reduce_util.py``).
 """
 
@@ -74,6 +74,7 @@ from .rendezvous import get_stall_warning_seconds, set_stall_warning_seconds
 from .replica_context import ReplicaContext
 from .rng import replica_seed, seed_replicas
 from .runner import get_replica_execution, set_replica_execution
+from .slurm import SlurmClusterResolver
 from .values import DistributedValues, Mirrored, PerReplica
 from .variables import (
     CentralStorageVariable,
@@ -111,6 +112,7 @@ __all__ = [
     "Strategy",
     "StrategyExtended",
     "SimpleClusterResolver",
+    "SlurmClusterResolver",
     "SyncOnReadVariable",
     "TFConfigClusterResolver",
     "TorchrunClusterResolver",

@@ -7,7 +7,7 @@ rendezvous store lives (``master_address``/``master_port``, hosted by worker 0) 
 devices its replicas use (``local_devices()``). The names follow TensorFlow's
 ``tf.distribute.cluster_resolver`` (``ClusterResolver``, ``SimpleClusterResolver``,
 ``TFConfigClusterResolver``, ``task_type``, ``task_id``, ``cluster_spec()``); torch's
-launcher gets ``TorchrunClusterResolver``.
+launcher gets ``TorchrunClusterResolver``, SLURM's ``srun`` ``SlurmClusterResolver`` (``slurm.py``).
 
 **Environment variables.** The library reads the environment in the recipe loader only; the
 cluster resolvers are the one sanctioned exception (as TensorFlow reads ``TF_CONFIG`` in
@@ -512,10 +512,14 @@ class TFConfigClusterResolver(ClusterResolver):
 def resolve_cluster(environ: Mapping[str, str] | None = None) -> ClusterResolver:
     """The cluster this process belongs to, detected from the environment.
 
-    In order: a torchrun environment (``TorchrunClusterResolver``), then ``TF_CONFIG``
-    (``TFConfigClusterResolver``), else one local worker (``SimpleClusterResolver(1, 0)``,
-    TensorFlow's local case). This is what ``MultiWorkerMirroredStrategy(cluster_resolver=None)``
-    uses.
+    In order: a torchrun environment (``TorchrunClusterResolver``), then a SLURM job step
+    (``SlurmClusterResolver``: ``srun`` sets ``SLURM_STEP_ID``; an ``salloc`` shell is one local
+    worker), then ``TF_CONFIG`` (``TFConfigClusterResolver``), else one local worker
+    (``SimpleClusterResolver(1, 0)``, TensorFlow's local case). This is what
+    ``MultiWorkerMirroredStrategy(cluster_resolver=None)`` uses. Half a torchrun environment
+    (``RANK`` without ``WORLD_SIZE``, the reverse, or ``LOCAL_RANK`` without them) is a ``ValueError``
+    naming what is missing, not one worker training alone as the chief; ``MASTER_ADDR`` and
+    ``MASTER_PORT`` alone are harmless (SLURM scripts export them).
 
     Example::
 
@@ -523,9 +527,22 @@ def resolve_cluster(environ: Mapping[str, str] | None = None) -> ClusterResolver
         SimpleClusterResolver(num_workers=1, worker_index=0, master_address='127.0.0.1', master_port=0, \
 task_type='worker', task_id=0, local_rank=0, local_world_size=1, devices=None)
     """
+    from .slurm import SlurmClusterResolver  # (it builds on this module)
+
     env = _environ(environ)
     if TorchrunClusterResolver.detected(env):
         return TorchrunClusterResolver(env)
+    if SlurmClusterResolver.detected(env):
+        return SlurmClusterResolver(environ=env)
+    partial = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if name in env]
+    if partial:
+        missing = [name for name in ("RANK", "WORLD_SIZE") if name not in env]
+        raise ValueError(
+            f"{' and '.join(partial)} {'is' if len(partial) == 1 else 'are'} set but {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not: a torchrun environment needs RANK and WORLD_SIZE (and "
+            "MASTER_ADDR, MASTER_PORT); set them all, or unset "
+            f"{' and '.join(partial)} to run one local worker."
+        )
     if TFConfigClusterResolver.detected(env):
         return TFConfigClusterResolver(env)
     return SimpleClusterResolver(1, 0)

@@ -14,6 +14,7 @@ MODULES = [
     "replicafit.strategies.describe",
     "replicafit.strategies.module",
     "replicafit.strategies.sync_batchnorm",
+    "replicafit.strategies.slurm",
     "replicafit.data.sources",
     "replicafit.trainer.arguments",
     "replicafit.trainer.model_io",
