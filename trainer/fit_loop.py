@@ -178,13 +178,15 @@ class FitLoop:
         return history, callback_list
 
     def _begin_training(self, callback_list) -> None:
-        """Makes ``callback_list`` this fit's (callback states of a checkpoint loaded before it restored) and
-        calls ``on_train_begin``, where ``BackupAndRestore`` may restore a backup (``_resume``)."""
+        """Makes ``callback_list`` this fit's and calls ``on_train_begin``, where ``BackupAndRestore`` may
+        restore a backup (``_resume``); then the callbacks' saved states (the backup's, else those of a
+        checkpoint loaded before this fit) are restored, after every callback's ``on_train_begin`` has
+        reset its own (whatever their order)."""
         self._callback_list = callback_list
-        if self._loaded_callback_states:  # a checkpoint loaded before this fit (load_checkpoint)
-            self._restore_callback_states(self._loaded_callback_states)
-            self._loaded_callback_states = None
         callback_list.call("on_train_begin", {})
+        states, self._loaded_callback_states = self._loaded_callback_states, None
+        if states:
+            self._restore_callback_states(states)
         callback_list.refresh()
 
     def _fit_plan(self, callback_list, steps, validation_data, batch_size) -> FitPlan:

@@ -90,7 +90,8 @@ class TrainingState:
         return state
 
     def _callback_states(self) -> dict:
-        """The states of the stateful callbacks of the running (or last) ``fit`` (``TorchLRScheduler``)."""
+        """The states of the stateful callbacks of the running (or last) ``fit`` (``TorchLRScheduler``,
+        ``EarlyStopping``, ``ReduceLROnPlateau``, ``ModelCheckpoint``, ``CSVLogger``)."""
         callback_list = self._callback_list
         if callback_list is None:
             return {}
@@ -264,7 +265,8 @@ class TrainingState:
         """
         self._check_metric_states(state["metrics"], path)
         self._load_model_and_optimizer(state, path, "backup")
-        self._restore_callback_states(state.get("callbacks") or {})
+        # (restored once every callback's on_train_begin has reset it: fit's _begin_training)
+        self._loaded_callback_states = dict(state.get("callbacks") or {}) or None
         self.history.history = {k: list(v) for k, v in state["history"]["history"].items()}
         self.history.epoch = list(state["history"]["epoch"])
         self._data_seed = state["data_seed"]

@@ -943,3 +943,47 @@ def test_backup_of_a_from_torch_optimizer_resumes_with_the_same_weights(tmp_path
         assert_same_state(got["torch_state"][position], entry)
     # The resumed epoch's loss is a sum restored across replicas: equal up to float rounding.
     assert history.history["loss"] == pytest.approx(reference_history.history["loss"], abs=1e-6)
+
+
+def _stateful_callbacks(folder: Path) -> list:
+    from replicafit.trainer import callbacks as cbs
+
+    return [
+        cbs.EarlyStopping(monitor="val_loss", patience=2, restore_best_weights=True, min_delta=1e-3),
+        cbs.ReduceLROnPlateau(monitor="val_loss", patience=1, factor=0.5, min_delta=1e-3),
+        cbs.ModelCheckpoint(str(folder / "best.pt"), monitor="val_loss", save_best_only=True, save_weights_only=True),
+        cbs.CSVLogger(str(folder / "history.csv")),
+    ]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("save_freq, crash_at", [("epoch", 27), (3, 22)])
+def test_a_resumed_run_keeps_every_callbacks_state_and_files(tmp_path, save_freq, crash_at):
+    """EarlyStopping's best value, wait and best weights, ReduceLROnPlateau's, ModelCheckpoint's best and
+    CSVLogger's rows resume with the backup (regression: only TorchLRScheduler's did; a resumed run stopped
+    later, restored other weights and kept 3 history rows of 20)."""
+    full, split, backup = tmp_path / "full", tmp_path / "split", tmp_path / "backup"
+    full.mkdir(), split.mkdir()
+    settings = {"epochs": 12, "batch_size": 4}  # 9 steps an epoch
+    reference_trainer = make_trainer(learning_rate=0.05)
+    reference_callbacks = _stateful_callbacks(full)
+    reference = fit(reference_trainer, make_model(), reference_callbacks, **settings)
+    with pytest.raises(Crash):
+        fit(
+            make_trainer(learning_rate=0.05),
+            make_model(),
+            [BackupAndRestore(backup, save_freq=save_freq), *_stateful_callbacks(split), CrashAt(crash_at)],
+            **settings,
+        )
+    trainer, callbacks = make_trainer(learning_rate=0.05), _stateful_callbacks(split)
+    history = fit(trainer, make_model(seed=6), [BackupAndRestore(backup, save_freq=save_freq), *callbacks], **settings)
+    assert reference_callbacks[0].stopped_epoch > 0  # it did stop early, at the same epoch
+    assert history.history == reference.history and history.epoch == reference.epoch
+    assert_same_state(trainer.model_state_dict(), reference_trainer.model_state_dict())
+    for got, want in zip(callbacks, reference_callbacks):
+        for name in getattr(want, "_STATE", ()):
+            if name != "best_weights":
+                assert getattr(got, name) == getattr(want, name), (type(want).__name__, name)
+    assert_same_state(torch.load(split / "best.pt", weights_only=True), torch.load(full / "best.pt", weights_only=True))
+    assert (split / "history.csv").read_text() == (full / "history.csv").read_text()
+    assert float(trainer.optimizer.learning_rate) == float(reference_trainer.optimizer.learning_rate)

@@ -101,6 +101,23 @@ class Callback:
     def on_predict_batch_end(self, batch, logs=None): ...
 
 
+class _AttributeState:
+    """A callback whose state is a few of its attributes (``_STATE``), kept in checkpoints and backups so
+    that a resumed run goes on as the uninterrupted one (``fit`` restores them after every callback's
+    ``on_train_begin`` has reset its own)."""
+
+    _keeps_state = True
+    _STATE: tuple = ()
+
+    def state_dict(self) -> dict:
+        return {name: getattr(self, name, None) for name in self._STATE}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in self._STATE:
+            if name in state:
+                setattr(self, name, state[name])
+
+
 def _overrides(callback: Callback, hook: str) -> bool:
     method = getattr(type(callback), hook, None)
     return method is not None and method is not getattr(Callback, hook)

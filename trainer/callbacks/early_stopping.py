@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import copy
 
+from .callback import _AttributeState
 from .monitor_callback import MonitorCallback
 
 
-class EarlyStopping(MonitorCallback):
+class EarlyStopping(_AttributeState, MonitorCallback):
     """Stops training when ``monitor`` has not improved by ``min_delta`` for ``patience`` epochs.
 
     Keras 3's rules: ``mode`` min/max/auto, ``baseline``, ``start_from_epoch``, and
     ``restore_best_weights`` (the best epoch's weights are put back at the end). A ``monitor`` missing
     from the logs is a ``UserWarning`` once per fit, at the end of the first epoch without it (Keras warns
     every epoch), naming the logged values and a close one (``val_acc``: did you mean ``val_accuracy``?).
+    Checkpoints and backups keep its state (a resumed run stops where the uninterrupted one does).
     """
 
     _decides_from_logs = True
@@ -68,6 +70,9 @@ class EarlyStopping(MonitorCallback):
         if self.wait >= self.patience and epoch > 0:
             self.stopped_epoch = epoch
             self.trainer.stop_training = True
+
+    # its state: the count of epochs without improvement, the best value and epoch (and weights)
+    _STATE = ("wait", "stopped_epoch", "best", "best_epoch", "best_weights")
 
     def on_train_end(self, logs=None):
         if self.stopped_epoch > 0 and self.verbose:

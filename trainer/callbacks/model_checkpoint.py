@@ -8,10 +8,11 @@ import os
 
 from .. import checkpoint
 from ._periodic import _Periodic
+from .callback import _AttributeState
 from .monitor_callback import MonitorCallback
 
 
-class ModelCheckpoint(_Periodic, MonitorCallback):
+class ModelCheckpoint(_AttributeState, _Periodic, MonitorCallback):
     """Saves a checkpoint after every epoch (or every ``save_freq`` steps).
 
     ``filepath`` may name ``{epoch}`` and any log key (``"ckpt-{epoch:02d}-{val_loss:.3f}.pt"``).
@@ -19,9 +20,11 @@ class ModelCheckpoint(_Periodic, MonitorCallback):
     ``save_weights_only`` writes the model's state dict alone; otherwise a full trainer
     checkpoint (model, optimizer, epoch, RNG). Files are written atomically. With ``save_best_only``, a
     ``monitor`` missing from the logs is a ``UserWarning`` once per fit (the logged names and a close one,
-    as Keras warns), and nothing is saved while it is missing.
+    as Keras warns), and nothing is saved while it is missing. Checkpoints and backups keep its state (the
+    best value, the steps counted towards ``save_freq``).
     """
 
+    _STATE = ("best", "_steps")
     _decides_from_logs = True
     _monitor_owner = "ModelCheckpoint(save_best_only=True)"
     _without_monitor = "No checkpoint is saved while it is missing."

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 
+from .callback import _AttributeState
 from .monitor_callback import MonitorCallback
 
 
-class ReduceLROnPlateau(MonitorCallback):
+class ReduceLROnPlateau(_AttributeState, MonitorCallback):
     """Multiplies the learning rate by ``factor`` when ``monitor`` stops improving (Keras 3's rules).
 
     Logs ``learning_rate`` at each epoch's end. A ``monitor`` missing from the logs is a ``UserWarning``
     once per fit (as ``EarlyStopping``'s), and the learning rate is left alone while it is missing.
+    Checkpoints and backups keep its state (epochs without improvement, cooldown, best value).
     """
 
+    _STATE = ("wait", "cooldown_counter", "best")
     _decides_from_logs = True
     logs_learning_rate = "before_monitor"
     _monitor_owner = "ReduceLROnPlateau"
