@@ -213,6 +213,9 @@ class _forwarding_signals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         if isinstance(error, _ParentSignaled):
+            # One line, as Ctrl-C's "interrupted": the status alone (143) says nothing to whoever reads the log.
+            name = signal.Signals(error.signum).name
+            print(f"replicafit: {name} received; the workers were stopped", file=sys.stderr, flush=True)
             raise SystemExit(128 + error.signum) from None
         return False
 

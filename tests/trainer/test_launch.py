@@ -356,3 +356,34 @@ def test_a_worker_whose_peer_failed_prints_one_line_and_exits_1(capsys, monkeypa
     assert cli.main(["fit", "digits_mlp"]) == 1
     err = capsys.readouterr().err
     assert err == "error: Worker 0 of 2: another worker died or stopped arriving during batch_reduce_to\n"
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_the_launcher_stops_the_workers_and_says_so(tmp_path):
+    """Regression: it exited 143 with no message (Ctrl-C says ``interrupted``)."""
+    body = """
+def stop(signum, frame):
+    touch(f"sigterm{rank}")
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+touch(f"ready{rank}")
+time.sleep(60)
+"""
+    code = "import sys; from replicafit.trainer.launch import launch_local; launch_local(sys.argv[1:], 2)"
+    launcher = subprocess.Popen(
+        [PY, "-c", code, *worker(body, tmp_path)], start_new_session=True, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 40
+        while not all((tmp_path / f"ready{rank}").exists() for rank in (0, 1)):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the workers did not start"
+            time.sleep(0.02)
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=30)
+        assert launcher.returncode == 143
+        assert "replicafit: SIGTERM received; the workers were stopped" in err
+        assert (tmp_path / "sigterm0").exists() and (tmp_path / "sigterm1").exists()
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait(timeout=10)
