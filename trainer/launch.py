@@ -108,6 +108,7 @@ def launch_local(
     poll_seconds: float = 0.1,
     env: Mapping[str, str] | None = None,
     cpu_count: int | None = None,
+    exit_seconds: float = 60.0,
 ) -> int:
     """Runs ``command`` in ``num_workers`` processes on this machine; returns 0 when all exit 0.
 
@@ -123,6 +124,9 @@ def launch_local(
       env: the environment the workers' variables are added to (default: this process's).
       cpu_count: the cores to share out (default: those this process may run on);
         ``OMP_NUM_THREADS`` is ``max(1, cpu_count // num_workers)`` unless ``env`` sets it.
+      exit_seconds: how long the other workers may still run once one has exited 0 (they end with the
+        same collectives, the chief then writing its reports); past it the one still running is named
+        as stuck and the attempt fails.
 
     Returns the exit status: 0, or after the last attempt the failed worker's exit code when it
     is positive, else 1 (a worker killed by a signal). Raises ``KeyboardInterrupt`` after
@@ -136,8 +140,11 @@ def launch_local(
     command = _check_command(command)
     _check_int("num_workers", num_workers, 1)
     _check_int("max_restarts", max_restarts, 0)
-    if not grace_seconds >= 0 or not poll_seconds > 0:
-        raise ValueError(f"grace_seconds must be >= 0 and poll_seconds > 0, got {grace_seconds!r}, {poll_seconds!r}.")
+    if not grace_seconds >= 0 or not poll_seconds > 0 or not exit_seconds > 0:
+        raise ValueError(
+            f"grace_seconds must be >= 0, poll_seconds and exit_seconds > 0, got {grace_seconds!r}, "
+            f"{poll_seconds!r}, {exit_seconds!r}."
+        )
     base = dict(os.environ if env is None else env)
     cores = cpu_count if cpu_count is not None else _usable_cores()
     # The lifeline: the workers watch the read end; its write end closes when this process exits,
@@ -145,13 +152,17 @@ def launch_local(
     lifeline, held = os.pipe()
     base[LIFELINE_ENV] = str(lifeline)
     try:
-        return _attempts(command, num_workers, max_restarts, base, cores, log_all_workers, grace_seconds, poll_seconds)
+        return _attempts(
+            command, num_workers, max_restarts, base, cores, log_all_workers, grace_seconds, poll_seconds, exit_seconds
+        )
     finally:
         os.close(lifeline)
         os.close(held)
 
 
-def _attempts(command, num_workers, max_restarts, base, cores, log_all_workers, grace_seconds, poll_seconds) -> int:
+def _attempts(
+    command, num_workers, max_restarts, base, cores, log_all_workers, grace_seconds, poll_seconds, exit_seconds
+) -> int:
     with _forwarding_signals():
         for attempt in range(max_restarts + 1):
             if attempt:
@@ -161,7 +172,7 @@ def _attempts(command, num_workers, max_restarts, base, cores, log_all_workers, 
                     flush=True,
                 )
             status = _Attempt(command, num_workers, attempt, base, cores, log_all_workers).run(
-                grace_seconds, poll_seconds
+                grace_seconds, poll_seconds, exit_seconds
             )
             if status == 0:
                 return 0
@@ -260,7 +271,7 @@ class _Attempt:
             env["OMP_NUM_THREADS"] = str(max(1, self.cores // self.num_workers))
         return env
 
-    def run(self, grace_seconds: float, poll_seconds: float) -> int:
+    def run(self, grace_seconds: float, poll_seconds: float, exit_seconds: float) -> int:
         try:
             port = free_port()
             sys.stdout.flush()  # what this process printed comes before the chief's output, which shares the stream
@@ -278,18 +289,19 @@ class _Attempt:
                 )
                 self.procs.append(proc)
                 self.output.watch(rank, proc)
-            failed = self._watch(poll_seconds)
+            failed = self._watch(poll_seconds, exit_seconds)
             if failed is None:
                 return 0
             rank, code = failed
-            print(
-                f"replicafit: worker {rank} failed first ({_describe(code)}); stopping the other workers",
-                file=sys.stderr,
-                flush=True,
-            )
+            if code is not None:  # (a stuck worker was named by _watch)
+                print(
+                    f"replicafit: worker {rank} failed first ({_describe(code)}); stopping the other workers",
+                    file=sys.stderr,
+                    flush=True,
+                )
             self._stop(signal.SIGTERM, grace_seconds)
             self._show_tail(rank)
-            return code if code > 0 else 1
+            return code if code is not None and code > 0 else 1
         except KeyboardInterrupt:
             self._stop(signal.SIGINT, grace_seconds)
             raise
@@ -299,8 +311,11 @@ class _Attempt:
         finally:
             self._stop(signal.SIGKILL, 0.0)  # a no-op after a clean stop; else (any error) nobody is left behind
 
-    def _watch(self, poll_seconds: float):
-        """Until all exit 0 (None) or one fails: ``(rank, exit code)`` of the first failure seen."""
+    def _watch(self, poll_seconds: float, exit_seconds: float):
+        """Until all exit 0 (None) or one fails: ``(rank, exit code)`` of the first failure seen. A worker
+        still running ``exit_seconds`` after another exited 0 is stuck (every worker ends with the same
+        collectives): it is named here, and ``(rank, None)`` returned."""
+        first_done = None
         while True:
             codes = [proc.poll() for proc in self.procs]
             failures = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
@@ -310,6 +325,18 @@ class _Attempt:
                 return min(failures, key=lambda f: (f[1] >= 0, f[0]))
             if all(code == 0 for code in codes):
                 return None
+            if first_done is None and 0 in codes:
+                first_done = time.monotonic()
+            if first_done is not None and time.monotonic() - first_done > exit_seconds:
+                running = [rank for rank, code in enumerate(codes) if code is None]
+                done = [rank for rank, code in enumerate(codes) if code == 0]
+                print(
+                    f"replicafit: worker {running[0]} is still running {exit_seconds:g} s after worker(s) "
+                    f"{', '.join(map(str, done))} exited 0: it is stuck; stopping it",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return running[0], None
             self.output.pump(poll_seconds)
 
     def _stop(self, signum: int, grace_seconds: float) -> None:

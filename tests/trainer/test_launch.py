@@ -387,3 +387,18 @@ time.sleep(60)
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_still_running_after_the_others_exited_0_is_named_and_stopped(tmp_path, started, capfd):
+    """Regression: a worker that hung while the others had finished kept the launcher waiting forever."""
+    body = """
+if rank == 1:
+    time.sleep(60)  # stuck (e.g. while exiting)
+"""
+    begin = time.monotonic()
+    status = launch_local(worker(body, tmp_path), 2, grace_seconds=1.0, exit_seconds=2.0)
+    assert status == 1 and time.monotonic() - begin < 30
+    err = capfd.readouterr().err
+    assert "worker 1 is still running 2 s after worker(s) 0 exited 0: it is stuck; stopping it" in err
+    assert "failed first" not in err
