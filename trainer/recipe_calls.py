@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+from replicafit.strategies import WorkerFailedError
+
 from . import kinds
 from .recipe_entries import _entry_name, _first_line, _parameters
 from .recipe_source import Recipe
@@ -24,6 +26,8 @@ def _call(recipe: Recipe, key: tuple, factory, args, *, ours: bool = False, **ex
     traceback."""
     try:
         return factory(**args, **extra)
+    except WorkerFailedError:
+        raise  # a worker failed while the cluster was joined: not the recipe's values (the CLI says so)
     except Exception as error:  # noqa: BLE001 - ours, called with the recipe's values: one line, no traceback
         known = isinstance(error, (ValueError, TypeError, RuntimeError, OverflowError, MemoryError))
         if not known and not ours:

@@ -1570,3 +1570,19 @@ def test_csv_dataset_errors(tmp_path, capsys):
     status, _, err = run_cli(capsys, "fit", path, "--run-dir", tmp_path / "run")
     assert status == 2
     assert_recipe_error(err, path, marked_line(path), "data", "number")
+
+
+def test_a_worker_failing_while_the_cluster_is_joined_is_not_a_recipe_error(tmp_path, capsys):
+    """Regression: it was reported at the recipe's strategy key (exit 2), as if the recipe were wrong."""
+    from replicafit.strategies import WorkerFailedError
+
+    def joining(**kwargs):
+        raise WorkerFailedError("Worker 1 of 2: another worker died or stopped arriving while joining the cluster")
+
+    registry = REGISTRIES["strategy"]
+    name = unique("failing_cluster")
+    registry.register(name, joining, description="a strategy whose cluster cannot be joined")
+    path = write(tmp_path, CLASSIFICATION.replace("strategy: one_device", f"strategy: {name}"))
+    status, out, err = run_cli(capsys, "fit", path, "--run-dir", tmp_path / "run")
+    assert status == 1, err
+    assert err == "error: Worker 1 of 2: another worker died or stopped arriving while joining the cluster\n"
