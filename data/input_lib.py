@@ -203,12 +203,11 @@ class _Agreement:
 
 def split_global_batch(element, workers: InputWorkers, placer: _Placer):
     """This worker's replicas' slices of one global batch, placed and grouped."""
-    flat = [_as_tensor(leaf) for leaf in nest.flatten(element)]
-    return _split(element, flat, _batch_size(flat), workers, placer)
+    return _split_step(element, workers, placer).value
 
 
 def _split_step(element, workers: InputWorkers, placer: _Placer) -> _Step:
-    """``split_global_batch`` with the global batch's row count (across workers), one flatten."""
+    """``split_global_batch`` with the global batch's row count (across workers) and the batch itself."""
     flat = [_as_tensor(leaf) for leaf in nest.flatten(element)]
     size = _batch_size(flat)
     return _Step(_split(element, flat, size, workers, placer), size, element)

@@ -11,7 +11,7 @@ reading of the model's outputs is kept: ``model_io.py``).
 Example::
 
     first = self._first_look(cursor, 0, "training data", "fit()")  # ValueError if empty; the first step keeps it
-    source, _ = first_batch(source, "validation data", "fit()", want_batch=False)  # (validation: by length)
+    source = checked_nonempty(source, "validation data", "fit()")  # by its length where it has one
     labels = in_memory_labels((x, y))  # y: every label of in-memory data is checked against the loss
 """
 
@@ -32,7 +32,7 @@ from . import losses, metrics
 from .inputs import as_dtype, batch_source, length_of, rows, unpack
 from .model_io import call_model, counts_items, inputs_with_labels, model_loss, passes_keywords
 
-__all__ = ["InputChecks", "first_batch", "in_memory_labels", "one_shot"]
+__all__ = ["InputChecks", "checked_nonempty", "in_memory_labels", "one_shot"]
 
 _NOTHING = object()
 
@@ -49,7 +49,7 @@ class InputChecks:
     def _checked_validation(self, validation_data, batch_size):
         """``validation_data``, checked to yield a batch (a one-shot iterator comes back re-chained)."""
         source = batch_source(validation_data, batch_size, False, None)
-        checked, _ = first_batch(source, "validation data", "fit()", False)
+        checked = checked_nonempty(source, "validation data", "fit()")
         return checked if one_shot(source) else validation_data
 
     def _first_look(self, cursor, pass_index: int, what: str, caller: str):
@@ -236,16 +236,13 @@ def _first_rows(t, count: int):
     return data_layer.as_tensor(t)[:count]
 
 
-def first_batch(source, what: str, caller: str, want_batch: bool):
-    """``(source, first batch or None)``, after checking that ``source`` yields a batch at all.
-
-    A sized source is checked by its length (and read only when ``want_batch``); others
-    are read for one batch, and a one-shot iterator gets it put back in front. An empty
-    source raises ``ValueError`` naming ``what`` was empty.
-    """
+def checked_nonempty(source, what: str, caller: str):
+    """``source``, after checking that it yields a batch at all: a sized source by its length, others by
+    reading one batch (a one-shot iterator gets it put back in front). An empty source raises
+    ``ValueError`` naming ``what`` was empty."""
     length = length_of(source)
     first = None
-    if length != 0 and (length is None or want_batch):
+    if length is None:
         if one_shot(source):
             first = next(source, _NOTHING)
             if first is not _NOTHING:
@@ -257,7 +254,7 @@ def first_batch(source, what: str, caller: str, want_batch: bool):
             f"The {what} of {caller} is empty: it yields no batch. Pass at least one example "
             "(check the arrays, Dataset or iterable, and any filtering or splitting before it)."
         )
-    return source, first
+    return source
 
 
 def one_shot(source) -> bool:

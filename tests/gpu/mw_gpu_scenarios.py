@@ -3,12 +3,17 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from gpu_support import GPU, HAVE_CUDA, digits, mlp, weights
 
 import replicafit.strategies as ds
 from replicafit import optimizers
 from replicafit.trainer import Trainer
+
+#: The workers' environment: they import gpu_support and these scenarios from this folder.
+WORKER_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))}
 
 
 def fit_run(strategy) -> dict:

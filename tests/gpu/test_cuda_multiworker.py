@@ -4,8 +4,6 @@ to ``MirroredStrategy`` over two logical GPUs in one process."""
 
 from __future__ import annotations
 
-import os
-
 import mw_gpu_scenarios as scenarios
 import pytest
 import torch
@@ -25,8 +23,7 @@ import replicafit.strategies as ds
 pytestmark = GPU_TESTS
 
 SCENARIOS = scenarios.__file__
-# The workers import gpu_support from this folder.
-ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(SCENARIOS), os.environ.get("PYTHONPATH")]))}
+ENV = scenarios.WORKER_ENV
 
 
 def test_one_worker_on_the_gpu_equals_mirrored_on_it():

@@ -3,8 +3,6 @@ on one device; logical GPUs of one GPU are refused with the fix (their backward 
 
 from __future__ import annotations
 
-import os
-
 import mw_gpu_scenarios as scenarios
 import pytest
 import torch
@@ -23,7 +21,7 @@ import replicafit.strategies as ds
 
 pytestmark = GPU_TESTS
 
-ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(scenarios.__file__), os.environ.get("PYTHONPATH")]))}
+ENV = scenarios.WORKER_ENV
 
 
 @pytest.mark.timeout(180)
