@@ -130,6 +130,13 @@ class Cluster:
         every worker asks)."""
         return self._step_values.total(name)
 
+    def step_value_waiting(self, name: str) -> bool:
+        """Whether a part of the step value ``name`` still waits for a reduction to carry it, with no
+        communication: ``step_total(name)`` would then reduce it on its own (a collective). The same
+        on every worker that adds alike. A reader that must not add a collective to a step reads the
+        total only once nothing waits (``BackupAndRestore(save_before_preemption=True)`` does)."""
+        return self._step_values.waiting(name)
+
     def discard_step_value(self, name: str) -> None:
         """Forgets what was added to the step value ``name`` and not read yet (what a step that never
         finished left behind), with no communication: every worker discards alike, at the same point.

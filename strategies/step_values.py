@@ -119,6 +119,11 @@ class StepValues:
     def pending(self) -> bool:
         return bool(self._pending)
 
+    def waiting(self, name: str) -> bool:
+        """Whether a part of ``name`` waits for a reduction to carry it (``total`` would reduce it alone)."""
+        with self._lock:
+            return name in self._pending
+
     def add(self, name: str, value) -> None:
         if not isinstance(name, str):
             raise TypeError(f"A step value's name must be a str, got {type(name).__name__}.")

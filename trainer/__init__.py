@@ -14,7 +14,7 @@ per-fit plan), ``training_state.py`` (what checkpoints and backups keep), ``argu
 ``recipe_source.py``, ``recipe_entries.py``, ``recipe_calls.py``, ``recipe_monitors.py``,
 ``recipe_validation.py``, ``recipe_build.py``, ``recipe_loader.py``, ``registry.py``, ``kinds.py``,
 ``builtins.py``) and the ``replicafit`` command (``cli.py``,
-``launch.py``).
+``launch.py``, ``preemption.py``: saving before preemption).
 """
 
 from . import callbacks, checkpoint, losses, metrics
@@ -36,10 +36,12 @@ from .callbacks import (
 )
 from .checkpoint import CheckpointError
 from .model_summary import ModelSummary, summary
+from .preemption import PREEMPTED_EXIT_STATUS, Preempted
 from .tensorboard import TensorBoard
 from .trainer import Trainer
 
 __all__ = [
+    "PREEMPTED_EXIT_STATUS",
     "BackupAndRestore",
     "CSVLogger",
     "Callback",
@@ -51,6 +53,7 @@ __all__ = [
     "LearningRateScheduler",
     "ModelCheckpoint",
     "ModelSummary",
+    "Preempted",
     "ProgbarLogger",
     "ReduceLROnPlateau",
     "SwapEMAWeights",

@@ -40,7 +40,11 @@ RUN_DIR/checkpoints/ (``--output`` chooses another file).
 A bad recipe prints one line ``file:line: key.path: problem`` and exits with status 2;
 Ctrl-C prints ``interrupted`` and exits with status 130 (128 + SIGINT, as shells report it); a
 worker of a multi-worker run whose peer died or stopped arriving prints one line
-(``WorkerFailedError``) and exits with status 1.
+(``WorkerFailedError``) and exits with status 1. A fit that stopped on a preemption signal
+(``BackupAndRestore(save_before_preemption=True)`` in the recipe's callbacks) prints one line and
+exits with status 75 (``PREEMPTED_EXIT_STATUS``): rerun the same command to resume. The
+``--workers`` launcher passes SIGTERM on to the workers, exits with 75 when they were preempted
+and never restarts on it (``--max-restarts`` is for failures).
 """
 
 from __future__ import annotations
@@ -148,6 +152,13 @@ def _main(argv) -> int:
     except RecipeError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    except SystemExit as stop:
+        from .preemption import Preempted
+
+        if not isinstance(stop, Preempted):
+            raise
+        print(f"replicafit: {stop}", file=sys.stderr, flush=True)  # one line, no traceback
+        return stop.code
     except _UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE

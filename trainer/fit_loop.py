@@ -31,6 +31,7 @@ from . import losses
 from .arguments import FIT_ARGUMENTS, check_arguments
 from .input_checks import in_memory_labels
 from .inputs import Cursor, batch_source, rows, split_off_validation, unpack
+from .preemption import Preempted, PreemptedInValidation, PreemptionWatch
 
 _DENOMINATOR = "replicafit/loss denominator"  # the step value of an element-level loss's real elements
 
@@ -49,6 +50,7 @@ class FitPlan:
     agree_each_step: bool  # stop_training is agreed after every step (a callback might set it on one worker)
     accumulating: bool  # the optimizer accumulates gradients over a window of steps
     overlap: object  # the built-in step's reduction in buckets during backward (a context), else None
+    preemption: object = None  # the PreemptionWatch of BackupAndRestore(save_before_preemption=...), else None
 
 
 class FitLoop:
@@ -100,6 +102,8 @@ class FitLoop:
         )
         distributed = self._distribute_data(source)
         repeat = steps_per_epoch is not None
+        # Before the first batch is read: a DataLoader's worker processes forked from now on inherit the handler.
+        watch = self._watch_preemption(callbacks)
         self._cursor = cursor = Cursor(source, distributed, repeat=repeat)
         try:
             # The first step of the first epoch, read once: the entry checks look at it, the first step trains on it.
@@ -114,10 +118,11 @@ class FitLoop:
             self._begin_training(callback_list)
             resume = self._resume  # where a backup restored in on_train_begin left off
             start_epoch = initial_epoch if resume is None else resume["epoch"]
-            plan = self._fit_plan(callback_list, steps, validation_data, batch_size)
+            plan = self._fit_plan(callback_list, steps, validation_data, batch_size, watch)
             self._start_element_reduction(first, cursor.global_batch_size)
         except BaseException:
             cursor.close()  # the pass read ahead (its loader's worker processes, a prefetch thread)
+            self._unwatch_preemption(watch)
             raise
         logs: dict = {}
         try:
@@ -189,7 +194,36 @@ class FitLoop:
             self._restore_callback_states(states)
         callback_list.refresh()
 
-    def _fit_plan(self, callback_list, steps, validation_data, batch_size) -> FitPlan:
+    def _watch_preemption(self, callbacks):
+        """The ``PreemptionWatch`` of the ``BackupAndRestore(save_before_preemption=...)`` among ``callbacks``,
+        installed (None without one)."""
+        backups = [cb for cb in callbacks or () if getattr(cb, "preemption_signals", ())]
+        if not backups:
+            return None
+        if len(backups) > 1:
+            raise ValueError(
+                f"{len(backups)} BackupAndRestore callbacks save before preemption; one backup is written at a "
+                "preemption: keep save_before_preemption on one of them."
+            )
+        watch = PreemptionWatch(backups[0].preemption_signals, self.strategy.cluster)
+        watch.backup, backups[0].watch = backups[0], watch
+        watch.start()
+        watch.install()
+        return watch
+
+    @staticmethod
+    def _unwatch_preemption(watch) -> None:
+        if watch is not None:
+            watch.uninstall()
+            watch.backup.watch = None
+
+    def _preempted(self, watch, epoch: int, step: int, epoch_logs=None):
+        """Every worker agreed to stop: the chief writes the backup of ``step`` steps of ``epoch`` done, then
+        ``Preempted`` (a ``SystemExit``) ends the fit on every worker."""
+        path = watch.backup.save_for_preemption(epoch, step, epoch_logs)
+        raise Preempted(watch.received.name if watch.received is not None else None, path, epoch, step)
+
+    def _fit_plan(self, callback_list, steps, validation_data, batch_size, watch=None) -> FitPlan:
         """This fit's decisions, taken once before its first epoch, alike on every worker."""
         cluster = self.strategy.cluster
         batch_logs = callback_list.wants_batch_logs["on_train_batch_end"]
@@ -206,7 +240,7 @@ class FitLoop:
         builtin_step = self._is_builtin("train_step")
         overlap = self.strategy.extended.gradient_step if builtin_step and not accumulating else None
         return FitPlan(
-            steps, validation_data, batch_size, batch_logs, agree_logs, agree_each_step, accumulating, overlap
+            steps, validation_data, batch_size, batch_logs, agree_logs, agree_each_step, accumulating, overlap, watch
         )
 
     def _fit_epoch(self, epoch: int, resumed, dm, cursor, callback_list, plan) -> dict:
@@ -217,20 +251,52 @@ class FitLoop:
         self._reset_metrics()
         self._start_epoch_data(epoch, resumed, cursor)
         callback_list.call("on_epoch_begin", epoch, {})
-        self._train_steps(resumed["step"] if resumed is not None else 0, cursor, callback_list, plan)
+        watch = plan.preemption
+        step, preempted = self._train_steps(resumed["step"] if resumed is not None else 0, cursor, callback_list, plan)
+        if preempted:
+            self._preempted(watch, epoch, step)
         if plan.accumulating:  # a partial window is applied, not dropped
             with context.enter_or_assert_strategy(self.strategy):
                 self.optimizer.apply_accumulated_gradients()
         dm.sync_buffers()  # replica-mean statistics for validation and in the user's module
         logs = self._logs()
         if plan.validation_data is not None:
-            val_logs = self._validate(plan.validation_data, plan.batch_size, callback_list)
+            rewind = self._rewind_point() if watch is not None else None
+            try:
+                val_logs = self._validate(plan.validation_data, plan.batch_size, callback_list, watch)
+            except PreemptedInValidation:
+                # The backup of the epoch's training steps done: the resumed fit validates from the start.
+                self._rewind(rewind)
+                self._preempted(watch, epoch, step)
             logs.update({f"val_{k}": v for k, v in val_logs.items()})
         callback_list.call("on_epoch_end", epoch, logs)
         cluster = self.strategy.cluster
-        if cluster.num_workers > 1:  # a callback on any worker stops every worker
+        if watch is not None:  # stop_training and the preemption flags agreed in one sum
+            self.stop_training, preempted = watch.at_epoch_end(self.stop_training)
+            if preempted and not self.stop_training:  # (a fit that stops here has ended: nothing to resume)
+                self._preempted(watch, epoch + 1, 0, (epoch, logs))
+        elif cluster.num_workers > 1:  # a callback on any worker stops every worker
             self.stop_training = cluster.any(self.stop_training)
         return logs
+
+    def _rewind_point(self) -> dict:
+        """What validation may change and a backup of the training steps must not see (this worker's own,
+        no communication): the random streams and every replica's metric accumulators."""
+        streams = self.strategy.extended.replica_streams
+        local = self.strategy.experimental_local_results
+        return {
+            "rng": torch.get_rng_state(),
+            "streams": streams.state_dict() if streams is not None else None,
+            "metrics": [[c.value().detach().clone() for c in local(v)] for v in self._metric_variables()],
+        }
+
+    def _rewind(self, point: dict) -> None:
+        torch.set_rng_state(point["rng"])
+        if point["streams"] is not None:
+            self.strategy.extended.replica_streams.load_state_dict(point["streams"])
+        for variable, values in zip(self._metric_variables(), point["metrics"]):
+            for index, value in enumerate(values):
+                variable.assign_component(index, value)
 
     def _start_epoch_data(self, epoch: int, resumed, cursor) -> None:
         """Puts the cursor where ``epoch``'s batches begin: where a backup left off mid-epoch (its metric
@@ -246,9 +312,11 @@ class FitLoop:
         elif not cursor.started:
             cursor.start(0, 0)
 
-    def _train_steps(self, step: int, cursor, callback_list, plan) -> None:
-        """The epoch's training steps from ``step`` on, until ``plan.steps``, the data's end or ``stop_training``."""
+    def _train_steps(self, step: int, cursor, callback_list, plan) -> tuple:
+        """The epoch's training steps from ``step`` on, until ``plan.steps``, the data's end, ``stop_training``
+        or an agreed preemption; ``(steps done, preempted)``."""
         cluster = self.strategy.cluster
+        watch = plan.preemption
         while plan.steps is None or step < plan.steps:
             try:
                 batch = cursor.next()
@@ -257,6 +325,8 @@ class FitLoop:
             self._step = step
             if callback_list.wants_batch_logs["on_train_batch_begin"]:
                 callback_list.call("on_train_batch_begin", step, {})
+            if watch is not None:  # this worker's flag rides with the step's reduction
+                watch.before_step()
             self._run_train_step(batch, plan)
             step += 1
             self._step = step
@@ -268,6 +338,9 @@ class FitLoop:
                 self.stop_training = cluster.any(self.stop_training)
             if self.stop_training:
                 break
+            if watch is not None and watch.after_step():
+                return step, True
+        return step, False
 
     def _start_element_reduction(self, first, first_rows) -> None:
         """An element-level loss (``losses`` module docstring) in the built-in step: its real elements' weight
@@ -312,7 +385,9 @@ class FitLoop:
             self.strategy.run(self.train_step, args=(batch,))
 
     def _end_fit(self, cursor, plan) -> None:
-        """What a fit leaves behind, however it ends: no open data, no hooks, one's own loop weighing alike."""
+        """What a fit leaves behind, however it ends: no open data, no hooks, one's own loop weighing alike,
+        the signals' own handlers back."""
+        self._unwatch_preemption(plan.preemption)
         cursor.close()
         self.strategy.extended.release_gradient_hooks()  # the model's parameters keep no hooks of ours
         if plan.accumulating:

@@ -16,6 +16,13 @@ environment that ``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
   request), and the launcher names the worker that failed first. With ``max_restarts`` it
   starts all workers again on a fresh port (torchrun's semantics: the progress since the last
   ``BackupAndRestore`` backup is lost); else it returns a non-zero status.
+- **Preemption**: a worker that exits with ``PREEMPTED_EXIT_STATUS`` (75: its ``fit`` stopped on a
+  preemption signal after the backup was written, ``BackupAndRestore(save_before_preemption=True)``)
+  has not failed: once every worker has exited 0 or 75, the launcher returns 75 and does not restart
+  (the scheduler requeues the job; rerunning the same command resumes). SIGTERM or SIGHUP to the
+  launcher is passed on to each worker process (not its children: a DataLoader's worker processes
+  are left to their worker), which gets ``preemption_seconds`` to stop before SIGKILL; a second
+  signal meanwhile changes nothing.
 - **Cleanup**: every child runs in a process group of its own, and every group the launcher
   started is signalled and every child reaped before it returns, also on Ctrl-C (SIGINT is
   forwarded to the workers, then ``KeyboardInterrupt`` re-raised) and on SIGTERM/SIGHUP to the
@@ -56,6 +63,8 @@ import time
 from collections.abc import Mapping, Sequence
 
 from replicafit._lifeline import LIFELINE_ENV
+
+from .preemption import PREEMPTED_EXIT_STATUS
 
 __all__ = ["launch_local", "launched_worker", "free_port", "TAIL_LINES"]
 
@@ -109,6 +118,7 @@ def launch_local(
     env: Mapping[str, str] | None = None,
     cpu_count: int | None = None,
     exit_seconds: float = 60.0,
+    preemption_seconds: float = 120.0,
 ) -> int:
     """Runs ``command`` in ``num_workers`` processes on this machine; returns 0 when all exit 0.
 
@@ -127,9 +137,12 @@ def launch_local(
       exit_seconds: how long the other workers may still run once one has exited 0 (they end with the
         same collectives, the chief then writing its reports); past it the one still running is named
         as stuck and the attempt fails.
+      preemption_seconds: after SIGTERM or SIGHUP to the launcher, how long the workers may take to stop
+        (a preempted ``fit`` ends its step and writes its backup) before SIGKILL.
 
-    Returns the exit status: 0, or after the last attempt the failed worker's exit code when it
-    is positive, else 1 (a worker killed by a signal). Raises ``KeyboardInterrupt`` after
+    Returns the exit status: 0, ``PREEMPTED_EXIT_STATUS`` (75) when the workers were preempted, or
+    after the last attempt the failed worker's exit code when it is positive, else 1 (a worker killed
+    by a signal). Raises ``KeyboardInterrupt`` after
     stopping the workers when interrupted, ``ValueError`` for bad arguments, ``OSError`` when a
     worker cannot be started.
 
@@ -140,10 +153,10 @@ def launch_local(
     command = _check_command(command)
     _check_int("num_workers", num_workers, 1)
     _check_int("max_restarts", max_restarts, 0)
-    if not grace_seconds >= 0 or not poll_seconds > 0 or not exit_seconds > 0:
+    if not grace_seconds >= 0 or not preemption_seconds >= 0 or not poll_seconds > 0 or not exit_seconds > 0:
         raise ValueError(
-            f"grace_seconds must be >= 0, poll_seconds and exit_seconds > 0, got {grace_seconds!r}, "
-            f"{poll_seconds!r}, {exit_seconds!r}."
+            f"grace_seconds and preemption_seconds must be >= 0, poll_seconds and exit_seconds > 0, got "
+            f"{grace_seconds!r}, {preemption_seconds!r}, {poll_seconds!r}, {exit_seconds!r}."
         )
     base = dict(os.environ if env is None else env)
     cores = cpu_count if cpu_count is not None else _usable_cores()
@@ -152,17 +165,18 @@ def launch_local(
     lifeline, held = os.pipe()
     base[LIFELINE_ENV] = str(lifeline)
     try:
-        return _attempts(
-            command, num_workers, max_restarts, base, cores, log_all_workers, grace_seconds, poll_seconds, exit_seconds
-        )
+        waits = _Waits(grace_seconds, poll_seconds, exit_seconds, preemption_seconds)
+        return _attempts(command, num_workers, max_restarts, base, cores, log_all_workers, waits)
     finally:
         os.close(lifeline)
         os.close(held)
 
 
-def _attempts(
-    command, num_workers, max_restarts, base, cores, log_all_workers, grace_seconds, poll_seconds, exit_seconds
-) -> int:
+class _Waits(collections.namedtuple("_Waits", "grace poll exit preemption")):
+    """The launcher's bounds, in seconds (``launch_local``'s ``*_seconds`` arguments)."""
+
+
+def _attempts(command, num_workers, max_restarts, base, cores, log_all_workers, waits) -> int:
     with _forwarding_signals():
         for attempt in range(max_restarts + 1):
             if attempt:
@@ -171,11 +185,9 @@ def _attempts(
                     file=sys.stderr,
                     flush=True,
                 )
-            status = _Attempt(command, num_workers, attempt, base, cores, log_all_workers).run(
-                grace_seconds, poll_seconds, exit_seconds
-            )
-            if status == 0:
-                return 0
+            status = _Attempt(command, num_workers, attempt, base, cores, log_all_workers).run(waits)
+            if status in (0, PREEMPTED_EXIT_STATUS):  # preempted: the scheduler's to requeue, not a failure
+                return status
     return status
 
 
@@ -207,18 +219,21 @@ class _ParentSignaled(BaseException):
 
 class _forwarding_signals:
     """While launching, SIGTERM/SIGHUP to the launcher become ``_ParentSignaled`` (main thread only),
-    so the workers, in process groups of their own, are stopped rather than orphaned."""
+    so the workers, in process groups of their own, are stopped rather than orphaned. Only the first:
+    while the workers stop, another changes nothing."""
 
     def __enter__(self):
         self._previous = {}
+        self._signaled = False
         if sys.platform != "win32" and _in_main_thread():
             for signum in _FORWARDED:
                 self._previous[signum] = signal.signal(signum, self._raise)
         return self
 
-    @staticmethod
-    def _raise(signum, frame):
-        raise _ParentSignaled(signum)
+    def _raise(self, signum, frame):
+        if not self._signaled:
+            self._signaled = True
+            raise _ParentSignaled(signum)
 
     def __exit__(self, kind, error, traceback):
         for signum, handler in self._previous.items():
@@ -271,7 +286,7 @@ class _Attempt:
             env["OMP_NUM_THREADS"] = str(max(1, self.cores // self.num_workers))
         return env
 
-    def run(self, grace_seconds: float, poll_seconds: float, exit_seconds: float) -> int:
+    def run(self, waits: _Waits) -> int:
         try:
             port = free_port()
             sys.stdout.flush()  # what this process printed comes before the chief's output, which shares the stream
@@ -289,9 +304,17 @@ class _Attempt:
                 )
                 self.procs.append(proc)
                 self.output.watch(rank, proc)
-            failed = self._watch(poll_seconds, exit_seconds)
+            failed = self._watch(waits.poll, waits.exit)
             if failed is None:
                 return 0
+            if failed == "preempted":
+                print(
+                    f"replicafit: the workers were preempted and wrote their backup (exit status "
+                    f"{PREEMPTED_EXIT_STATUS}); rerun the same command to resume",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return PREEMPTED_EXIT_STATUS
             rank, code = failed
             if code is not None:  # (a stuck worker was named by _watch)
                 print(
@@ -299,50 +322,69 @@ class _Attempt:
                     file=sys.stderr,
                     flush=True,
                 )
-            self._stop(signal.SIGTERM, grace_seconds)
+            self._stop(signal.SIGTERM, waits.grace)
             self._show_tail(rank)
             return code if code is not None and code > 0 else 1
         except KeyboardInterrupt:
-            self._stop(signal.SIGINT, grace_seconds)
+            self._stop(signal.SIGINT, waits.grace)
             raise
         except _ParentSignaled as error:
-            self._stop(error.signum, grace_seconds)
+            # To each worker, not its group: a DataLoader's worker processes are their worker's to stop.
+            self._stop(error.signum, waits.preemption, leaders_only=True)
+            codes = [proc.returncode for proc in self.procs]
+            if PREEMPTED_EXIT_STATUS in codes and all(code in (0, PREEMPTED_EXIT_STATUS) for code in codes):
+                name = signal.Signals(error.signum).name
+                print(
+                    f"replicafit: {name} received; the workers stopped at an agreed step and wrote their backup "
+                    f"(exit status {PREEMPTED_EXIT_STATUS}: preempted); rerun the same command to resume",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return PREEMPTED_EXIT_STATUS
             raise
         finally:
             self._stop(signal.SIGKILL, 0.0)  # a no-op after a clean stop; else (any error) nobody is left behind
 
     def _watch(self, poll_seconds: float, exit_seconds: float):
-        """Until all exit 0 (None) or one fails: ``(rank, exit code)`` of the first failure seen. A worker
-        still running ``exit_seconds`` after another exited 0 is stuck (every worker ends with the same
-        collectives): it is named here, and ``(rank, None)`` returned."""
+        """Until all exit 0 (None), all exit 0 or preempted with one preempted (``"preempted"``) or one
+        fails: ``(rank, exit code)`` of the first failure seen. A worker still running ``exit_seconds``
+        after another exited 0 or preempted is stuck (every worker ends with the same collectives): it
+        is named here, and ``(rank, None)`` returned."""
         first_done = None
+        ended = (0, PREEMPTED_EXIT_STATUS)
         while True:
             codes = [proc.poll() for proc in self.procs]
-            failures = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            failures = [(rank, code) for rank, code in enumerate(codes) if code not in (None, *ended)]
             if failures:
                 # Several seen in one poll: a death by signal is more likely the cause (the others'
                 # collectives fail because of it), then the lowest rank.
                 return min(failures, key=lambda f: (f[1] >= 0, f[0]))
-            if all(code == 0 for code in codes):
-                return None
-            if first_done is None and 0 in codes:
+            if all(code in ended for code in codes):
+                return "preempted" if PREEMPTED_EXIT_STATUS in codes else None
+            if first_done is None and any(code in ended for code in codes):
                 first_done = time.monotonic()
             if first_done is not None and time.monotonic() - first_done > exit_seconds:
                 running = [rank for rank, code in enumerate(codes) if code is None]
-                done = [rank for rank, code in enumerate(codes) if code == 0]
+                done = [rank for rank, code in enumerate(codes) if code in ended]
                 print(
                     f"replicafit: worker {running[0]} is still running {exit_seconds:g} s after worker(s) "
-                    f"{', '.join(map(str, done))} exited 0: it is stuck; stopping it",
+                    f"{', '.join(map(str, done))} exited: it is stuck; stopping it",
                     file=sys.stderr,
                     flush=True,
                 )
                 return running[0], None
             self.output.pump(poll_seconds)
 
-    def _stop(self, signum: int, grace_seconds: float) -> None:
-        """``signum`` to every worker's process group, ``grace_seconds`` to exit, then SIGKILL; reaps all."""
+    def _stop(self, signum: int, grace_seconds: float, leaders_only: bool = False) -> None:
+        """``signum`` to every worker's process group (``leaders_only``: to each worker process),
+        ``grace_seconds`` to exit, then SIGKILL to the groups; reaps all."""
         try:
-            self._signal_groups(signum)
+            if leaders_only:
+                for proc in self.procs:
+                    if proc.poll() is None:
+                        os.kill(proc.pid, signum)
+            else:
+                self._signal_groups(signum)
             deadline = time.monotonic() + grace_seconds
             while any(proc.poll() is None for proc in self.procs) and time.monotonic() < deadline:
                 self.output.pump(min(0.05, max(0.0, deadline - time.monotonic())))

@@ -58,6 +58,7 @@ from .fit_loop import FitLoop
 from .input_checks import InputChecks, in_memory_labels
 from .inputs import Cursor, as_dtype, batch_source, batchable, rows, unpack
 from .model_io import ModelIO, call_model, inputs_with_labels, model_loss, prediction_of, real_items
+from .preemption import PreemptedInValidation
 from .training_state import TrainingState
 
 __all__ = ["Trainer"]
@@ -455,7 +456,7 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         values = list(logs.values())
         return values[0] if len(values) == 1 else values
 
-    def _validate(self, validation_data, batch_size, callback_list) -> dict:
+    def _validate(self, validation_data, batch_size, callback_list, preemption=None) -> dict:
         """The validation logs of an epoch of ``fit`` (its callbacks get the test hooks). ``fit`` checked its
         validation data once, before training, and built the metrics; validation must not disturb the
         training accumulators, so they are put back afterwards."""
@@ -465,13 +466,15 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         was_training = dm.training
         dm.eval()
         cursor = Cursor(source, self._distribute_data(source), repeat=False)
-        return self._test_loop(dm, was_training, cursor, None, callback_list, saved)
+        return self._test_loop(dm, was_training, cursor, None, callback_list, saved, preemption)
 
-    def _test_loop(self, dm, was_training: bool, cursor, steps, callback_list, saved=None) -> dict:
+    def _test_loop(self, dm, was_training: bool, cursor, steps, callback_list, saved=None, preemption=None) -> dict:
         """``test_step`` over the batches of ``cursor`` (a ``Cursor``, from its first pass's start unless it
         has read ahead there; ``steps`` batches at most) with the test hooks, ``dm`` in eval mode
         (``was_training`` is put back); the logs. ``saved`` metric states, if any, are loaded back before
-        ``on_test_end``. The cursor is closed at the end."""
+        ``on_test_end``. The cursor is closed at the end. ``preemption`` (fit's validation under
+        ``save_before_preemption``): after each step, every worker stops when they agree on a preemption
+        (``PreemptedInValidation``)."""
         callback_list.call("on_test_begin", {})
         try:
             self._reset_metrics()
@@ -486,6 +489,10 @@ class Trainer(FitLoop, TrainingState, InputChecks):
                 self.strategy.run(self.test_step, args=(batch,))
                 callback_list.call("on_test_batch_end", index, {})
                 index += 1
+                if preemption is not None and preemption.in_validation():
+                    raise PreemptedInValidation()
+            if preemption is not None:
+                preemption.end_validation()
             logs = self._logs()
         finally:
             cursor.close()

@@ -36,6 +36,7 @@ def fit_run(
     optimizer=None,
     precision="32",
     dropout=0.0,
+    validation_split=0.2,
     **fit_kwargs,
 ):
     """A small fit (partial last batch: 120 training rows in batches of 32, then 30 for validation)."""
@@ -50,7 +51,7 @@ def fit_run(
         model,
         data(),
         epochs=epochs,
-        validation_split=0.2,
+        validation_split=validation_split,
         verbose=0,
         callbacks=list(extra_callbacks),
         **{"batch_size": 32} | fit_kwargs,

@@ -369,7 +369,19 @@ signal.signal(signal.SIGTERM, stop)
 touch(f"ready{rank}")
 time.sleep(60)
 """
-    code = "import sys; from replicafit.trainer.launch import launch_local; launch_local(sys.argv[1:], 2)"
+    with launched_until_ready(body, tmp_path) as launcher:
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=30)
+        assert launcher.returncode == 143
+        assert "replicafit: SIGTERM received; the workers were stopped" in err
+        assert (tmp_path / "sigterm0").exists() and (tmp_path / "sigterm1").exists()
+
+
+@contextlib.contextmanager
+def launched_until_ready(body: str, tmp_path):
+    """A launcher process of 2 workers running ``body``, once both touched ``ready{rank}``; killed with its
+    group at the end if still running."""
+    code = "import sys; from replicafit.trainer.launch import launch_local; sys.exit(launch_local(sys.argv[1:], 2))"
     launcher = subprocess.Popen(
         [PY, "-c", code, *worker(body, tmp_path)], start_new_session=True, stderr=subprocess.PIPE, text=True
     )
@@ -378,11 +390,7 @@ time.sleep(60)
         while not all((tmp_path / f"ready{rank}").exists() for rank in (0, 1)):
             assert launcher.poll() is None and time.monotonic() < deadline, "the workers did not start"
             time.sleep(0.02)
-        launcher.send_signal(signal.SIGTERM)
-        _, err = launcher.communicate(timeout=30)
-        assert launcher.returncode == 143
-        assert "replicafit: SIGTERM received; the workers were stopped" in err
-        assert (tmp_path / "sigterm0").exists() and (tmp_path / "sigterm1").exists()
+        yield launcher
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
@@ -400,5 +408,65 @@ if rank == 1:
     status = launch_local(worker(body, tmp_path), 2, grace_seconds=1.0, exit_seconds=2.0)
     assert status == 1 and time.monotonic() - begin < 30
     err = capfd.readouterr().err
-    assert "worker 1 is still running 2 s after worker(s) 0 exited 0: it is stuck; stopping it" in err
+    assert "worker 1 is still running 2 s after worker(s) 0 exited: it is stuck; stopping it" in err
     assert "failed first" not in err
+
+
+@pytest.mark.timeout(60)
+def test_workers_preempted_end_the_launch_with_75_and_no_restart(tmp_path, started, capfd):
+    """A worker exiting with PREEMPTED_EXIT_STATUS has not failed: no restart, and 75 passed on."""
+    body = """
+touch(f"attempt{attempt}-{rank}")
+sys.exit(75)
+"""
+    status = launch_local(worker(body, tmp_path), 2, max_restarts=2)
+    assert status == launch.PREEMPTED_EXIT_STATUS == 75
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["attempt0-0", "attempt0-1"]  # never restarted
+    err = capfd.readouterr().err
+    assert "the workers were preempted and wrote their backup (exit status 75)" in err
+    assert "failed first" not in err and "restarting" not in err
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_preempted_while_another_fails_is_a_failure(tmp_path, started, capfd):
+    body = """
+if rank == 1:
+    wait_for("preempted0")
+    sys.exit(3)
+touch("preempted0")
+sys.exit(75)
+"""
+    assert launch_local(worker(body, tmp_path), 2) == 3
+    assert "worker 1 failed first (exit code 3)" in capfd.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_the_launcher_reaches_each_worker_once_and_their_preemption_is_passed_on(tmp_path):
+    """The launcher forwards SIGTERM to the worker processes (not their children), waits for them to
+    save, and exits 75 with one line; a second SIGTERM while they save changes nothing."""
+    body = """
+import subprocess
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+def stop(signum, frame):
+    touch(f"sigterm{rank}")
+    wait_for("second")  # saving: the launcher got a second SIGTERM meanwhile
+    touch(f"child{rank}", str(child.poll()))  # the worker's own child was left alone
+    child.kill()
+    sys.exit(75)
+signal.signal(signal.SIGTERM, stop)
+touch(f"ready{rank}")
+time.sleep(60)
+"""
+    with launched_until_ready(body, tmp_path) as launcher:
+        launcher.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while not all((tmp_path / f"sigterm{rank}").exists() for rank in (0, 1)):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the workers got no SIGTERM"
+            time.sleep(0.02)
+        launcher.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        (tmp_path / "second").write_text("")
+        _, err = launcher.communicate(timeout=30)
+        assert launcher.returncode == 75, err
+        assert "SIGTERM received; the workers stopped at an agreed step and wrote their backup" in err
+        assert [(tmp_path / f"child{rank}").read_text() for rank in (0, 1)] == ["None", "None"]

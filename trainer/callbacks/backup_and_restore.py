@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from .. import checkpoint
+from ..preemption import preemption_signals
 from ._periodic import _Periodic
 
 
@@ -21,6 +22,14 @@ class BackupAndRestore(_Periodic):
       backup_dir: where ``backup.pt`` lives (written atomically).
       save_freq: ``"epoch"`` or a number of steps.
       delete_checkpoint: delete the backup once ``fit`` finishes normally.
+      save_before_preemption: ``True``: a SIGTERM (to any worker, or to the ``--workers`` launcher,
+        which passes it on) makes every worker stop at the next step boundary they agree on, the
+        chief write the backup, and ``fit`` raise ``Preempted`` (a ``SystemExit`` with status 75:
+        uncaught, the process exits quietly with it). A signal or a list of signals (``"SIGUSR1"``
+        for SLURM's ``--signal=USR1@90``, ``["SIGTERM", "SIGUSR1"]``) instead of SIGTERM. Running
+        the same ``fit`` again resumes and trains no step twice. Where every worker stops, and what
+        it costs: ``replicafit.trainer.preemption``. ``False`` (TensorFlow's default): a signal has
+        its usual effect.
 
     Data sources that are not this package's batched arrays/datasets (e.g. a
     ``DataLoader``) are resumed by skipping the consumed batches of a fresh pass; their
@@ -34,15 +43,44 @@ class BackupAndRestore(_Periodic):
     every worker then reads the file, so ``backup_dir`` must be storage every worker sees (one
     machine's disk for ``--workers N``; a shared file system across machines). Resuming with
     another number of workers restores model, optimizer and position, not bit for bit.
+
+    Example::
+
+        backup = BackupAndRestore("runs/backup", save_freq=200, save_before_preemption=True)
+        trainer.fit(model, data, epochs=50, callbacks=[backup])   # rerun after a kill or a preemption
     """
 
     _decides_from_logs = True
     _saves_training_state = True  # saves after the other callbacks (callback_list.py)
 
-    def __init__(self, backup_dir, save_freq: str | int = "epoch", delete_checkpoint: bool = True):
+    def __init__(
+        self,
+        backup_dir,
+        save_freq: str | int = "epoch",
+        delete_checkpoint: bool = True,
+        save_before_preemption=False,
+    ):
         super().__init__(save_freq)
         self.backup_dir = os.fspath(backup_dir)
         self.delete_checkpoint = delete_checkpoint
+        self.save_before_preemption = save_before_preemption
+        self.preemption_signals = preemption_signals(save_before_preemption)
+        self.watch = None  # the running fit's PreemptionWatch (set by fit)
+        self._saved_at = None  # (epoch, step) of the last backup this fit wrote
+
+    def preempt(self, signum=None) -> None:
+        """Asks the running ``fit`` to stop as on a preemption signal (thread-safe): for a ``fit`` that runs
+        outside the main thread, from a handler of your own. Nothing happens outside a ``fit``, or without
+        ``save_before_preemption``.
+
+        Example::
+
+            signal.signal(signal.SIGTERM, lambda signum, frame: backup.preempt(signum))
+        """
+        import signal
+
+        if self.watch is not None:
+            self.watch.request(signum if signum is not None else signal.SIGTERM)
 
     @property
     def path(self) -> str:
@@ -50,6 +88,7 @@ class BackupAndRestore(_Periodic):
 
     def on_train_begin(self, logs=None):
         self._steps = 0
+        self._saved_at = None
         # The chief decides whether to resume, for every worker (file systems may disagree on exists()).
         if self.trainer.strategy.cluster.broadcast(os.path.exists(self.path)):
             self.trainer.restore_training_state(checkpoint.load(self.path, kind="backup"), self.path)
@@ -62,6 +101,14 @@ class BackupAndRestore(_Periodic):
 
     def _save(self, state) -> None:
         self.trainer.write_on_chief("BackupAndRestore", lambda: checkpoint.save(state, self.path))
+        self._saved_at = (state["epoch"], state["step"])
+
+    def save_for_preemption(self, epoch: int, step: int, epoch_logs=None) -> str:
+        """Writes the backup of ``step`` steps of ``epoch`` done (``training_state``'s arguments), unless the
+        last backup is that one already; returns its path. Called by ``fit`` on every worker alike."""
+        if self._saved_at != (epoch, step):
+            self._save(self.trainer.training_state(epoch, step, epoch_logs))
+        return self.path
 
     def on_train_end(self, logs=None):
         if self.delete_checkpoint:

@@ -1,0 +1,45 @@
+"""``BackupAndRestore(save_before_preemption=True)`` on 2 gloo workers: a SIGTERM to one worker stops both at
+the same step (the flags ride with the step's reduction), the chief writes one backup, both raise
+``Preempted`` (75), and the rerun equals the uninterrupted run bit for bit, every step trained once."""
+
+from __future__ import annotations
+
+import mw_preemption_scenarios as scenarios
+import pytest
+import torch
+from multiworker_harness import results, run_workers
+
+SCENARIOS = scenarios.__file__
+# 120 training rows in batches of 8: 15 steps per epoch; 30 validation rows: 4 validation steps; 3 epochs.
+CASES = {
+    # name: (scenario arguments, where both workers stop: (epoch, steps of it done))
+    "worker1_mid_epoch": ({"worker": 1, "step": 20}, (1, 7)),  # flag noted after step 20, carried by step 21
+    "chief_mid_epoch": ({"worker": 0, "step": 3}, (0, 5)),
+    "last_step_of_the_fit": ({"worker": 1, "step": 44}, (2, 15)),  # no step left: validation's first sum agrees
+    "validation": ({"worker": 1, "val_epoch": 1, "val_step": 1}, (1, 15)),  # stops at validation step 2
+    # Windows of 4 over the fit: in epoch 1 they end after its steps 3 and 7. No reduction inside a window:
+    # the flag noted after step 3 rides with the window that ends after step 7.
+    "accumulation_window": ({"worker": 1, "step": 18, "accumulate": 4}, (1, 8)),
+    "epoch_end_without_validation": ({"worker": 0, "step": 37, "validation_split": 0.0}, (2, 0)),  # 19 steps an epoch
+}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_sigterm_to_one_worker_stops_both_at_one_step_and_the_rerun_is_bit_identical(tmp_path, case):
+    arguments, (epoch, step) = CASES[case]
+    workers = results(
+        run_workers(SCENARIOS, "preempt_and_resume", 2, timeout=150, kwargs={"outdir": str(tmp_path), **arguments})
+    )
+    for rank, got in enumerate(workers):
+        signal_name = "SIGTERM" if rank == arguments["worker"] else None
+        assert got["stop"] == {"code": 75, "epoch": epoch, "step": step, "signal": signal_name}, rank
+        assert got["backup_written"]
+        assert got["trained"] == got["reference_trained"]  # every step once: none twice, none missing
+        reference, resumed = got["reference"], got["resumed"]
+        assert resumed["history"] == reference["history"]
+        assert resumed["iterations"] == reference["iterations"]
+        for key, value in reference["weights"].items():
+            assert torch.equal(resumed["weights"][key], value), (rank, key)
+    for key, value in workers[0]["resumed"]["weights"].items():
+        assert torch.equal(workers[1]["resumed"]["weights"][key], value)  # the workers agree

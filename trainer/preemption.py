@@ -1,0 +1,217 @@
+"""Saving before preemption: ``BackupAndRestore(save_before_preemption=True)``.
+
+On a shared cluster a job is preempted: the scheduler sends SIGTERM (SLURM's ``--signal=USR1@90``
+can send SIGUSR1 earlier), waits a grace period, then kills. With ``save_before_preemption`` the
+signals listed (SIGTERM by default) no longer end the process: the handler only notes the signal,
+and ``fit`` stops at the next step boundary that every worker agrees on, the chief writes the backup
+(atomically, as every backup), and ``fit`` raises ``Preempted`` — a ``SystemExit`` whose code is
+``PREEMPTED_EXIT_STATUS`` (75, ``EX_TEMPFAIL``: "try again"). Uncaught, it ends the process quietly
+with that status; ``replicafit fit`` and its ``--workers`` launcher pass it on and do not restart
+on it (the scheduler requeues the job; ``--max-restarts`` is for failures). Running the same ``fit``
+again resumes from the backup and trains no step twice.
+
+**Where every worker stops** (the agreed step boundary):
+
+* one process: after the training step during which the signal came (nothing to agree on);
+* across workers, a training step: each worker adds its flag (0 or 1) to the step's values
+  (``cluster.add_to_step``), which ride with the gradient reduction the step makes anyway; after the
+  step, once a reduction has carried them, every worker reads the same total and stops if it is not
+  zero. No collective is added to a step. A step with no reduction of its own (inside a gradient
+  accumulation window, a custom ``train_step`` that reduces nothing) carries nothing: the flags wait
+  for the next reduction (the window's last step) or the epoch's end;
+* during validation: one small non-blocking sum per validation step, started at one step and read
+  at the next (``cluster.start_sum``), so every worker stops at the same validation step; the
+  backup is the one of the end of the epoch's training steps (validation runs again on resume);
+* at the end of an epoch: the flags join the sum that agrees on ``stop_training`` (no collective of
+  their own).
+
+A signal during the backup write, or a second signal, only notes the signal again: the backup
+written is one complete file. A signal after the last epoch's end lets ``fit`` finish: the job is
+done. Signal handlers can only be installed from the main thread: ``fit`` running in another
+thread warns and leaves the signals alone; call ``BackupAndRestore.preempt()`` (thread-safe) from a
+handler of your own there.
+
+Example::
+
+    backup = BackupAndRestore("backup", save_before_preemption=True)
+    trainer.fit(model, data, epochs=50, callbacks=[backup])   # SIGTERM: backup written, exit 75
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import warnings
+
+__all__ = ["PREEMPTED_EXIT_STATUS", "Preempted", "PreemptionWatch", "preemption_signals"]
+
+PREEMPTED_EXIT_STATUS = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, the job may run again
+STEP_VALUE = "replicafit/preemption"  # the step value the workers' flags ride in
+_UNCATCHABLE = ("SIGKILL", "SIGSTOP")
+
+
+class Preempted(SystemExit):
+    """``fit`` stopped on a preemption signal after its backup was written; the run resumes from it.
+
+    A ``SystemExit``: uncaught, the process exits quietly with ``code`` (``PREEMPTED_EXIT_STATUS``,
+    75), as TensorFlow's preemption handler exits. Catch it to do something of your own first.
+
+    Attributes:
+      code: ``PREEMPTED_EXIT_STATUS``.
+      signal_name: the signal this worker received (``"SIGTERM"``), or ``None`` where another worker
+        received it.
+      path: the backup written.
+      epoch, step: where the resumed ``fit`` goes on (``step`` training steps of ``epoch`` done).
+
+    Example::
+
+        try:
+            trainer.fit(model, data, epochs=50, callbacks=[BackupAndRestore("b", save_before_preemption=True)])
+        except Preempted as stop:
+            print(f"preempted; resume from {stop.path}")
+            raise
+    """
+
+    def __init__(self, signal_name, path: str, epoch: int, step: int):
+        super().__init__(PREEMPTED_EXIT_STATUS)
+        self.signal_name, self.path, self.epoch, self.step = signal_name, path, epoch, step
+
+    def __str__(self) -> str:
+        cause = self.signal_name or "a preemption signal to another worker"
+        return (
+            f"fit stopped on {cause} at epoch {self.epoch}, after step {self.step}; the backup {self.path!r} is "
+            f"written. Run the same fit again to resume (exit status {PREEMPTED_EXIT_STATUS}: preempted)."
+        )
+
+
+class PreemptedInValidation(Exception):
+    """Every worker agreed to stop during ``fit``'s validation (raised by the validation loop, caught by
+    ``fit``, which writes the backup of the epoch's training steps)."""
+
+
+def preemption_signals(value) -> tuple:
+    """The signals of ``save_before_preemption``: ``False`` none, ``True`` SIGTERM; else a signal (a
+    ``signal.Signals``, its number or name, ``"SIGUSR1"`` or ``"USR1"``) or a list of them."""
+    if value is False or value is None:
+        return ()
+    if value is True:
+        return (signal.SIGTERM,)
+    items = [value] if isinstance(value, (str, int, signal.Signals)) else value
+    if isinstance(items, (list, tuple)) and items:
+        return tuple(dict.fromkeys(_signal(item) for item in items))
+    raise ValueError(
+        "save_before_preemption must be True, False, a signal or a list of signals (SIGTERM, 'SIGUSR1'), "
+        f"got {value!r}."
+    )
+
+
+def _signal(item) -> signal.Signals:
+    try:
+        if isinstance(item, str):
+            name = item.upper() if item.upper().startswith("SIG") else "SIG" + item.upper()
+            found = signal.Signals[name]
+        elif isinstance(item, int) and not isinstance(item, bool):
+            found = signal.Signals(item)
+        else:
+            raise ValueError
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"save_before_preemption names {item!r}, which is not a signal of this system: use a name such as "
+            "'SIGTERM' or 'SIGUSR1', or a signal.Signals."
+        ) from None
+    if found.name in _UNCATCHABLE:
+        raise ValueError(f"save_before_preemption cannot catch {found.name}: no process can. Use SIGTERM or SIGUSR1.")
+    return found
+
+
+class PreemptionWatch:
+    """The signals of one ``fit`` and the workers' agreement on them (see the module docstring).
+
+    Args:
+      signals: what ``preemption_signals`` gives.
+      cluster: the strategy's ``cluster``.
+    """
+
+    def __init__(self, signals, cluster):
+        self.signals = tuple(signals)
+        self.cluster = cluster
+        self.received = None  # the first signal noted (a signal.Signals), else None
+        self._previous: dict = {}
+        self._in_flight = None  # validation's started sum: finish() gives the flags of the step before
+
+    # --- the signals --------------------------------------------------------------------------
+    def install(self) -> None:
+        """Notes the signals from now on, instead of their previous action (main thread only: elsewhere
+        a warning, and the signals keep their action)."""
+        if threading.current_thread() is not threading.main_thread():
+            names = ", ".join(s.name for s in self.signals)
+            warnings.warn(
+                f"BackupAndRestore(save_before_preemption=...) cannot catch {names}: fit runs outside the main "
+                "thread, and Python installs signal handlers from the main thread only. The signals keep their "
+                "action; install a handler in the main thread that calls backup.preempt().",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        for signum in self.signals:
+            self._previous[signum] = signal.signal(signum, self._noted)
+
+    def uninstall(self) -> None:
+        """Puts back the signals' previous handlers (once; nothing when ``install`` installed none)."""
+        previous, self._previous = self._previous, {}
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+    def _noted(self, signum, frame) -> None:
+        self.request(signum)
+
+    def request(self, signum=signal.SIGTERM) -> None:
+        """Notes a preemption (what the handler does; thread-safe: one assignment)."""
+        if self.received is None:
+            self.received = signal.Signals(signum)
+
+    @property
+    def local(self) -> int:
+        return int(self.received is not None)
+
+    # --- the agreement ------------------------------------------------------------------------
+    def before_step(self) -> None:
+        """Across workers: this worker's flag joins the step's values (they ride with its reduction)."""
+        if self.cluster.num_workers > 1:
+            self.cluster.add_to_step(STEP_VALUE, self.local)
+
+    def after_step(self) -> bool:
+        """Whether every worker stops now, after a training step (agreed; no collective of its own)."""
+        if self.cluster.num_workers == 1:
+            return self.received is not None
+        if self.cluster.step_value_waiting(STEP_VALUE):
+            return False  # no reduction carried this step's flags yet: the next one will
+        return int(self.cluster.step_total(STEP_VALUE)) > 0
+
+    def in_validation(self) -> bool:
+        """Whether every worker stops now, after a validation step: the sum started at the step before
+        is read, and this step's started."""
+        if self.cluster.num_workers == 1:
+            return self.received is not None
+        stop = self._in_flight is not None and self._in_flight() > 0
+        self._in_flight = None if stop else self.cluster.start_sum(self.local, "agreeing on a preemption signal")
+        return stop
+
+    def end_validation(self) -> None:
+        """Finishes validation's last started sum (every started sum is finished; the epoch's end
+        agrees on the flags again)."""
+        finish, self._in_flight = self._in_flight, None
+        if finish is not None:
+            finish()
+
+    def at_epoch_end(self, stop_training: bool) -> tuple:
+        """``(stop_training on any worker, preempted on any worker)`` in one sum across workers."""
+        if self.cluster.num_workers == 1:
+            return stop_training, self.received is not None
+        stop, preempted = self.cluster.sum([int(bool(stop_training)), self.local], "agreeing to stop")
+        return stop > 0, preempted > 0
+
+    def start(self) -> None:
+        """A fit begins: what an interrupted fit left in the step value is dropped, on every worker alike."""
+        if self.cluster.num_workers > 1:
+            self.cluster.discard_step_value(STEP_VALUE)
