@@ -284,6 +284,7 @@ def _fit(args) -> int:
     from . import recipes
     from .callbacks import CSVLogger, ModelCheckpoint
     from .model_summary import summary
+    from .preemption import noting
     from .tensorboard import TensorBoard
 
     recipe, checked = _load(args)
@@ -316,11 +317,22 @@ def _fit(args) -> int:
             save_best_only=True,
         ),
     ]
-    history = run.trainer.fit(run.model, run.train, callbacks=callbacks, **run.fit_kwargs)
-    final = run.trainer.save_checkpoint(os.path.join(run_dir, "checkpoints", "last.pt"))
-    if not chief:
-        return 0
-    use_ema = bool(getattr(run.trainer.optimizer, "use_ema", False))
+    # With save_before_preemption: a signal before the first step stops the fit after it; one after the fit
+    # is complete waits until the run's files are written (preemption.noting).
+    signals = sorted({signum for cb in callbacks for signum in getattr(cb, "preemption_signals", ())})
+    with noting(signals) as noted:
+        history = run.trainer.fit(run.model, run.train, callbacks=callbacks, **run.fit_kwargs)
+        final = run.trainer.save_checkpoint(os.path.join(run_dir, "checkpoints", "last.pt"))
+        if chief:
+            _write_fit_results(run_dir, recipe, history, callbacks, validating, final, run.trainer.optimizer)
+    if noted and chief:
+        print(f"replicafit: {noted[0].name} received once the run was complete; its files are written", flush=True)
+    return 0
+
+
+def _write_fit_results(run_dir, recipe, history, callbacks, validating, final, optimizer) -> None:
+    """metrics.json, history.png and the console report of a finished fit (the chief's)."""
+    use_ema = bool(getattr(optimizer, "use_ema", False))
     report = _fit_report(history, callbacks, "val_loss" if validating else "loss", use_ema)
     with open(os.path.join(run_dir, "metrics.json"), "w") as file:
         json.dump({"recipe": recipe.name, **report, "checkpoint": final}, file, indent=2)
@@ -328,7 +340,6 @@ def _fit(args) -> int:
     for line in _report_lines(report, os.path.basename(final)):
         print(line)
     print(f"run directory: {run_dir}" + ("" if drawn else " (pip install 'replicafit[plot]' for history.png)"))
-    return 0
 
 
 def _fit_report(history, callbacks, checkpoint_monitor: str, use_ema: bool = False) -> dict:

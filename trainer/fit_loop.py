@@ -126,16 +126,21 @@ class FitLoop:
             raise
         logs: dict = {}
         try:
-            for epoch in range(start_epoch, epochs):
-                resumed = resume if epoch == start_epoch else None
-                logs = self._fit_epoch(epoch, resumed, dm, cursor, callback_list, plan)
-                if self.stop_training:
-                    break
+            try:
+                for epoch in range(start_epoch, epochs):
+                    resumed = resume if epoch == start_epoch else None
+                    logs = self._fit_epoch(epoch, resumed, dm, cursor, callback_list, plan)
+                    if self.stop_training:
+                        break
+            finally:
+                self._end_fit(cursor, plan)
+            if getattr(self.optimizer, "use_ema", False):  # as Keras' fit: the model ends with the averages
+                self.optimizer.finalize_variable_values(self._trainable)
+            # (a signal from the last agreed boundary on is noted and ignored: the fit is complete, and its
+            # backup is not deleted by on_train_end under a default action)
+            callback_list.call("on_train_end", logs)
         finally:
-            self._end_fit(cursor, plan)
-        if getattr(self.optimizer, "use_ema", False):  # as Keras' fit: the model ends with the averages
-            self.optimizer.finalize_variable_values(self._trainable)
-        callback_list.call("on_train_end", logs)
+            self._unwatch_preemption(watch)
         return history
 
     def _seed_fit(self) -> None:
@@ -385,9 +390,7 @@ class FitLoop:
             self.strategy.run(self.train_step, args=(batch,))
 
     def _end_fit(self, cursor, plan) -> None:
-        """What a fit leaves behind, however it ends: no open data, no hooks, one's own loop weighing alike,
-        the signals' own handlers back."""
-        self._unwatch_preemption(plan.preemption)
+        """What a fit leaves behind, however it ends: no open data, no hooks, one's own loop weighing alike."""
         cursor.close()
         self.strategy.extended.release_gradient_hooks()  # the model's parameters keep no hooks of ours
         if plan.accumulating:

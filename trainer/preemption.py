@@ -26,10 +26,16 @@ again resumes from the backup and trains no step twice.
   their own).
 
 A signal during the backup write, or a second signal, only notes the signal again: the backup
-written is one complete file. A signal after the last epoch's end lets ``fit`` finish: the job is
-done. Signal handlers can only be installed from the main thread: ``fit`` running in another
-thread warns and leaves the signals alone; call ``BackupAndRestore.preempt()`` (thread-safe) from a
-handler of your own there.
+written is one complete file. A signal after the last agreed boundary (the last epoch's end) lets
+``fit`` finish: the job is done. Signal handlers can only be installed from the main thread: ``fit``
+running in another thread warns and leaves the signals alone; call ``BackupAndRestore.preempt()``
+(thread-safe) from a handler of your own there.
+
+Before ``fit`` installs its handlers (the interpreter starting, the recipe being read) a signal has
+its usual action, unless ``noting(signals)`` holds it: ``replicafit fit`` notes them from the
+recipe's build on, so a signal before the first step stops the fit after it, and one while the
+finished run's files are written lets them be written (the run is complete: status 0). Nothing
+trained is lost either way: the process had trained nothing since its last backup.
 
 Example::
 
@@ -39,11 +45,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import warnings
 
-__all__ = ["PREEMPTED_EXIT_STATUS", "Preempted", "PreemptionWatch", "preemption_signals"]
+__all__ = ["PREEMPTED_EXIT_STATUS", "Preempted", "PreemptionWatch", "noting", "preemption_signals"]
 
 PREEMPTED_EXIT_STATUS = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, the job may run again
 STEP_VALUE = "replicafit/preemption"  # the step value the workers' flags ride in
@@ -124,6 +131,40 @@ def _signal(item) -> signal.Signals:
     return found
 
 
+class _Notes:
+    """A signal handler that only notes the signals it gets (``noting``)."""
+
+    def __init__(self):
+        self.noted: list = []
+
+    def __call__(self, signum, frame) -> None:
+        self.noted.append(signal.Signals(signum))
+
+
+@contextlib.contextmanager
+def noting(signals):
+    """Within the block, ``signals`` are noted rather than acted on (main thread; elsewhere nothing changes):
+    a ``fit`` that starts within it takes the ones noted before as a preemption. Yields the list of the
+    signals noted. ``replicafit fit`` holds it around ``fit`` and the writing of the run's files.
+
+    Example::
+
+        with noting([signal.SIGTERM]) as noted:
+            trainer.fit(model, data, callbacks=[BackupAndRestore("b", save_before_preemption=True)])
+            trainer.save_checkpoint("last.pt")   # a SIGTERM now waits until it is written
+    """
+    notes = _Notes()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in signals:
+            previous[signum] = signal.signal(signum, notes)
+    try:
+        yield notes.noted
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
 class PreemptionWatch:
     """The signals of one ``fit`` and the workers' agreement on them (see the module docstring).
 
@@ -154,7 +195,9 @@ class PreemptionWatch:
             )
             return
         for signum in self.signals:
-            self._previous[signum] = signal.signal(signum, self._noted)
+            self._previous[signum] = previous = signal.signal(signum, self._noted)
+            if isinstance(previous, _Notes) and signum in previous.noted:  # it came before this fit began
+                self.request(signum)
 
     def uninstall(self) -> None:
         """Puts back the signals' previous handlers (once; nothing when ``install`` installed none)."""

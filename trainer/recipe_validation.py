@@ -107,6 +107,9 @@ def validate(recipe: Recipe) -> dict:
     if not isinstance(callbacks, list):
         raise recipe.error(("callbacks",), f"expected a list of callbacks, got {type(callbacks).__name__}")
     checked["callbacks"] = [check_entry(recipe, ("callbacks", i), c, "callback") for i, c in enumerate(callbacks)]
+    for index, entry in enumerate(checked["callbacks"]):
+        if kinds.is_builtin("callback", entry[0]):  # bad values (save_freq, a signal's name...) fail now
+            _call(recipe, ("callbacks", index), *entry, ours=True)  # (ours construct without touching files)
     checked["fit"] = _check_plain(recipe, "fit", FIT_KEYS)
     checked["evaluate"] = _check_plain(recipe, "evaluate", EVALUATE_KEYS)
     if "batch_size" in batch_keys and "batch_size" in checked["fit"]:

@@ -86,3 +86,18 @@ def preempt_and_resume(
         "trained": signal_on.trained + rerun_steps.trained,
         "reference_trained": reference_steps.trained,
     }
+
+
+class SignalAtIteration(callbacks.Callback):
+    """For recipes (``{type: 'mw_preemption_scenarios:SignalAtIteration', ...}``): SIGTERM once the optimizer
+    reaches ``iteration``, on worker ``worker``, to this process (``to: self``) or to the ``--workers``
+    launcher (``to: launcher``). A resumed run starts past it, so the same command resumes."""
+
+    def __init__(self, iteration, worker=0, to="self"):
+        super().__init__()
+        self.iteration, self.worker, self.to = iteration, worker, to
+
+    def on_train_batch_end(self, batch, logs=None):
+        trainer = self.trainer
+        if trainer.strategy.cluster.worker_index == self.worker and int(trainer.optimizer.iterations) == self.iteration:
+            os.kill(os.getppid() if self.to == "launcher" else os.getpid(), signal.SIGTERM)

@@ -989,6 +989,33 @@ def test_dataset_argument_out_of_range_is_caught_by_validate(tmp_path, capsys):
     assert "validation_split" in err
 
 
+@pytest.mark.parametrize(
+    "entry, problem",
+    [
+        ("{type: backup_and_restore, backup_dir: b, save_freq: 0}", "callbacks[0].save_freq: save_freq must be"),
+        (
+            "{type: backup_and_restore, backup_dir: b, save_before_preemption: [SIGTERM, SIGKILL]}",
+            "callbacks[0].save_before_preemption: save_before_preemption cannot catch SIGKILL",
+        ),
+        ("{type: early_stopping, mode: most}", "callbacks[0]"),
+    ],
+)
+def test_built_in_callbacks_with_bad_values_are_caught_by_validate(tmp_path, capsys, entry, problem):
+    """Regression: validate said ok, and fit was the first to notice."""
+    path = write(tmp_path, CLASSIFICATION)
+    status, out, err = run_cli(capsys, "validate", path, "--set", f"callbacks=[{entry}]")
+    assert status == 2, out
+    assert problem in err and "Traceback" not in err
+
+
+def test_save_before_preemption_takes_a_boolean_or_signal_names_in_a_recipe(tmp_path, capsys):
+    path = write(tmp_path, CLASSIFICATION)
+    for value in ("true", "SIGUSR1", "[SIGTERM, USR1]"):
+        entry = f"callbacks=[{{type: backup_and_restore, backup_dir: b, save_before_preemption: {value}}}]"
+        status, _, err = run_cli(capsys, "validate", path, "--set", entry)
+        assert (status, err) == (0, ""), value
+
+
 def test_the_largest_seed_torch_takes_runs(tmp_path, capsys):
     path = write(tmp_path, CLASSIFICATION.replace("seed: 0", f"seed: {2**64 - 1}"))
     status, _, err = run_cli(capsys, "fit", path, "--run-dir", tmp_path / "run")

@@ -58,7 +58,7 @@ class BackupAndRestore(_Periodic):
         backup_dir,
         save_freq: str | int = "epoch",
         delete_checkpoint: bool = True,
-        save_before_preemption=False,
+        save_before_preemption: bool | str | list[str] = False,
     ):
         super().__init__(save_freq)
         self.backup_dir = os.fspath(backup_dir)
