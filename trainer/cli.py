@@ -54,6 +54,7 @@ import csv
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -325,6 +326,8 @@ def _fit(args) -> int:
         final = run.trainer.save_checkpoint(os.path.join(run_dir, "checkpoints", "last.pt"))
         if chief:
             _write_fit_results(run_dir, recipe, history, callbacks, validating, final, run.trainer.optimizer)
+    for signum in signals:  # the run is complete and its files written: the rest is the interpreter's exit
+        signal.signal(signum, signal.SIG_IGN)
     if noted and chief:
         print(f"replicafit: {noted[0].name} received once the run was complete; its files are written", flush=True)
     return 0
