@@ -12,6 +12,9 @@ from the signal to the exit (the grace a scheduler must give), tracebacks, hangs
 60 s), backups that do not load, steps trained twice or never, and reruns whose metrics.json,
 history.csv, last.pt and best.pt differ from the uninterrupted run's (bit for bit).
 
+``sigstop``: worker 1 of the same recipe on 2 workers (``timeout_seconds: 5``) is SIGSTOPped at a random
+moment; counts the runs where the launcher names worker 1 as the one that stopped arriving.
+
 ``sigkill``: the same recipe on 2 workers under ``--max-restarts 1``; worker 1 is SIGKILLed at a random
 moment; the launcher restarts both from the last backup. Counts the runs whose reports and files
 differ from the uninterrupted run's (EarlyStopping's state included), and the steps trained in all.
@@ -19,6 +22,7 @@ differ from the uninterrupted run's (EarlyStopping's state included), and the st
 Run: python benchmarks/fault_preemption.py sigterm --workers 1 [--runs 20] [--targeted 5] [--seed 0]
      python benchmarks/fault_preemption.py sigterm --workers 2 [--runs 20] [--targeted 5]
      python benchmarks/fault_preemption.py sigkill [--runs 12]
+     python benchmarks/fault_preemption.py sigstop [--runs 16]
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ def _env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
 
 
-def _command(folder: str, workers: int, restarts: int = 0, signal_in=None, seed=0) -> list:
+def _command(folder: str, workers: int, restarts: int = 0, signal_in=None, seed=0, timeout=20) -> list:
     log, pids, backup = (os.path.join(folder, name) for name in ("log", "pids", "backup"))
     to = "launcher" if workers > 1 else "self"
     entries = [
@@ -59,7 +63,8 @@ def _command(folder: str, workers: int, restarts: int = 0, signal_in=None, seed=
             "--set", "fit.verbose=0", "--set", f"callbacks=[{', '.join(entries)}]",
             "--run-dir", os.path.join(folder, "run")]  # fmt: skip
     if workers > 1:
-        argv += ["--set", "strategy={type: multi_worker_mirrored, timeout_seconds: 20}", "--workers", str(workers)]
+        argv += ["--set", f"strategy={{type: multi_worker_mirrored, timeout_seconds: {timeout}}}"]
+        argv += ["--workers", str(workers)]
         argv += ["--max-restarts", str(restarts)] if restarts else []
     return argv
 
@@ -297,6 +302,54 @@ def sigkill(runs: int, seed: int) -> int:
     return 1 if failures else 0
 
 
+def sigstop(runs: int, seed: int, timeout: int = 5) -> int:
+    """SIGSTOP worker 1 at a random moment (no restarts): the launcher must name worker 1, within the
+    collective timeout and the launcher's grace."""
+    rng = random.Random(seed)
+    tally = collections.Counter()
+    slowest = 0.0
+    with tempfile.TemporaryDirectory() as root:
+        for index in range(runs):
+            folder = os.path.join(root, f"trial{index}")
+            os.makedirs(folder)
+            argv = _command(folder, 2, timeout=timeout)
+            child = subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True
+            )
+            try:
+                _wait_for_first_step(folder, child, time.monotonic() + 120)
+                time.sleep(rng.uniform(0.0, 2.0))
+                with open(os.path.join(folder, "pids", "rank1")) as file:
+                    os.kill(int(file.read()), signal.SIGSTOP)
+                stopped = time.monotonic()
+                try:
+                    _, err = child.communicate(timeout=120)
+                except subprocess.TimeoutExpired:
+                    tally["hang"] += 1
+                    continue
+                slowest = max(slowest, time.monotonic() - stopped)
+            finally:
+                if child.poll() is None:
+                    os.killpg(child.pid, signal.SIGKILL)
+                    child.wait(timeout=10)
+            if "worker 1 stopped arriving" in err and "stopped by a signal" in err:
+                tally["worker 1 named as stopped"] += 1
+            elif child.returncode == 0:
+                tally["finished before the stop"] += 1
+            elif "worker 0 failed first" in err:
+                tally["worker 0 blamed"] += 1
+            else:
+                tally[f"other (exit {child.returncode}): {err.strip().splitlines()[-1:]}"] += 1
+    print(f"sigstop: worker 1 of `replicafit fit digits_mlp --workers 2` (timeout_seconds: {timeout}) SIGSTOPped "
+          f"at a random moment, {runs} runs; slowest exit after the stop: {slowest:.1f} s")  # fmt: skip
+    for kind, count in tally.most_common():
+        print(f"  {kind:<40} {count}")
+    failures = sum(count for kind, count in tally.items() if kind not in ("worker 1 named as stopped",
+                                                                          "finished before the stop"))  # fmt: skip
+    print(f"  failures: {failures}")
+    return 1 if failures else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -310,10 +363,13 @@ def main() -> int:
     kill = commands.add_parser("sigkill")
     kill.add_argument("--runs", type=int, default=12)
     kill.add_argument("--seed", type=int, default=0)
+    stop = commands.add_parser("sigstop")
+    stop.add_argument("--runs", type=int, default=16)
+    stop.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.command == "sigterm":
         return sigterm(args.runs, args.targeted, args.workers, args.seed)
-    return sigkill(args.runs, args.seed)
+    return sigkill(args.runs, args.seed) if args.command == "sigkill" else sigstop(args.runs, args.seed)
 
 
 if __name__ == "__main__":

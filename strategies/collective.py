@@ -32,7 +32,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import socket
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -133,6 +135,8 @@ class Collective:
                     )
             else:
                 kwargs = {"timeout": self.timeout} if self.timeout else {}
+                if rank != 0:  # torch's own wait for an absent chief logs C++ stack frames, and retries past T
+                    _wait_for_rendezvous(address, port, self.timeout or datetime.timedelta(minutes=30))
                 dist.init_process_group(
                     backend,
                     init_method=f"tcp://{_host(address)}:{port}",
@@ -309,6 +313,25 @@ class Collective:
 
 def _host(address: str) -> str:
     return f"[{address}]" if ":" in address and not address.startswith("[") else address
+
+
+def _wait_for_rendezvous(address: str, port: int, timeout: datetime.timedelta) -> None:
+    """Waits until the chief's rendezvous (its ``TCPStore``) at ``address:port`` accepts a connection, at most
+    ``timeout``; raises ``RuntimeError`` (a ``WorkerFailedError`` from ``_guard``) past it."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((address.strip("[]"), port), timeout=max(0.05, min(1.0, left))):
+                return
+        except OSError as error:
+            if left <= 0:
+                raise RuntimeError(
+                    f"the chief's rendezvous at {_host(address)}:{port} did not answer within "
+                    f"{timeout.total_seconds():g} s ({error.strerror or error}): worker 0 has not started, has "
+                    "exited, or the address or port is wrong"
+                ) from None
+        time.sleep(min(0.05, max(0.0, left)))
 
 
 @atexit.register

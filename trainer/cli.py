@@ -40,11 +40,12 @@ RUN_DIR/checkpoints/ (``--output`` chooses another file).
 A bad recipe prints one line ``file:line: key.path: problem`` and exits with status 2;
 Ctrl-C prints ``interrupted`` and exits with status 130 (128 + SIGINT, as shells report it); a
 worker of a multi-worker run whose peer died or stopped arriving prints one line
-(``WorkerFailedError``) and exits with status 1. A fit that stopped on a preemption signal
-(``BackupAndRestore(save_before_preemption=True)`` in the recipe's callbacks) prints one line and
-exits with status 75 (``PREEMPTED_EXIT_STATUS``): rerun the same command to resume. The
-``--workers`` launcher passes SIGTERM on to the workers, exits with 75 when they were preempted
-and never restarts on it (``--max-restarts`` is for failures).
+(``WorkerFailedError``) and exits with status 69 (``PEER_FAILED_EXIT_STATUS``, ``EX_UNAVAILABLE``:
+the ``--workers`` launcher then names the worker that failed or stopped arriving, not this one). A
+fit that stopped on a preemption signal (``BackupAndRestore(save_before_preemption=True)`` in the
+recipe's callbacks) prints one line and exits with status 75 (``PREEMPTED_EXIT_STATUS``): rerun
+the same command to resume. The ``--workers`` launcher passes SIGTERM on to the workers, exits
+with 75 when they were preempted and never restarts on it (``--max-restarts`` is for failures).
 """
 
 from __future__ import annotations
@@ -171,7 +172,9 @@ def _main(argv) -> int:
         # Another worker died or hung: that worker's failure is the story (the launcher names it),
         # this worker's traceback is noise.
         print(f"error: {error}", file=sys.stderr)
-        return 1
+        from .launch import PEER_FAILED_EXIT_STATUS
+
+        return PEER_FAILED_EXIT_STATUS
     except BrokenPipeError:  # `replicafit list | head`: the reader left; no traceback
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again

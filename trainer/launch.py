@@ -13,7 +13,10 @@ environment that ``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
   lines of their stderr are kept, to show when that worker fails.
 - **Faults**: when a worker exits non-zero or is killed by a signal, the others get SIGTERM,
   then SIGKILL after ``grace_seconds`` (a worker stuck in a collective ignores a polite
-  request), and the launcher names the worker that failed first. With ``max_restarts`` it
+  request), and the launcher names the worker that failed first. A worker that exits with
+  ``PEER_FAILED_EXIT_STATUS`` (69: its collective failed because of another) is not the cause:
+  the launcher waits up to ``grace_seconds`` for another to fail, and names a worker still running
+  then as the one that stopped arriving (stuck, or stopped by SIGSTOP). With ``max_restarts`` it
   starts all workers again on a fresh port (torchrun's semantics: the progress since the last
   ``BackupAndRestore`` backup is lost); else it returns a non-zero status.
 - **Preemption**: a worker that exits with ``PREEMPTED_EXIT_STATUS`` (75: its ``fit`` stopped on a
@@ -66,7 +69,11 @@ from replicafit._lifeline import LIFELINE_ENV
 
 from .preemption import PREEMPTED_EXIT_STATUS
 
-__all__ = ["launch_local", "launched_worker", "free_port", "TAIL_LINES"]
+__all__ = ["PEER_FAILED_EXIT_STATUS", "TAIL_LINES", "free_port", "launch_local", "launched_worker"]
+
+# A worker that gave up because another died or stopped arriving (``replicafit fit`` on ``WorkerFailedError``;
+# sysexits' EX_UNAVAILABLE): the cause is another worker, which the launcher looks for.
+PEER_FAILED_EXIT_STATUS = 69
 
 TAIL_LINES = 64  # lines of a non-chief worker's stderr kept to show when it fails
 _LOOPBACK = "127.0.0.1"
@@ -246,6 +253,17 @@ class _forwarding_signals:
         return False
 
 
+def _process_state(pid: int) -> str:
+    """What Linux says the process is doing (``/proc/PID/stat``), in words; "process state unknown" elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            state = file.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "process state unknown"
+    words = {"T": "stopped by a signal", "t": "stopped by a debugger", "D": "waiting on the disk or a device"}
+    return words.get(state, "running or waiting")
+
+
 def _in_main_thread() -> bool:
     import threading
 
@@ -304,7 +322,7 @@ class _Attempt:
                 )
                 self.procs.append(proc)
                 self.output.watch(rank, proc)
-            failed = self._watch(waits.poll, waits.exit)
+            failed = self._watch(waits.poll, waits.exit, waits.grace)
             if failed is None:
                 return 0
             if failed == "preempted":
@@ -345,20 +363,27 @@ class _Attempt:
         finally:
             self._stop(signal.SIGKILL, 0.0)  # a no-op after a clean stop; else (any error) nobody is left behind
 
-    def _watch(self, poll_seconds: float, exit_seconds: float):
+    def _watch(self, poll_seconds: float, exit_seconds: float, settle_seconds: float = 3.0):
         """Until all exit 0 (None), all exit 0 or preempted with one preempted (``"preempted"``) or one
         fails: ``(rank, exit code)`` of the first failure seen. A worker still running ``exit_seconds``
         after another exited 0 or preempted is stuck (every worker ends with the same collectives): it
-        is named here, and ``(rank, None)`` returned."""
-        first_done = None
+        is named here, and ``(rank, None)`` returned; so is one still running ``settle_seconds`` after
+        the others gave up waiting for a peer (``PEER_FAILED_EXIT_STATUS``)."""
+        first_done = gave_up = None
         ended = (0, PREEMPTED_EXIT_STATUS)
         while True:
             codes = [proc.poll() for proc in self.procs]
             failures = [(rank, code) for rank, code in enumerate(codes) if code not in (None, *ended)]
-            if failures:
+            causes = [(rank, code) for rank, code in failures if code != PEER_FAILED_EXIT_STATUS]
+            if causes or (failures and None not in codes):
                 # Several seen in one poll: a death by signal is more likely the cause (the others'
-                # collectives fail because of it), then the lowest rank.
-                return min(failures, key=lambda f: (f[1] >= 0, f[0]))
+                # collectives fail because of it), then a worker that did not give up on a peer, then
+                # the lowest rank.
+                return min(causes or failures, key=lambda f: (f[1] >= 0, f[0]))
+            if failures:  # gave up on a peer: the peer is one still running, unless it fails in a moment
+                gave_up = gave_up if gave_up is not None else time.monotonic()
+                if time.monotonic() - gave_up > settle_seconds:
+                    return self._stopped_arriving(codes, failures)
             if all(code in ended for code in codes):
                 return "preempted" if PREEMPTED_EXIT_STATUS in codes else None
             if first_done is None and any(code in ended for code in codes):
@@ -374,6 +399,19 @@ class _Attempt:
                 )
                 return running[0], None
             self.output.pump(poll_seconds)
+
+    def _stopped_arriving(self, codes: list, failures: list) -> tuple:
+        """Names the worker the others gave up waiting for (still running); ``(its rank, None)``."""
+        rank = next(rank for rank, code in enumerate(codes) if code is None)
+        waited = ", ".join(str(r) for r, _ in failures)
+        print(
+            f"replicafit: worker {rank} stopped arriving: worker(s) {waited} gave up waiting for it in a collective "
+            f"(exit code {PEER_FAILED_EXIT_STATUS}) while it still runs ({_process_state(self.procs[rank].pid)}); "
+            "stopping it",
+            file=sys.stderr,
+            flush=True,
+        )
+        return rank, None
 
     def _stop(self, signum: int, grace_seconds: float, leaders_only: bool = False) -> None:
         """``signum`` to every worker's process group (``leaders_only``: to each worker process),

@@ -349,6 +349,18 @@ def join_alone(rank, num_workers, port):
     return "joined"
 
 
+def join_without_chief(rank, num_workers, port):
+    """Worker 1 of a cluster of two whose chief never starts: ``(message, seconds)`` of the failure."""
+    import time
+
+    start = time.monotonic()
+    try:
+        strategy_for(1, 2, port, timeout=2.0)
+    except ds.WorkerFailedError as error:
+        return str(error), time.monotonic() - start
+    return "joined", time.monotonic() - start
+
+
 class CountingDataset(torch.utils.data.Dataset):
     """``(x[i], y[i])`` examples, counting how many are read."""
 

@@ -353,7 +353,7 @@ def test_a_worker_whose_peer_failed_prints_one_line_and_exits_1(capsys, monkeypa
         raise WorkerFailedError("Worker 0 of 2: another worker died or stopped arriving during batch_reduce_to")
 
     monkeypatch.setattr(cli, "_fit", fit)
-    assert cli.main(["fit", "digits_mlp"]) == 1
+    assert cli.main(["fit", "digits_mlp"]) == launch.PEER_FAILED_EXIT_STATUS == 69
     err = capsys.readouterr().err
     assert err == "error: Worker 0 of 2: another worker died or stopped arriving during batch_reduce_to\n"
 
@@ -470,3 +470,38 @@ time.sleep(60)
         assert launcher.returncode == 75, err
         assert "SIGTERM received; the workers stopped at an agreed step and wrote their backup" in err
         assert [(tmp_path / f"child{rank}").read_text() for rank in (0, 1)] == ["None", "None"]
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_worker_is_named_not_the_one_that_gave_up_waiting_for_it(tmp_path, started, capfd):
+    """Regression: with worker 1 SIGSTOPped, worker 0's collective timed out and the launcher said "worker 0
+    failed first (exit code 1)" (16 of 16 trials). The one that gave up (69) is not the cause; the one
+    still running is named."""
+    body = """
+if rank == 1:
+    touch("stopping")
+    os.kill(os.getpid(), signal.SIGSTOP)
+wait_for("stopping")
+time.sleep(0.3)
+sys.exit(69)  # what replicafit fit returns on WorkerFailedError
+"""
+    status = launch_local(worker(body, tmp_path), 2, grace_seconds=1.0)
+    assert status == 1
+    err = capfd.readouterr().err
+    assert "worker 1 stopped arriving: worker(s) 0 gave up waiting for it in a collective (exit code 69)" in err
+    assert "stopped by a signal" in err and "failed first" not in err
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_fails_just_after_the_others_gave_up_on_it_is_named_as_failed(tmp_path, started, capfd):
+    body = """
+if rank == 1:
+    wait_for("gave_up")
+    time.sleep(0.3)
+    sys.exit(5)
+touch("gave_up")
+sys.exit(69)
+"""
+    assert launch_local(worker(body, tmp_path), 2, grace_seconds=2.0) == 5
+    err = capfd.readouterr().err
+    assert "worker 1 failed first (exit code 5)" in err and "stopped arriving" not in err

@@ -178,6 +178,17 @@ def test_a_worker_that_cannot_join_its_cluster_gets_a_worker_failed_error():
     assert "joining the cluster" in message
 
 
+@pytest.mark.timeout(60)
+def test_a_worker_whose_chief_never_comes_fails_within_the_timeout_without_cpp_stack_frames():
+    """Regression: torch's own wait for the chief's store logged 24 lines of C++ stack frames per try and
+    retried past the timeout (13.6 s for timeout_seconds: 5)."""
+    (outcome,) = run_workers(SCENARIOS, "join_without_chief", 1, timeout=45)
+    message, seconds = outcome["result"]
+    assert "did not answer within 2 s (Connection refused): worker 0 has not started" in message
+    assert seconds < 3.5
+    assert "frame #" not in outcome["stderr"] and "c10d" not in outcome["stderr"]
+
+
 def test_the_built_in_callbacks_need_no_per_step_stop_agreement_and_a_users_does(tmp_path):
     from replicafit.trainer import callbacks
     from replicafit.trainer.tensorboard import TensorBoard
