@@ -36,11 +36,13 @@ def model():
 
 class SignalAt(Callback):
     """Sends ``signum`` to this process at the end of the (0-based, over the fit) training step ``step``,
-    or of validation step ``val_step`` of epoch ``val_epoch``; ``times`` signals in a row."""
+    of validation step ``val_step`` of epoch ``val_epoch``, or of epoch ``epoch_end``; ``times`` signals
+    in a row."""
 
-    def __init__(self, step=None, val_epoch=None, val_step=None, signum=signal.SIGTERM, times=1):
+    def __init__(self, step=None, val_epoch=None, val_step=None, signum=signal.SIGTERM, times=1, epoch_end=None):
         super().__init__()
         self.step, self.val_epoch, self.val_step, self.signum, self.times = step, val_epoch, val_step, signum, times
+        self.epoch_end = epoch_end
         self.seen, self.epoch = 0, None
 
     def _send(self):
@@ -57,6 +59,10 @@ class SignalAt(Callback):
 
     def on_test_batch_end(self, batch, logs=None):
         if (self.epoch, batch) == (self.val_epoch, self.val_step):
+            self._send()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch_end:
             self._send()
 
 
@@ -109,6 +115,8 @@ CASES = {
     "last_step_of_the_fit": ({"step": 14}, (2, 5)),
     "validation": ({"val_epoch": 1, "val_step": 0}, (1, 5)),
     "twice": ({"step": 7, "times": 2}, (1, 3)),
+    "end_of_an_epoch": ({"epoch_end": 0}, (1, 0)),
+    "end_of_the_last_epoch": ({"epoch_end": 2}, (3, 0)),  # the rerun trains nothing and ends alike
 }
 
 
