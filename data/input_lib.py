@@ -37,7 +37,7 @@ from replicafit.strategies import context, nest
 from replicafit.strategies.devices import torch_device
 from replicafit.strategies.values import PerReplica
 
-from . import sharding
+from . import loader_signals, sharding
 from .options import InputContext, InputOptions, InputReplicationMode
 
 __all__ = [
@@ -582,7 +582,7 @@ def _pass_of(source, pass_index: int | None, position: int):
             if callable(getattr(sampler, "set_epoch", None)):
                 sampler.set_epoch(pass_index)
                 break
-    batches = iter(source)
+    batches = loader_signals.iterate(source)
     for _ in range(position):
         if next(batches, _END) is _END:
             break

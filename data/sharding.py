@@ -34,6 +34,7 @@ import torch
 
 from replicafit.strategies import nest
 
+from . import loader_signals
 from .options import AutoShardPolicy
 
 __all__ = ["ShardPlan", "ShardedLoader", "plan", "share_of"]
@@ -142,7 +143,7 @@ class ShardedLoader:
         """``(part, rows)`` of each global batch from batch number ``start`` on (``epoch`` is the
         loader's business: its sampler draws a new order per pass, as the user's would)."""
         self.sampler.skip = start
-        parts = iter(self.loader)  # (begins the sampler's pass at once, with its own record of sizes)
+        parts = loader_signals.iterate(self.loader)  # (begins the sampler's pass at once, with its record of sizes)
         sizes = self.sampler.latest.sizes
         for part in parts:
             rows, empty = sizes.popleft()

@@ -31,6 +31,10 @@ written is one complete file. A signal after the last agreed boundary (the last 
 running in another thread warns and leaves the signals alone; call ``BackupAndRestore.preempt()``
 (thread-safe) from a handler of your own there.
 
+A scheduler signals every process of the job (SLURM does), a ``DataLoader``'s worker processes
+included, which torch ends on SIGTERM: while a fit watches, the loaders it iterates start their
+worker processes ignoring the signals (``replicafit.data.loader_signals``).
+
 Before ``fit`` installs its handlers (the interpreter starting, the recipe being read) a signal has
 its usual action, unless ``noting(signals)`` holds it: ``replicafit fit`` notes them from the
 recipe's build on, so a signal before the first step stops the fit after it, and one while the
@@ -49,6 +53,8 @@ import contextlib
 import signal
 import threading
 import warnings
+
+from replicafit.data import loader_signals
 
 __all__ = ["PREEMPTED_EXIT_STATUS", "Preempted", "PreemptionWatch", "noting", "preemption_signals"]
 
@@ -179,6 +185,7 @@ class PreemptionWatch:
         self.received = None  # the first signal noted (a signal.Signals), else None
         self._previous: dict = {}
         self._in_flight = None  # validation's started sum: finish() gives the flags of the step before
+        self._spared = None  # while installed: loaders start their worker processes ignoring the signals
 
     # --- the signals --------------------------------------------------------------------------
     def install(self) -> None:
@@ -198,12 +205,17 @@ class PreemptionWatch:
             self._previous[signum] = previous = signal.signal(signum, self._noted)
             if isinstance(previous, _Notes) and signum in previous.noted:  # it came before this fit began
                 self.request(signum)
+        self._spared = loader_signals.ignored_in_loader_workers(self.signals)  # (a scheduler signals them too)
+        self._spared.__enter__()
 
     def uninstall(self) -> None:
         """Puts back the signals' previous handlers (once; nothing when ``install`` installed none)."""
         previous, self._previous = self._previous, {}
         for signum, handler in previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        spared, self._spared = self._spared, None
+        if spared is not None:
+            spared.__exit__(None, None, None)
 
     def _noted(self, signum, frame) -> None:
         self.request(signum)

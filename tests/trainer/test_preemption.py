@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -253,3 +255,49 @@ def test_two_backups_that_save_before_preemption_are_refused(tmp_path):
     backups = [BackupAndRestore(tmp_path / name, save_before_preemption=True) for name in "ab"]
     with pytest.raises(ValueError, match="2 BackupAndRestore callbacks save before preemption"):
         trainer.fit(model(), data(), batch_size=8, callbacks=backups)
+
+
+LOADER_SCRIPT = """
+import os, subprocess, sys, torch
+from replicafit import optimizers
+from replicafit.trainer import BackupAndRestore, Callback, Trainer
+
+class Scheduler(Callback):  # another process signals every process of the job, as SLURM does at a preemption
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 3 and not os.path.exists(sys.argv[2]):
+            open(sys.argv[2], "w").close()
+            subprocess.run(["kill", "-TERM", "--", f"-{os.getpgrp()}"], start_new_session=True, check=True)
+
+generator = torch.Generator().manual_seed(0)
+x = torch.randn(64, 4, generator=generator)
+data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
+loader = torch.utils.data.DataLoader(data, batch_size=8, num_workers=2)
+torch.manual_seed(1)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+trainer = Trainer(optimizer=optimizers.SGD(0.1), loss="cross_entropy", seed=0)
+backup = BackupAndRestore(sys.argv[1], save_before_preemption=True)
+trainer.fit(model, loader, epochs=2, callbacks=[Scheduler(), backup], verbose=0)
+print("weights", float(sum(p.sum() for p in model.parameters())))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_signal_to_every_process_spares_the_data_loaders_workers(tmp_path):
+    """Regression: SIGTERM to the whole process group (a scheduler's preemption) ended the DataLoader's
+    worker processes, and the fit failed with "DataLoader worker ... is killed by signal" instead of saving."""
+    script = tmp_path / "fit.py"
+    script.write_text(LOADER_SCRIPT)
+    argv = [sys.executable, str(script), str(tmp_path / "backup"), str(tmp_path / "signalled")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    stopped = subprocess.run(argv, capture_output=True, text=True, timeout=100, env=env, start_new_session=True)
+    assert stopped.returncode == 75, stopped.stderr[-2000:]
+    assert "Traceback" not in stopped.stderr and "DataLoader worker" not in stopped.stderr
+    resumed = subprocess.run(argv, capture_output=True, text=True, timeout=100, env=env, start_new_session=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    (tmp_path / "signalled").unlink()
+    (tmp_path / "signalled").mkdir()  # (never signals: the path exists)
+    straight = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "b2"), str(tmp_path / "signalled")],
+        capture_output=True, text=True, timeout=100, env=env, start_new_session=True,
+    )  # fmt: skip
+    assert resumed.stdout.split()[-1] == straight.stdout.split()[-1]
