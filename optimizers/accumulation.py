@@ -281,8 +281,10 @@ class GradientAccumulation:
 
     def _add_window_state(self, state: dict) -> None:
         """``state["accumulation"]`` while a window is open: ``{"count", "weight", "aggregated",
-        "gradients": {position: [sum of each local replica]}}`` (this process's replicas;
-        ``Trainer`` checkpoints gather every worker's)."""
+        "gradients": {position: [sum of each local replica]}, "first_replica", "replicas_in_sync"}``
+        (this process's replicas: the sums of global replicas ``first_replica`` on, of the
+        ``replicas_in_sync`` the window was filled by; ``Trainer`` checkpoints gather every worker's
+        and set ``first_replica`` to 0)."""
         window = self._window
         if window is None or not window.count:
             if self._pending_window is not None:
@@ -290,6 +292,7 @@ class GradientAccumulation:
             return
         positions = {id(v): i for i, v in enumerate(self._variables)}
         replicas = sorted(window.sums)
+        strategy = self._strategy_of(window.variables)
         state["accumulation"] = {
             "count": window.count,
             "weight": float(window.weight),
@@ -298,6 +301,8 @@ class GradientAccumulation:
                 positions[id(v)]: [window.sums[r][i].detach().clone() for r in replicas]
                 for i, v in enumerate(window.variables)
             },
+            "first_replica": 0 if window.aggregated else strategy.cluster.first_replica_id,
+            "replicas_in_sync": 1 if window.aggregated else strategy.num_replicas_in_sync,
         }
 
     def _checked_window_state(self, state: dict) -> dict | None:
@@ -337,15 +342,15 @@ class GradientAccumulation:
         self._pending_window = window
 
     def _restore_window(self, window: GradientWindow) -> None:
-        """Fills a new window from a loaded one: each local replica's own sums where the replica
-        count is the saver's, else the total on the first replica (zeros on the others)."""
+        """Fills a new window from a loaded one (``_window_sums``): each local replica's own sums where the
+        replica count is the saver's, else every replica's sums added together onto global replica 0 (zeros
+        on the others), which the window's reduction adds up to the same total."""
         pending, self._pending_window = self._pending_window, None
         strategy = self._strategy_of(window.variables)
-        extended, cluster = strategy.extended, strategy.cluster
-        local, total, first = cluster.num_local_replicas, strategy.num_replicas_in_sync, cluster.first_replica_id
-        replicas = 1 if window.aggregated else local
+        cluster = strategy.cluster
+        replicas = 1 if window.aggregated else cluster.num_local_replicas
         positions = {id(v): i for i, v in enumerate(self._variables)}
-        devices = [torch_device(d) for d in extended.worker_devices] or [None]
+        devices = [torch_device(d) for d in strategy.extended.worker_devices] or [None]
         with _no_grad():
             for r in range(replicas):
                 sums = []
@@ -357,18 +362,44 @@ class GradientAccumulation:
                             "saved for other variables."
                         )
                     device = devices[min(r, len(devices) - 1)]
-                    if len(saved) == total and not window.aggregated:
-                        value = saved[first + r]
-                    elif len(saved) == local and not window.aggregated:
-                        value = saved[r]
-                    elif r == 0 and first == 0:
-                        value = torch.stack([t.to(device) for t in saved]).sum(0)
-                    else:
-                        value = torch.zeros_like(saved[0])
+                    value = _window_sums(pending, saved, window.aggregated, strategy, r, device)
                     sums.append(value.detach().to(device).clone())
                 window.sums[r] = sums
                 window.counts[r] = pending["count"]
                 window.weights[r] = pending["weight"]
+
+
+def _window_sums(pending: dict, saved: list, aggregated: bool, strategy, r: int, device) -> torch.Tensor:
+    """Local replica ``r``'s share of a loaded window's sums of one variable, ``saved`` (a list of per-replica
+    sums: those of global replicas ``first_replica`` on, of ``replicas_in_sync``; a state without these
+    entries holds every replica's, as ``Trainer`` checkpoints do).
+
+    Steps applied with reduced gradients (``aggregated``) take the whole sum on every worker (each applies
+    its own copy). Per-replica steps take the replica's own sums where the replica count is the saver's;
+    on another count (another number of workers or replicas, the same global batches) global replica 0
+    takes every saved replica's sums added together and the others zeros: the window's reduction sums the
+    replicas, so the total is the saver's (up to float rounding)."""
+    cluster = strategy.cluster
+    total, global_id = strategy.num_replicas_in_sync, cluster.first_replica_id + r
+    state = pending["state"]
+    first, saver = int(state.get("first_replica", 0)), int(state.get("replicas_in_sync", len(saved)))
+    complete = first == 0 and len(saved) == saver
+    if aggregated or (complete and saver != total):
+        if not complete:
+            raise ValueError(_PARTIAL_WINDOW.format(first=first, last=first + len(saved) - 1, saver=saver))
+        if not aggregated and global_id != 0:
+            return torch.zeros_like(saved[0])
+        return torch.stack([t.to(device) for t in saved]).sum(0)
+    if saver == total and first <= global_id < first + len(saved):
+        return saved[global_id - first]
+    raise ValueError(_PARTIAL_WINDOW.format(first=first, last=first + len(saved) - 1, saver=saver))
+
+
+_PARTIAL_WINDOW = (
+    "The loaded accumulation window holds the sums of replicas {first}-{last} of {saver} only (one worker's "
+    "optimizer.state_dict()), and this strategy needs others: load it on the same worker with the same "
+    "replicas, or save a state with every worker's sums (Trainer.save_checkpoint, BackupAndRestore)."
+)
 
 
 def _merge_apply_window(strategy, optimizer, sums, variables):

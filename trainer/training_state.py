@@ -203,9 +203,10 @@ class TrainingState:
             cluster.add_to_step(denominator.step_value, total if cluster.is_chief else torch.zeros_like(total))
             window = dict(window, denominator=float(total))
             state = dict(state, accumulation=window)
-        if window is not None and cluster.num_workers > 1 and not window["aggregated"]:
+        if window is not None and cluster.num_workers > 1 and not window["aggregated"] and not _whole(window):
             parts = cluster.all_gather(window["gradients"])  # every worker's replicas, in order
-            window = dict(window, gradients={key: [t for part in parts for t in part[key]] for key in parts[0]})
+            gradients = {key: [t for part in parts for t in part[key]] for key in parts[0]}
+            window = dict(window, gradients=gradients, first_replica=0)  # every replica's sums, from replica 0 on
             state = dict(state, accumulation=window)
         return state
 
@@ -350,6 +351,14 @@ def _history_with(history, epoch_logs) -> dict:
         for key, value in logs.items():
             records.setdefault(key, []).append(value)
     return {"history": records, "epoch": epochs}
+
+
+def _whole(window: dict) -> bool:
+    """Whether an accumulation window's state holds every replica's sums already (a loaded one, not stepped
+    since: alike on every worker), rather than this worker's part."""
+    lists = list(window["gradients"].values())
+    saver = window.get("replicas_in_sync")
+    return window.get("first_replica", 0) == 0 and bool(lists) and len(lists[0]) == saver
 
 
 def _own_rng_state(state: dict, cluster):

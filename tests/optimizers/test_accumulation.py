@@ -170,6 +170,56 @@ def test_a_window_saved_under_two_replicas_loads_under_one():
     np.testing.assert_allclose(other_variable.numpy(), -np.array([3.0, 4.0]))
 
 
+def _open_window_of_two_replicas():
+    """An SGD(1.0) window of one step on Mirrored(2): replica r's sums are (1 + r) * [1, 2]."""
+    mirrored = make_strategy("mirrored2")
+    with mirrored.scope():
+        variable = ds.Variable(torch.zeros(2))
+        optimizer = optimizers.SGD(1.0, gradient_accumulation_steps=2)
+
+    def step():
+        replica = ds.get_replica_context().replica_id_in_sync_group
+        optimizer.apply_gradients([(torch.tensor([1.0, 2.0]) * (1 + replica), variable)])
+
+    mirrored.run(step)
+    return optimizer.state_dict()
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_a_window_of_two_replicas_goes_on_per_replica_on_another_count_with_its_total(count):
+    """On another replica count the saved sums are added together onto replica 0 (the others start at zero): the
+    window's reduction gives the saved total plus the new steps'."""
+    state = _open_window_of_two_replicas()
+    window = state["accumulation"]
+    assert (window["first_replica"], window["replicas_in_sync"], len(window["gradients"][0])) == (0, 2, 2)
+    strategy = make_strategy(f"mirrored{count}")
+    with strategy.scope():
+        variable = ds.Variable(torch.zeros(2))
+        optimizer = optimizers.SGD(1.0, gradient_accumulation_steps=2)
+    optimizer.build([variable])
+    optimizer.load_state_dict(state)
+    strategy.run(lambda: optimizer.apply_gradients([(torch.tensor([2.0, 2.0]), variable)]))
+    # (1 + 2) * [1, 2] saved, then [2, 2] on each of `count` replicas: the sum over 2 steps, divided by 2
+    expected = -(np.array([3.0, 6.0]) + count * np.array([2.0, 2.0])) / 2
+    np.testing.assert_allclose(variable.numpy(), expected)
+
+
+def test_a_window_of_one_workers_replicas_loads_only_where_they_are():
+    """One worker's part of a window (its ``optimizer.state_dict()``, not gathered) cannot be divided on another
+    layout: a clear error, not a window that silently lacks the other workers' sums."""
+    state = _open_window_of_two_replicas()
+    window = state["accumulation"]
+    state["accumulation"] = dict(window, first_replica=1, gradients={p: v[1:] for p, v in window["gradients"].items()})
+    strategy = make_strategy("mirrored2")
+    with strategy.scope():
+        variable = ds.Variable(torch.zeros(2))
+        optimizer = optimizers.SGD(1.0, gradient_accumulation_steps=2)
+    optimizer.build([variable])
+    optimizer.load_state_dict(state)
+    with pytest.raises(ValueError, match="holds the sums of replicas 1-1 of 2 only"):
+        strategy.run(lambda: optimizer.apply_gradients([(torch.ones(2), variable)]))
+
+
 def test_a_state_with_a_window_needs_an_accumulating_optimizer():
     variable = ds.Variable(torch.zeros(2))
     optimizer = optimizers.SGD(1.0, gradient_accumulation_steps=2)
