@@ -221,6 +221,39 @@ class ReplicaStreams:
         self._gpu = gpu
         self.base_seed = state["seed"]
 
+    def resume(self, state: dict | None, seed: int, salt: tuple = ()) -> None:
+        """Streams for a run resumed from ``state`` (``state_dict()`` output of *every* replica of the saver,
+        in global replica order; ``None`` where the saver had no streams: the default strategy), with any
+        number of replicas: a replica whose global id the saver had continues that replica's stream; a
+        replica that did not exist before starts a stream of its own seeded from ``(the saved seed, else
+        seed, its global id, *salt)`` (``salt``: where the run resumes, e.g. its epoch and step), distinct
+        from every other and from the start of the run. A GPU replica whose saved stream has no GPU state
+        gets one from the replica's seed, as in ``load_state_dict``.
+
+        Example::
+
+            streams.resume(saved, saved["seed"], salt=(epoch, step))  # saved by 2 replicas, resumed on 3
+        """
+        saved_cpu = list(state["cpu"]) if state else []
+        saved_gpu = list(state.get("gpu") or [None] * len(saved_cpu)) if state else []
+        base = int(state["seed"]) if state else int(seed)
+        cpu, gpu = [], []
+        for r, generator in enumerate(self._accelerators):
+            global_id = self._first + r
+            if global_id < len(saved_cpu):
+                cpu.append(saved_cpu[global_id].clone())
+                known = saved_gpu[global_id] if global_id < len(saved_gpu) else None
+                if generator is None:
+                    gpu.append(None)
+                else:
+                    own = known.clone() if known is not None else None
+                    gpu.append(own if own is not None else _seeded_state(generator, replica_seed(base, global_id)))
+                continue
+            value = replica_seed(base, global_id, *salt)
+            cpu.append(torch.Generator().manual_seed(value).get_state())
+            gpu.append(None if generator is None else _seeded_state(generator, value))
+        self._cpu, self._gpu, self.base_seed = cpu, gpu, base
+
 
 def _random_functions() -> frozenset:
     """torch's functions that draw from the CPU generator when given CPU tensors (see the module docstring)."""

@@ -233,20 +233,18 @@ class TrainingState:
             }
         return {"replica_rng": own}
 
-    def _restore_replica_rng(self, state: dict, position: tuple) -> bool:
-        """Puts the saved streams of this worker's replicas back (True), when the file has them. Saved by a
-        strategy with another number of replicas, they cannot continue: the streams are seeded anew from
-        the saved seed and ``position`` (epoch, step), so they do not repeat the start of the run."""
+    def _restore_replica_rng(self, state: dict, position: tuple, seed=None) -> bool:
+        """Puts the saved streams of this worker's replicas back (True), by global replica id, whatever the
+        number of replicas that saved them (``ReplicaStreams.resume``): a replica the saver had continues its
+        stream; one it did not have (a replica beyond the saver's count, or every replica where the saver ran
+        the default strategy, whose one replica drew from torch's generator: then ``seed``, the backup's data
+        seed) starts a stream seeded from the saved seed, its global id and ``position`` (epoch, step), so it
+        repeats neither another replica's draws nor the start of the run. False (nothing changed) without
+        replica streams, or without saved streams and ``seed`` (a checkpoint of the default strategy)."""
         streams, saved = self.strategy.extended.replica_streams, state.get("replica_rng")
-        if streams is None or not saved:
+        if streams is None or (not saved and seed is None):
             return False
-        cluster = self.strategy.cluster
-        first, local = cluster.first_replica_id, cluster.num_local_replicas
-        if len(saved["cpu"]) == self.strategy.num_replicas_in_sync:
-            part = slice(first, first + local)
-            streams.load_state_dict({"seed": saved["seed"], "cpu": saved["cpu"][part], "gpu": saved["gpu"][part]})
-        else:
-            streams.seed(int(saved["seed"]), salt=tuple(int(p) for p in position))
+        streams.resume(saved or None, int(saved["seed"]) if saved else int(seed), salt=tuple(int(p) for p in position))
         return True
 
     def restore_training_state(self, state: dict, path) -> None:
@@ -276,7 +274,7 @@ class TrainingState:
         if hasattr(source, "seed"):
             source.seed = self._data_seed
         torch.set_rng_state(_own_rng_state(state, self.strategy.cluster))
-        self._restore_replica_rng(state, (state["epoch"], state["step"]))
+        self._restore_replica_rng(state, (state["epoch"], state["step"]), seed=state["data_seed"])
         self._resume = {
             "epoch": state["epoch"],
             "step": state["step"],
