@@ -208,6 +208,11 @@ def _problem(state: dict, kind: str) -> str | None:
         problem = _replica_rng_problem(state["replica_rng"], "replica_rng")
         if problem is not None:
             return problem
+    if kind == "backup":  # optional: backups written before these entries existed have none
+        for key, check in _BACKUP_OPTIONAL.items():
+            problem = check(state[key], key) if key in state else None
+            if problem is not None:
+                return problem
     return _callbacks_problem(state.get("callbacks", {}), "callbacks")
 
 
@@ -228,6 +233,28 @@ def _replica_rng_problem(value, what: str) -> str | None:
     if not all(g is None or (isinstance(g, torch.Tensor) and g.dtype == torch.uint8) for g in gpu):
         return f"{what}['gpu'] must hold uint8 tensors or None, found {brief(gpu)}"
     return None
+
+
+def _generator_states_problem(value, what: str) -> str | None:
+    if not isinstance(value, list) or not all(isinstance(g, torch.Tensor) and g.dtype == torch.uint8 for g in value):
+        return f"{what} must be a list of generator states (uint8 tensors), found {brief(value)}"
+    return None
+
+
+def _data_rng_problem(value, what: str) -> str | None:
+    # {"pass": {"torch": CPU state, "generators": [states]} or None, "generators": [states]}: the random
+    # state the data's current pass began with, and the source's own generators now.
+    if not isinstance(value, Mapping) or "pass" not in value or "generators" not in value:
+        return f"{what} must be {{'pass': {{'torch': state, 'generators': [states]}} or None, 'generators': [states]}}"
+    problem = _generator_states_problem(value["generators"], f"{what}['generators']")
+    if problem is not None or value["pass"] is None:
+        return problem
+    begun = value["pass"]
+    if not isinstance(begun, Mapping) or "torch" not in begun:
+        return f"{what}['pass'] must be {{'torch': state, 'generators': [states]}} or None, found {brief(begun)}"
+    return _rng_problem(begun["torch"], f"{what}['pass']['torch']") or _generator_states_problem(
+        begun.get("generators"), f"{what}['pass']['generators']"
+    )
 
 
 def _callbacks_problem(value, what: str) -> str | None:
@@ -326,3 +353,4 @@ _BACKUP = {
     "metrics": _metrics_problem,
     "history": _history_problem,
 }
+_BACKUP_OPTIONAL = {"data_rng": _data_rng_problem}

@@ -120,24 +120,67 @@ class Cursor:
     other sources skip the consumed batches of a fresh pass. ``peek`` reads the first step of a pass
     ahead (fit's entry checks look at it), and ``next`` then returns that same step: nothing is read
     twice.
+
+    A source that draws its order as a pass begins (a ``DataLoader(shuffle=True)``, from torch's generator
+    or its own ``generator``) is replayed: ``pass_random_state`` is the random state the current pass began
+    with, and a pass begun again from it (``replay``) draws the same order.
     """
 
     def __init__(self, source, distributed, repeat: bool):
         self.source, self.distributed, self.repeat = source, distributed, repeat
         self.pass_index, self.position = 0, 0
+        self.pass_random_state = None  # the random state the current pass began with (``random_state``)
         self._iterator = None
-        self._held = None  # the step peek read ahead, and where it stands: (pass, position, batch)
+        self._held = None  # the step read ahead, and where it stands: (pass, position, batch)
+        self._replay = None  # (pass, position, random state it began with, generator states after): ``replay``
 
     def start(self, pass_index: int, position: int = 0) -> None:
+        """Puts the cursor at batch ``position`` of pass ``pass_index`` (a pass read ahead there goes on)."""
         held = self._held
         if held is not None and held[:2] == (pass_index, position) and self._iterator is not None:
             self.pass_index, self.position = pass_index, position  # the peeked pass: go on from its step
             return
+        replay, self._replay = self._replay, None
+        if replay is None or replay[:2] != (pass_index, position):
+            self._begin(pass_index, position)
+            return
+        now = torch.get_rng_state()
+        self.set_random_state(replay[2])
+        try:
+            self._begin(pass_index, position)
+            self._read_ahead(pass_index, position)  # the pass's draws happen now, from its own random state
+        finally:
+            torch.set_rng_state(now)
+        self.set_generator_states(replay[3])
+
+    def replay(self, pass_index: int, position: int, pass_random_state: dict, generator_states: list) -> None:
+        """The next ``start`` at ``(pass_index, position)`` begins that pass from the random state it began
+        with (``pass_random_state``, a ``random_state()``) and reads its step ahead: a source that draws its
+        order as a pass begins (a shuffled ``DataLoader``) draws the same order as when it was saved. torch's
+        generator is then left as it was, the source's generators set to ``generator_states``.
+
+        Example::
+
+            cursor.replay(2, 5, saved["pass"], saved["generators"])  # a resumed epoch 2, from its sixth batch
+        """
+        self._replay = (pass_index, position, pass_random_state, generator_states)
+
+    def _begin(self, pass_index: int, position: int) -> None:
         self._held = None
         if self._iterator is not None:
             self._iterator.close()
         self.pass_index, self.position = pass_index, position
+        self.pass_random_state = self.random_state()
         self._iterator = self.distributed.start(pass_index, position)
+
+    def _read_ahead(self, pass_index: int, position: int) -> bool:
+        """Reads the step at ``position`` ahead (held for ``next``); False where the pass has ended."""
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            return False
+        self._held = (pass_index, position, batch)
+        return True
 
     def forget(self) -> None:
         """Drops the pass read ahead (``peek``): the next ``start`` begins a fresh one, read anew."""
@@ -151,11 +194,8 @@ class Cursor:
         before the split), read ahead: the next ``next()`` returns its distributed step. ``None`` when the
         pass has no step there."""
         self.start(pass_index, position)
-        try:
-            batch = next(self._iterator)
-        except StopIteration:
+        if self._held is None and not self._read_ahead(pass_index, position):
             return None
-        self._held = (pass_index, position, batch)
         return self._iterator.first_host_batch
 
     def next(self):
@@ -179,6 +219,35 @@ class Cursor:
                 ) from None
         self.position += 1
         return batch
+
+    @property
+    def generators(self) -> list:
+        """The source's own ``torch.Generator`` objects its order draws from (a ``DataLoader``'s, its
+        sampler's, its batch sampler's sampler's), each once."""
+        source = self.source
+        batch_sampler = getattr(source, "batch_sampler", None)
+        found = []
+        for owner in (source, getattr(source, "sampler", None), getattr(batch_sampler, "sampler", None)):
+            generator = getattr(owner, "generator", None)
+            if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
+                found.append(generator)
+        return found
+
+    def random_state(self) -> dict:
+        """``{"torch": torch's generator state, "generators": [state of each of ``generators``]}``."""
+        return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in self.generators]}
+
+    def set_random_state(self, state: dict) -> None:
+        """Sets what ``random_state`` returned (the source's generators only where they are as many)."""
+        torch.set_rng_state(state["torch"])
+        self.set_generator_states(state["generators"])
+
+    def set_generator_states(self, states: list) -> None:
+        """Sets the source's generators (``generators``) to ``states``, where they are as many."""
+        generators = self.generators
+        if len(states) == len(generators):
+            for generator, value in zip(generators, states):
+                generator.set_state(value)
 
     @property
     def started(self) -> bool:

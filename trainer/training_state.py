@@ -144,9 +144,10 @@ class TrainingState:
     def training_state(self, epoch: int, step: int, epoch_logs=None) -> dict:
         """Everything a resumed fit needs, as a backup holds it (``BackupAndRestore`` saves it): model,
         optimizer, metric accumulators (aggregated and per replica), history, random streams, the
-        callbacks' states and where the data stands; to resume at ``step`` of ``epoch`` (``step=0``:
-        that epoch's start). ``epoch_logs`` is ``(epoch, logs)`` of an epoch that ends now and that the
-        History callback (which runs last) has not recorded yet. Called during a ``fit``, on every
+        callbacks' states, where the data stands (the pass, the global batches consumed, the random state
+        the pass began with); to resume at ``step`` of ``epoch`` (``step=0``: that epoch's start).
+        ``epoch_logs`` is ``(epoch, logs)`` of an epoch that ends now and that the History callback
+        (which runs last) has not recorded yet. Called during a ``fit``, on every
         worker alike (it gathers across workers).
 
         Example::
@@ -168,6 +169,7 @@ class TrainingState:
             "step": step,
             "cursor": list(position),
             "data_seed": self._data_seed,
+            "data_rng": _data_rng(cursor),
             "model": self._trained_model_state(),
             "optimizer": self._optimizer_state(),
             "metrics": self._metric_states(),
@@ -275,6 +277,7 @@ class TrainingState:
             source.seed = self._data_seed
         torch.set_rng_state(_own_rng_state(state, self.strategy.cluster))
         self._restore_replica_rng(state, (state["epoch"], state["step"]), seed=state["data_seed"])
+        self._restore_data_order(state)
         self._resume = {
             "epoch": state["epoch"],
             "step": state["step"],
@@ -282,6 +285,18 @@ class TrainingState:
             "metrics": state["metrics"],
             "metric_replicas": state.get("metric_replicas"),
         }
+
+    def _restore_data_order(self, state: dict) -> None:
+        """A source that draws its order as a pass begins (a shuffled ``DataLoader``, from torch's generator
+        or its own) resumes mid-pass with the pass's order: the pass is begun again from the random state it
+        began with (``Cursor.replay``). Its own generators go on from where the backup left them."""
+        saved, cursor = state.get("data_rng"), self._cursor
+        if not saved:
+            return
+        cursor.set_generator_states(saved["generators"])
+        pass_index, position = state["cursor"]
+        if position and saved.get("pass") is not None and not hasattr(cursor.source, "seed"):
+            cursor.replay(pass_index, position, saved["pass"], saved["generators"])
 
     def _check_metric_states(self, states: dict, path) -> None:
         """Each saved metric state must have this trainer's accumulators (names and shapes)."""
@@ -349,6 +364,12 @@ def _history_with(history, epoch_logs) -> dict:
         for key, value in logs.items():
             records.setdefault(key, []).append(value)
     return {"history": records, "epoch": epochs}
+
+
+def _data_rng(cursor) -> dict:
+    """``{"pass": the random state the current pass began with (or None), "generators": [the states of the
+    source's own generators now]}`` (``Cursor.random_state``)."""
+    return {"pass": cursor.pass_random_state, "generators": [g.get_state() for g in cursor.generators]}
 
 
 def _whole(window: dict) -> bool:
