@@ -235,6 +235,13 @@ def _replica_rng_problem(value, what: str) -> str | None:
     return None
 
 
+def _global_batch_size_problem(value, what: str) -> str | None:
+    # The rows of the saver's first global batch (None where it had read none).
+    if value is None or (_is_int(value) and value >= 1):
+        return None
+    return f"{what} must be an int >= 1 (or None), found {brief(value)}"
+
+
 def _generator_states_problem(value, what: str) -> str | None:
     if not isinstance(value, list) or not all(isinstance(g, torch.Tensor) and g.dtype == torch.uint8 for g in value):
         return f"{what} must be a list of generator states (uint8 tensors), found {brief(value)}"
@@ -353,4 +360,4 @@ _BACKUP = {
     "metrics": _metrics_problem,
     "history": _history_problem,
 }
-_BACKUP_OPTIONAL = {"data_rng": _data_rng_problem}
+_BACKUP_OPTIONAL = {"global_batch_size": _global_batch_size_problem, "data_rng": _data_rng_problem}

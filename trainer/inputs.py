@@ -130,6 +130,7 @@ class Cursor:
         self.source, self.distributed, self.repeat = source, distributed, repeat
         self.pass_index, self.position = 0, 0
         self.pass_random_state = None  # the random state the current pass began with (``random_state``)
+        self.batch_size = None  # rows of the first global batch read (this fit's global batch size)
         self._iterator = None
         self._held = None  # the step read ahead, and where it stands: (pass, position, batch)
         self._replay = None  # (pass, position, random state it began with, generator states after): ``replay``
@@ -180,6 +181,7 @@ class Cursor:
         except StopIteration:
             return False
         self._held = (pass_index, position, batch)
+        self._note_batch_size()
         return True
 
     def forget(self) -> None:
@@ -218,7 +220,12 @@ class Cursor:
                     "re-iterable source (arrays, a Dataset, a DataLoader or a list of batches) or fewer steps."
                 ) from None
         self.position += 1
+        self._note_batch_size()
         return batch
+
+    def _note_batch_size(self) -> None:
+        if self.batch_size is None:
+            self.batch_size = self.global_batch_size
 
     @property
     def generators(self) -> list:

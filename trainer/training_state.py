@@ -145,7 +145,8 @@ class TrainingState:
         """Everything a resumed fit needs, as a backup holds it (``BackupAndRestore`` saves it): model,
         optimizer, metric accumulators (aggregated and per replica), history, random streams, the
         callbacks' states, where the data stands (the pass, the global batches consumed, the random state
-        the pass began with); to resume at ``step`` of ``epoch`` (``step=0``: that epoch's start).
+        the pass began with) and the global batch size; to resume at ``step`` of ``epoch`` (``step=0``:
+        that epoch's start), on any number of workers or replicas with that global batch size.
         ``epoch_logs`` is ``(epoch, logs)`` of an epoch that ends now and that the History callback
         (which runs last) has not recorded yet. Called during a ``fit``, on every
         worker alike (it gathers across workers).
@@ -168,6 +169,7 @@ class TrainingState:
             "epoch": epoch,
             "step": step,
             "cursor": list(position),
+            "global_batch_size": cursor.batch_size,
             "data_seed": self._data_seed,
             "data_rng": _data_rng(cursor),
             "model": self._trained_model_state(),
@@ -254,8 +256,9 @@ class TrainingState:
         the running ``fit`` goes on from the epoch and step of ``training_state``. Called from
         ``on_train_begin`` (before the first step), on every worker alike; ``path`` names the file in errors.
 
-        A backup that does not fit this model, optimizer or metrics raises
-        ``CheckpointError`` before anything is restored.
+        A backup that does not fit this model, optimizer or metrics, or that was written with another
+        global batch size, raises ``CheckpointError`` before anything is restored (docs/resume.md has
+        the rules of a resume on another number of workers or replicas).
 
         Example::
 
@@ -264,6 +267,7 @@ class TrainingState:
                     if os.path.exists("backup.pt"):
                         self.trainer.restore_training_state(checkpoint.load("backup.pt", kind="backup"), "backup.pt")
         """
+        self._check_global_batch_size(state.get("global_batch_size"), path)
         self._check_metric_states(state["metrics"], path)
         self._load_model_and_optimizer(state, path, "backup")
         # (restored once every callback's on_train_begin has reset it: fit's _begin_training)
@@ -285,6 +289,21 @@ class TrainingState:
             "metrics": state["metrics"],
             "metric_replicas": state.get("metric_replicas"),
         }
+
+    def _check_global_batch_size(self, saved, path) -> None:
+        """A backup resumes only with the global batch size it was written with (any number of workers or
+        replicas): ``CheckpointError`` otherwise. A backup without the entry (an earlier version's) loads."""
+        used = self._cursor.batch_size
+        if saved is None or used is None or int(saved) == int(used):
+            return
+        raise checkpoint.CheckpointError(
+            f"The backup {str(path)!r} was written by a fit with a global batch size of {saved}, and this fit's "
+            f"is {used}. A backup resumes on any number of workers or replicas, but only with the same global "
+            "batch size: the data position it holds is counted in global batches, and the optimizer's steps "
+            "(iterations, learning-rate schedule, accumulation window) assume them. Resume with the same "
+            "batch_size (the global one: every replica's rows together), or delete the backup, or use another "
+            "backup_dir, to start afresh."
+        )
 
     def _restore_data_order(self, state: dict) -> None:
         """A source that draws its order as a pass begins (a shuffled ``DataLoader``, from torch's generator
