@@ -332,7 +332,7 @@ def sigstop(runs: int, seed: int, timeout: int = 5) -> int:
                 if child.poll() is None:
                     os.killpg(child.pid, signal.SIGKILL)
                     child.wait(timeout=10)
-            if "worker 1 stopped arriving" in err and "stopped by a signal" in err:
+            if "worker 1 (stopped by a signal) stopped arriving" in err:
                 tally["worker 1 named as stopped"] += 1
             elif child.returncode == 0:
                 tally["finished before the stop"] += 1

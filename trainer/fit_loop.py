@@ -234,7 +234,14 @@ class FitLoop:
         batch_logs = callback_list.wants_batch_logs["on_train_batch_end"]
         # Reading the logs is a collective across workers: every worker reads them, or none.
         agree_logs = cluster.num_workers > 1
-        batch_logs = cluster.any(batch_logs) if agree_logs else batch_logs
+        if agree_logs:  # (with whether each worker saves before preemption: every worker must, or none)
+            logs_wanted, watching = cluster.sum([int(batch_logs), int(watch is not None)], "agreeing on the plan")
+            batch_logs = logs_wanted > 0
+            if watching not in (0, cluster.num_workers):
+                raise ValueError(
+                    f"BackupAndRestore saves before preemption on {watching} of {cluster.num_workers} workers: every "
+                    "worker must run the same fit with the same callbacks (save_before_preemption alike everywhere)."
+                )
         # Logs are global, so built-in callbacks decide alike on every worker; a user's callback
         # might not (in any hook), so its stop_training is agreed after every step.
         agree_each_step = cluster.num_workers > 1 and callbacks_module.may_stop_training_alone(callback_list)

@@ -350,6 +350,8 @@ class _Attempt:
             # To each worker, not its group: a DataLoader's worker processes are their worker's to stop.
             self._stop(error.signum, waits.preemption, leaders_only=True)
             codes = [proc.returncode for proc in self.procs]
+            if all(code == 0 for code in codes):  # they had finished: the run is complete
+                return 0
             if PREEMPTED_EXIT_STATUS in codes and all(code in (0, PREEMPTED_EXIT_STATUS) for code in codes):
                 name = signal.Signals(error.signum).name
                 print(
@@ -401,17 +403,20 @@ class _Attempt:
             self.output.pump(poll_seconds)
 
     def _stopped_arriving(self, codes: list, failures: list) -> tuple:
-        """Names the worker the others gave up waiting for (still running); ``(its rank, None)``."""
-        rank = next(rank for rank, code in enumerate(codes) if code is None)
+        """Names the worker(s) the others gave up waiting for (still running; those stopped by a signal or
+        waiting on a device first, as a healthy worker still waiting in its collective runs too);
+        ``(the first's rank, None)``."""
+        running = {rank: _process_state(self.procs[rank].pid) for rank, code in enumerate(codes) if code is None}
+        stuck = [rank for rank, state in running.items() if state != "running or waiting"] or list(running)
         waited = ", ".join(str(r) for r, _ in failures)
+        named = ", ".join(f"{rank} ({running[rank]})" for rank in stuck)
         print(
-            f"replicafit: worker {rank} stopped arriving: worker(s) {waited} gave up waiting for it in a collective "
-            f"(exit code {PEER_FAILED_EXIT_STATUS}) while it still runs ({_process_state(self.procs[rank].pid)}); "
-            "stopping it",
+            f"replicafit: worker {named} stopped arriving: worker(s) {waited} gave up waiting in a collective (exit "
+            f"code {PEER_FAILED_EXIT_STATUS}) while it still runs; stopping it",
             file=sys.stderr,
             flush=True,
         )
-        return rank, None
+        return stuck[0], None
 
     def _stop(self, signum: int, grace_seconds: float, leaders_only: bool = False) -> None:
         """``signum`` to every worker's process group (``leaders_only``: to each worker process),

@@ -166,9 +166,19 @@ def noting(signals):
             previous[signum] = signal.signal(signum, notes)
     try:
         yield notes.noted
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+    except Preempted:
+        for signum in previous:  # the process exits with 75: a late second signal must not make it 143
+            signal.signal(signum, signal.SIG_IGN)
+        raise
+    except BaseException:
+        _restore(previous)
+        raise
+    _restore(previous)
+
+
+def _restore(previous: dict) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
 class PreemptionWatch:
@@ -186,6 +196,7 @@ class PreemptionWatch:
         self._previous: dict = {}
         self._in_flight = None  # validation's started sum: finish() gives the flags of the step before
         self._spared = None  # while installed: loaders start their worker processes ignoring the signals
+        self._late = None  # on an accelerator: the last step's total on its way to the host
 
     # --- the signals --------------------------------------------------------------------------
     def install(self) -> None:
@@ -236,12 +247,18 @@ class PreemptionWatch:
             self.cluster.add_to_step(STEP_VALUE, self.local)
 
     def after_step(self) -> bool:
-        """Whether every worker stops now, after a training step (agreed; no collective of its own)."""
+        """Whether every worker stops now, after a training step (agreed; no collective of its own). On an
+        accelerator the total is read one step late (copied to the host as it comes, read when the next
+        step ends), so the host never waits for this step's reduction."""
         if self.cluster.num_workers == 1:
             return self.received is not None
         if self.cluster.step_value_waiting(STEP_VALUE):
             return False  # no reduction carried this step's flags yet: the next one will
-        return int(self.cluster.step_total(STEP_VALUE)) > 0
+        total = self.cluster.step_total(STEP_VALUE)
+        if total.device.type != "cuda":
+            return int(total) > 0
+        earlier, self._late = self._late, _on_host(total)
+        return earlier is not None and _read(earlier) > 0
 
     def in_validation(self) -> bool:
         """Whether every worker stops now, after a validation step: the sum started at the step before
@@ -268,5 +285,24 @@ class PreemptionWatch:
 
     def start(self) -> None:
         """A fit begins: what an interrupted fit left in the step value is dropped, on every worker alike."""
+        self._late = None
         if self.cluster.num_workers > 1:
             self.cluster.discard_step_value(STEP_VALUE)
+
+
+def _on_host(total):
+    """``(host copy, event)``: ``total`` (a CUDA tensor) copied to pinned host memory without waiting."""
+    import torch
+
+    host = torch.empty((), dtype=total.dtype, pin_memory=True)
+    host.copy_(total, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+def _read(copied) -> int:
+    """The value of an ``_on_host`` copy (waits for that copy only, not for the work queued since)."""
+    host, event = copied
+    event.synchronize()
+    return int(host)

@@ -103,3 +103,34 @@ def nccl_on_one_gpu(rank, num_workers, port):
     except ValueError as error:
         return str(error)
     return None
+
+
+def preempted(rank, num_workers, port, outdir):
+    """SIGTERM to worker 1 after step 5 of 2 workers sharing the GPU with save_before_preemption: where each
+    stops (the flags' total is read one step late on an accelerator), and the rerun against the uninterrupted run."""
+    import signal
+
+    from replicafit.trainer import BackupAndRestore, Callback, Preempted
+
+    class SignalAt(Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if rank == 1 and int(self.trainer.optimizer.iterations) == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    resolver = ds.SimpleClusterResolver(num_workers, rank, "127.0.0.1", port, devices=[GPU])
+    strategy = ds.MultiWorkerMirroredStrategy(ds.CommunicationOptions(timeout_seconds=60), resolver)
+
+    def run(folder, *extra):
+        model = mlp(dropout=0.0)
+        trainer = Trainer(strategy=strategy, optimizer=optimizers.Adam(1e-3), seed=3, metrics=["accuracy"])
+        backup = BackupAndRestore(os.path.join(outdir, folder), save_before_preemption=True)
+        history = trainer.fit(model, digits(256), batch_size=32, epochs=2, verbose=0, callbacks=[*extra, backup])
+        return {"weights": weights(model), "history": history.history}
+
+    reference = run("reference")
+    try:
+        run("backup", SignalAt())
+        stop = None
+    except Preempted as error:
+        stop = (error.epoch, error.step)
+    return {"stop": stop, "resumed": run("backup"), "reference": reference}

@@ -11,6 +11,7 @@ from gpu_support import (
     GPU,
     GPU_TESTS,
     GPU_TYPE,
+    HAVE_CUDA,
     assert_close_weights,
     cuda_determinism,  # noqa: F401 - autouse
     cuda_only,
@@ -63,3 +64,15 @@ def test_two_workers_share_the_gpu_over_gloo_and_equal_mirrored_over_two_logical
 def test_two_workers_on_one_gpu_over_nccl_are_told_to_use_ring():
     for message in results(run_workers(SCENARIOS, "nccl_on_one_gpu", 2, timeout=120, env=ENV)):
         assert message is not None and "same GPU" in message and "RING" in message
+
+
+@pytest.mark.timeout(240)
+def test_preemption_on_two_workers_sharing_the_gpu_stops_both_at_one_step_and_resumes(tmp_path):
+    """The flags' total lives on the GPU: it is read one step late (no host wait per step); both workers
+    still stop after the same step, and the rerun equals the uninterrupted run."""
+    workers = results(run_workers(SCENARIOS, "preempted", 2, timeout=210, env=ENV, kwargs={"outdir": str(tmp_path)}))
+    late = 1 if HAVE_CUDA else 0  # (the dry run on the CPU reads the total at once)
+    assert workers[0]["stop"] == workers[1]["stop"] == (0, 6 + late)  # flagged after 5, carried by 6
+    for index, got in enumerate(workers):
+        assert_close_weights(got["resumed"]["weights"], got["reference"]["weights"], what=f"worker {index}")
+        assert got["resumed"]["history"] == got["reference"]["history"]

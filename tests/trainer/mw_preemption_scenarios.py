@@ -101,3 +101,14 @@ class SignalAtIteration(callbacks.Callback):
         trainer = self.trainer
         if trainer.strategy.cluster.worker_index == self.worker and int(trainer.optimizer.iterations) == self.iteration:
             os.kill(os.getppid() if self.to == "launcher" else os.getpid(), signal.SIGTERM)
+
+
+def disagreeing(rank, num_workers, port, outdir):
+    """Worker 0 saves before preemption and worker 1 does not: the error each gets (at once, not at a timeout)."""
+    strategy = strategy_for(rank, num_workers, port)
+    backup = callbacks.BackupAndRestore(os.path.join(outdir, "b"), save_before_preemption=rank == 0)
+    try:
+        fit_run(strategy, init_seed=0, seed=1, extra_callbacks=[backup])
+    except ValueError as error:
+        return str(error)
+    return "trained"

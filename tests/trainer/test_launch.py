@@ -473,6 +473,20 @@ time.sleep(60)
 
 
 @pytest.mark.timeout(60)
+def test_sigterm_to_the_launcher_of_workers_that_finish_cleanly_is_status_0(tmp_path):
+    """Regression: the workers exited 0 (the signal came as they finished) and the launcher said 143."""
+    body = """
+signal.signal(signal.SIGTERM, lambda signum, frame: touch(f"sigterm{rank}"))
+touch(f"ready{rank}")
+wait_for(f"sigterm{rank}")
+"""
+    with launched_until_ready(body, tmp_path) as launcher:
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=30)
+        assert launcher.returncode == 0, err
+
+
+@pytest.mark.timeout(60)
 def test_a_stopped_worker_is_named_not_the_one_that_gave_up_waiting_for_it(tmp_path, started, capfd):
     """Regression: with worker 1 SIGSTOPped, worker 0's collective timed out and the launcher said "worker 0
     failed first (exit code 1)" (16 of 16 trials). The one that gave up (69) is not the cause; the one
@@ -488,8 +502,8 @@ sys.exit(69)  # what replicafit fit returns on WorkerFailedError
     status = launch_local(worker(body, tmp_path), 2, grace_seconds=1.0)
     assert status == 1
     err = capfd.readouterr().err
-    assert "worker 1 stopped arriving: worker(s) 0 gave up waiting for it in a collective (exit code 69)" in err
-    assert "stopped by a signal" in err and "failed first" not in err
+    assert "worker 1 (stopped by a signal) stopped arriving: worker(s) 0 gave up waiting in a collective" in err
+    assert "(exit code 69)" in err and "failed first" not in err
 
 
 @pytest.mark.timeout(60)

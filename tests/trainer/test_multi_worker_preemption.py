@@ -43,3 +43,11 @@ def test_a_sigterm_to_one_worker_stops_both_at_one_step_and_the_rerun_is_bit_ide
             assert torch.equal(resumed["weights"][key], value), (rank, key)
     for key, value in workers[0]["resumed"]["weights"].items():
         assert torch.equal(workers[1]["resumed"]["weights"][key], value)  # the workers agree
+
+
+@pytest.mark.timeout(120)
+def test_workers_that_disagree_on_saving_before_preemption_are_refused(tmp_path):
+    """Regression: they trained with step values of different layouts (3 elements more on one worker)."""
+    workers = results(run_workers(SCENARIOS, "disagreeing", 2, timeout=90, kwargs={"outdir": str(tmp_path)}))
+    for message in workers:
+        assert message.startswith("BackupAndRestore saves before preemption on 1 of 2 workers"), message

@@ -301,3 +301,20 @@ def test_a_signal_to_every_process_spares_the_data_loaders_workers(tmp_path):
         capture_output=True, text=True, timeout=100, env=env, start_new_session=True,
     )  # fmt: skip
     assert resumed.stdout.split()[-1] == straight.stdout.split()[-1]
+
+
+def test_noting_holds_signals_and_a_preempted_exit_ignores_them_from_then_on():
+    from replicafit.trainer.preemption import noting
+
+    before = signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    try:
+        with noting([signal.SIGUSR1]) as noted:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        assert noted == [signal.SIGUSR1]
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # put back after a normal exit
+        with pytest.raises(Preempted), noting([signal.SIGUSR1]):
+            raise Preempted("SIGUSR1", "b/backup.pt", 1, 2)
+        # The process is exiting with 75: a second signal meanwhile must not turn it into 128 + signal.
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGUSR1, before)
