@@ -21,7 +21,7 @@ import os
 import torch
 
 from replicafit.strategies import context
-from replicafit.strategies.variables import aggregated_reads
+from replicafit.strategies.variables import SyncOnReadVariable, VariableAggregation, aggregated_reads
 
 from . import checkpoint
 
@@ -176,6 +176,7 @@ class TrainingState:
             "optimizer": self._optimizer_state(),
             "metrics": self._metric_states(),
             "metric_replicas": self._metric_replica_states(),
+            **self._buffer_replica_states(),
             "history": _history_with(self.history, epoch_logs),
             "rng": torch.get_rng_state(),
             **self._replica_rng_states(),
@@ -270,6 +271,7 @@ class TrainingState:
         self._check_global_batch_size(state.get("global_batch_size"), path)
         self._check_metric_states(state["metrics"], path)
         self._load_model_and_optimizer(state, path, "backup")
+        self._restore_replica_states(self._per_replica_buffers(), state.get("buffer_replicas") or {})
         # (restored once every callback's on_train_begin has reset it: fit's _begin_training)
         self._loaded_callback_states = dict(state.get("callbacks") or {}) or None
         self.history.history = {k: list(v) for k, v in state["history"]["history"].items()}
@@ -344,34 +346,66 @@ class TrainingState:
         if replicas:
             self._restore_metric_replicas(replicas)
 
+    def _metric_variables_by_key(self) -> dict:
+        return {
+            f"{metric.name}/{name}": variable
+            for metric in self._all_metrics()
+            for name, variable in metric.state_variables().items()
+        }
+
     def _metric_replica_states(self) -> dict:
         """Every replica's own metric accumulators, of every worker: ``{"metric/state": [tensor per replica]}``.
 
         Restoring these (rather than dividing the aggregate among the replicas) makes a resumed
         epoch's logs bit-identical to the uninterrupted run's.
         """
-        states = {
-            f"{metric.name}/{name}": [
-                c.value().detach().clone() for c in self.strategy.experimental_local_results(variable)
-            ]
-            for metric in self._all_metrics()
-            for name, variable in metric.state_variables().items()
-        }
-        parts = self.strategy.cluster.all_gather(states)  # every worker's replicas, in order
-        return {key: [t for part in parts for t in part[key]] for key in states}
+        return self._replica_states(self._metric_variables_by_key())
 
     def _restore_metric_replicas(self, replicas: dict) -> None:
+        self._restore_replica_states(self._metric_variables_by_key(), replicas)
+
+    def _per_replica_buffers(self) -> dict:
+        """The model's buffers that each replica keeps for itself until the epoch's end (``SyncOnRead``: plain
+        BatchNorm statistics), by name; ``{}`` with one replica in all."""
+        dm = self._distributed
+        if dm is None or self.strategy.num_replicas_in_sync == 1:
+            return {}
+        return {
+            name: variable
+            for name, variable in dm.named_variables().items()
+            if isinstance(variable, SyncOnReadVariable)
+            and variable.aggregation is not VariableAggregation.ONLY_FIRST_REPLICA
+        }
+
+    def _buffer_replica_states(self) -> dict:
+        """``{"buffer_replicas": {name: [tensor per replica]}}``: a backup mid-epoch resumes each replica's own
+        statistics (the model state holds their mean); ``{}`` where there are none (alike on every worker)."""
+        buffers = self._per_replica_buffers()
+        return {"buffer_replicas": self._replica_states(buffers)} if buffers else {}
+
+    def _replica_states(self, variables: dict) -> dict:
+        """``{key: [every replica's value, in global replica order]}`` of ``{key: distributed variable}``
+        (gathered across workers: every worker calls it)."""
+        own = {
+            key: [c.value().detach().clone() for c in self.strategy.experimental_local_results(variable)]
+            for key, variable in variables.items()
+        }
+        parts = self.strategy.cluster.all_gather(own)  # every worker's replicas, in order
+        return {key: [t for part in parts for t in part[key]] for key in own}
+
+    def _restore_replica_states(self, variables: dict, saved: dict) -> None:
+        """Gives this worker's replicas their values in ``saved`` (``_replica_states``), where it was written
+        with this number of replicas; otherwise what was loaded (the aggregate) stands."""
         cluster = self.strategy.cluster
         first, count = cluster.first_replica_id, cluster.num_local_replicas
-        for metric in self._all_metrics():
-            for name, variable in metric.state_variables().items():
-                saved = replicas.get(f"{metric.name}/{name}")
-                components = self.strategy.experimental_local_results(variable)
-                if not isinstance(saved, list) or len(saved) != self.strategy.num_replicas_in_sync:
-                    continue  # another replica count: the aggregate, divided among the replicas, stands
-                for index, (component, value) in enumerate(zip(components, saved[first : first + count])):
-                    if isinstance(value, torch.Tensor) and value.shape == component.shape:
-                        variable.assign_component(index, value)
+        for key, variable in variables.items():
+            values = saved.get(key)
+            components = self.strategy.experimental_local_results(variable)
+            if not isinstance(values, list) or len(values) != self.strategy.num_replicas_in_sync:
+                continue  # another replica count: the aggregate, divided among the replicas, stands
+            for index, (component, value) in enumerate(zip(components, values[first : first + count])):
+                if isinstance(value, torch.Tensor) and value.shape == component.shape:
+                    variable.assign_component(index, value)
 
 
 def _history_with(history, epoch_logs) -> dict:

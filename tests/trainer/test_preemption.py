@@ -30,10 +30,11 @@ def data(n=36, seed=0):
     return x, (x[:, 0] + 0.5 * x[:, 1] > 0).long()
 
 
-def model():
+def model(batch_norm=False):
     with torch.random.fork_rng():
         torch.manual_seed(1)
-        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        norm = [torch.nn.BatchNorm1d(8)] if batch_norm else []
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), *norm, torch.nn.ReLU(), torch.nn.Linear(8, 2))
 
 
 class SignalAt(Callback):
@@ -82,7 +83,9 @@ class Steps(Callback):
         self.trained.append((self.epoch, batch))
 
 
-def run(tmp_path, *extra, strategy="default", accumulate=None, epochs=3, save_freq="epoch", **fit_kwargs):
+def run(
+    tmp_path, *extra, strategy="default", accumulate=None, epochs=3, save_freq="epoch", batch_norm=False, **fit_kwargs
+):
     trainer = Trainer(
         strategy=make_strategy(strategy),
         optimizer=optimizers.Adam(0.01, gradient_accumulation_steps=accumulate),
@@ -92,7 +95,7 @@ def run(tmp_path, *extra, strategy="default", accumulate=None, epochs=3, save_fr
     )
     steps = Steps()
     backup = BackupAndRestore(tmp_path / "backup", save_freq=save_freq, save_before_preemption=True)
-    net = model()
+    net = model(batch_norm)
     kwargs = {"batch_size": 8, "epochs": epochs, "verbose": 0, "validation_data": data(10, seed=3), **fit_kwargs}
     history = trainer.fit(net, data(), callbacks=[*extra, steps, backup], **kwargs)
     return trainer, history, steps.trained
@@ -157,6 +160,20 @@ def test_inside_an_accumulation_window_the_stop_is_the_next_step_and_the_window_
         run(tmp_path, SignalAt(step=6), strategy=strategy, accumulate=3)
     assert (stopped.value.epoch, stopped.value.step) == (1, 2)  # mid-window: the window is in the backup
     assert_same(run(tmp_path, strategy=strategy, accumulate=3), reference)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["mirrored2", "mirrored3"])
+def test_per_replica_batch_norm_statistics_resume_mid_epoch_bit_identical(tmp_path, strategy):
+    """Regression: each replica's BatchNorm statistics are its own until the epoch's end, and a backup held
+    their mean: the rerun's statistics (and with 3 replicas its val_loss) differed."""
+    reference = run(tmp_path / "ref", strategy=strategy, batch_norm=True)
+    with pytest.raises(Preempted):
+        run(tmp_path, SignalAt(step=6), strategy=strategy, batch_norm=True)
+    resumed = run(tmp_path, strategy=strategy, batch_norm=True)
+    assert_same(resumed, reference)
+    for trainer in (resumed[0], reference[0]):
+        assert any("running_mean" in name for name in trainer.model_state_dict())
 
 
 @pytest.mark.timeout(120)
