@@ -119,7 +119,7 @@ class FitLoop:
             resume = self._resume  # where a backup restored in on_train_begin left off
             start_epoch = initial_epoch if resume is None else resume["epoch"]
             plan = self._fit_plan(callback_list, steps, validation_data, batch_size, watch)
-            self._start_element_reduction(first, cursor.global_batch_size)
+            self._start_element_reduction(first, cursor.batch_size)  # (survives a restore: its read-ahead is gone)
         except BaseException:
             cursor.close()  # the pass read ahead (its loader's worker processes, a prefetch thread)
             self._unwatch_preemption(watch)

@@ -112,3 +112,30 @@ def disagreeing(rank, num_workers, port, outdir):
     except ValueError as error:
         return str(error)
     return "trained"
+
+
+def element_level_resume(rank, num_workers, port, outdir):
+    """A token tagger with an element-level loss (ignore_index), preempted on worker 1 after step 5 and rerun,
+    against the uninterrupted run: the loss's prescale must be the same after the restore."""
+    import torch
+    from element_scenarios import TokenModel, token_data
+
+    from replicafit.trainer import Trainer
+
+    strategy = strategy_for(rank, num_workers, port)
+
+    def run(folder, *extra):
+        torch.manual_seed(0)
+        model = TokenModel(False)
+        trainer = Trainer(strategy=strategy, optimizer=optimizers.Adam(0.01), loss=torch.nn.CrossEntropyLoss(), seed=2)
+        backup = callbacks.BackupAndRestore(os.path.join(outdir, folder), save_before_preemption=True)
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*token_data()), batch_size=8)
+        trainer.fit(model, loader, epochs=3, verbose=0, callbacks=[*extra, backup])  # each worker reads its rows
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    reference = run("reference")
+    try:
+        run("backup", SignalOn(1, step=5))
+    except Preempted:
+        pass
+    return {"reference": reference, "resumed": run("backup")}

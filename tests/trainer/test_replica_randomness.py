@@ -121,7 +121,8 @@ def test_checkpoints_hold_every_replicas_stream_and_a_seedless_fit_continues_the
     assert not _same(_fit(other.strategy, trainer=other, model=model_other, epochs=1), continued)
 
 
-def test_a_checkpoint_of_two_replicas_loads_under_three_with_fresh_streams(tmp_path):
+def test_a_checkpoint_of_two_replicas_loads_under_three_and_no_replica_replays_the_first_masks(tmp_path):
+    """Replicas 0 and 1 go on with their saved streams; replica 2, new, is seeded from the position."""
     trainer = Trainer(strategy=STRATEGIES["mirrored2"](), optimizer=optimizers.SGD(0.1), seed=3)
     model = _model()
     _fit(trainer.strategy, trainer=trainer, model=model, epochs=1)
@@ -133,7 +134,10 @@ def test_a_checkpoint_of_two_replicas_loads_under_three_with_fresh_streams(tmp_p
     assert state["seed"] == 3 and len(state["cpu"]) == 3
     fresh = ds.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"]).extended._replica_streams
     fresh.seed(3)
-    assert not torch.equal(state["cpu"][0], fresh.state_dict()["cpu"][0])  # not the run's first masks again
+    saved = trainer.strategy.extended._replica_streams.state_dict()
+    assert torch.equal(state["cpu"][0], saved["cpu"][0]) and torch.equal(state["cpu"][1], saved["cpu"][1])
+    for replica in range(3):  # not the run's first masks again
+        assert not torch.equal(state["cpu"][replica], fresh.state_dict()["cpu"][replica])
 
 
 def test_a_damaged_stream_entry_is_a_clear_checkpoint_error(tmp_path):

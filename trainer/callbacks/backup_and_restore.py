@@ -13,8 +13,9 @@ class BackupAndRestore(_Periodic):
     """Resumes an interrupted ``fit`` exactly where its last backup left it.
 
     A backup holds the model, the optimizer (slots, iterations), the metric
-    accumulators, the history so far, the RNG state and the data position: the epoch,
-    the shuffle order (its seed and pass) and the number of batches already consumed.
+    accumulators, the history so far, the RNG state, the global batch size and the data
+    position: the epoch, the shuffle order (its seed and pass) and the number of global
+    batches already consumed.
     Run the same ``fit`` again after a crash, a kill or an exception and it continues
     with exactly the batches the uninterrupted run would have seen.
 
@@ -31,9 +32,11 @@ class BackupAndRestore(_Periodic):
         it costs: ``replicafit.trainer.preemption``. ``False`` (TensorFlow's default): a signal has
         its usual effect.
 
-    Data sources that are not this package's batched arrays/datasets (e.g. a
-    ``DataLoader``) are resumed by skipping the consumed batches of a fresh pass; their
-    shuffle order is their own.
+    Arrays and datasets with ``batch_size`` shuffle from the backup's seed and pass and start at the
+    saved batch without reading those before it. A source that draws its order as a pass begins (a
+    ``DataLoader(shuffle=True)``, from torch's generator or its own ``generator=``) begins the
+    interrupted pass again from the random state that pass began with, so it has the same order;
+    other iterables skip the consumed batches of a fresh pass, in their own order.
 
     It saves at the end of a step or an epoch after every other callback (a learning-rate scheduler has
     stepped), wherever it stands in the list of callbacks (Keras' saves in its place).
@@ -41,8 +44,21 @@ class BackupAndRestore(_Periodic):
     Across workers (``MultiWorkerMirroredStrategy``) the chief writes the backup, with every
     worker's RNG state and every replica's metric accumulators, and decides whether to resume;
     every worker then reads the file, so ``backup_dir`` must be storage every worker sees (one
-    machine's disk for ``--workers N``; a shared file system across machines). Resuming with
-    another number of workers restores model, optimizer and position, not bit for bit.
+    machine's disk for ``--workers N``; a shared file system across machines).
+
+    A backup resumes under any strategy, on any number of workers or replicas, with the same
+    *global* batch size (another one is a ``CheckpointError``: the data position is counted in
+    global batches, and the optimizer's steps assume them). The run goes on with the same global
+    batches; what belongs to replicas carries over by rule (``docs/resume.md``): an open
+    accumulation window's sums go, added together, to global replica 0 (the others start at zero);
+    metric accumulators are shared equally among the replicas; replicas the saver had keep their
+    random streams (by global replica id), and a replica that did not exist before (every replica
+    after the default strategy) starts a stream seeded from (seed, its global id, epoch, step). A
+    model without per-replica state therefore ends as the uninterrupted run up to float rounding,
+    and bit for bit on the same number of workers and replicas (per-replica BatchNorm statistics
+    included). Dropout masks and plain BatchNorm's per-replica statistics depend on the split: on
+    another number of replicas such a run is deterministic but not the uninterrupted one
+    (``nn.SyncBatchNorm`` is, up to rounding).
 
     Example::
 
