@@ -270,7 +270,10 @@ def _launch(args) -> int:
     command += ["--run-dir", _run_dir(args, recipe)]
     if args.tensorboard:
         command.append("--tensorboard")
-    return launch_local(command, args.workers, args.max_restarts or 0, log_all_workers=args.log_all_workers)
+    status = launch_local(command, args.workers, args.max_restarts or 0, log_all_workers=args.log_all_workers)
+    for signum in (signal.SIGTERM, signal.SIGHUP):  # the run is over: a late signal must not change its status
+        signal.signal(signum, signal.SIG_IGN)
+    return status
 
 
 def _agreed(strategy, run_dir: str) -> str:
