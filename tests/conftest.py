@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 
@@ -88,6 +90,19 @@ def _clean_context():
     ds.experimental_set_strategy(None) if depth else None
     assert context.stack_depth() == 0, "a test left a strategy scope entered"
     assert torch.is_grad_enabled()
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers():
+    """The process's handlers of the signals a fit or the CLI may take over (``replicafit fit`` run in-process
+    ignores them once its run is over) are put back after each test: an ignored SIGTERM would be inherited
+    by every process a later test starts."""
+    names = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
+    saved = {getattr(signal, n): signal.getsignal(getattr(signal, n)) for n in names if hasattr(signal, n)}
+    yield
+    for signum, handler in saved.items():
+        if handler is not None and signal.getsignal(signum) is not handler:
+            signal.signal(signum, handler)
 
 
 @pytest.fixture
