@@ -19,9 +19,10 @@ again resumes from the backup and trains no step twice.
   zero. No collective is added to a step. A step with no reduction of its own (inside a gradient
   accumulation window, a custom ``train_step`` that reduces nothing) carries nothing: the flags wait
   for the next reduction (the window's last step) or the epoch's end;
-* during validation: one small non-blocking sum per validation step, started at one step and read
-  at the next (``cluster.start_sum``), so every worker stops at the same validation step; the
-  backup is the one of the end of the epoch's training steps (validation runs again on resume);
+* during validation: a small non-blocking sum every few validation steps (about every 50 ms of
+  validation, the stride the chief proposes in each sum), started at one check and read at the
+  next (``cluster.start_sum``), so every worker stops at the same validation step; the backup is
+  the one of the end of the epoch's training steps (validation runs again on resume);
 * at the end of an epoch: the flags join the sum that agrees on ``stop_training`` (no collective of
   their own).
 
@@ -50,8 +51,10 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import threading
+import time
 import warnings
 
 from replicafit.data import loader_signals
@@ -60,6 +63,8 @@ __all__ = ["PREEMPTED_EXIT_STATUS", "Preempted", "PreemptionWatch", "noting", "p
 
 PREEMPTED_EXIT_STATUS = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, the job may run again
 STEP_VALUE = "replicafit/preemption"  # the step value the workers' flags ride in
+CHECK_SECONDS = 0.05  # validation: about this long between two agreements on the flags
+MAX_STRIDE = 64  # ... and at most this many validation steps
 _UNCATCHABLE = ("SIGKILL", "SIGSTOP")
 
 
@@ -194,7 +199,8 @@ class PreemptionWatch:
         self.cluster = cluster
         self.received = None  # the first signal noted (a signal.Signals), else None
         self._previous: dict = {}
-        self._in_flight = None  # validation's started sum: finish() gives the flags of the step before
+        self._in_flight = None  # validation's started sum: finish() gives the flags of the check before
+        self.begin_validation()
         self._spared = None  # while installed: loaders start their worker processes ignoring the signals
         self._late = None  # on an accelerator: the last step's total on its way to the host
 
@@ -261,13 +267,31 @@ class PreemptionWatch:
         return earlier is not None and _read(earlier) > 0
 
     def in_validation(self) -> bool:
-        """Whether every worker stops now, after a validation step: the sum started at the step before
-        is read, and this step's started."""
+        """Whether every worker stops now, after a validation step. At each check the sum started at the
+        check before is read and the next one started; checks come every ``stride`` steps, the stride
+        the chief proposed in that sum (about ``CHECK_SECONDS`` of validation, at most ``MAX_STRIDE``
+        steps), so every worker checks at the same steps and the sums cost little however short a
+        validation step is."""
         if self.cluster.num_workers == 1:
             return self.received is not None
-        stop = self._in_flight is not None and self._in_flight() > 0
-        self._in_flight = None if stop else self.cluster.start_sum(self.local, "agreeing on a preemption signal")
-        return stop
+        self._val_steps += 1
+        if self._val_steps < self._next_check:
+            return False
+        if self._in_flight is not None:
+            flags, stride = self._in_flight()
+            self._in_flight = None
+            if flags:
+                return True
+            self._stride = max(1, min(MAX_STRIDE, stride))
+        now = time.monotonic()
+        proposal = 0
+        if self.cluster.is_chief:  # (the others propose 0: the sum is the chief's proposal)
+            per_step = (now - self._checked_at) / max(1, self._val_steps - self._checked_step)
+            proposal = max(1, min(MAX_STRIDE, math.ceil(CHECK_SECONDS / max(per_step, 1e-6))))
+        self._checked_at, self._checked_step = now, self._val_steps
+        self._in_flight = self.cluster.start_sum([self.local, proposal], "agreeing on a preemption signal")
+        self._next_check = self._val_steps + self._stride
+        return False
 
     def end_validation(self) -> None:
         """Finishes validation's last started sum (every started sum is finished; the epoch's end
@@ -275,6 +299,11 @@ class PreemptionWatch:
         finish, self._in_flight = self._in_flight, None
         if finish is not None:
             finish()
+
+    def begin_validation(self) -> None:
+        """A validation begins: its checks start afresh (the first after its first step)."""
+        self._val_steps, self._next_check, self._stride = 0, 1, 1
+        self._checked_at, self._checked_step = time.monotonic(), 0
 
     def at_epoch_end(self, stop_training: bool) -> tuple:
         """``(stop_training on any worker, preempted on any worker)`` in one sum across workers."""

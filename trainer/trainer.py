@@ -479,6 +479,8 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         try:
             self._reset_metrics()
             cursor.start(0, 0)
+            if preemption is not None:
+                preemption.begin_validation()
             index = 0
             while steps is None or index < steps:
                 try:

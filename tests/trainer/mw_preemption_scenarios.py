@@ -64,8 +64,18 @@ def preempt_and_resume(
     val_step=None,
     accumulate=None,
     validation_split=0.2,
+    max_stride=None,
+    check_seconds=None,
 ):
-    """The uninterrupted run, the run a SIGTERM to ``worker`` preempts, and its rerun, on one strategy."""
+    """The uninterrupted run, the run a SIGTERM to ``worker`` preempts, and its rerun, on one strategy.
+    ``max_stride``: validation agrees on the flags at least every that many steps (1: every step);
+    ``check_seconds``: the time between two agreements the chief aims at."""
+    from replicafit.trainer import preemption
+
+    if max_stride is not None:
+        preemption.MAX_STRIDE = max_stride
+    if check_seconds is not None:
+        preemption.CHECK_SECONDS = check_seconds
     strategy = strategy_for(rank, num_workers, port)
     reference_steps = SignalOn(None)
     reference = _run(strategy, os.path.join(outdir, "reference"), reference_steps, accumulate, validation_split)

@@ -16,7 +16,12 @@ CASES = {
     "worker1_mid_epoch": ({"worker": 1, "step": 20}, (1, 7)),  # flag noted after step 20, carried by step 21
     "chief_mid_epoch": ({"worker": 0, "step": 3}, (0, 5)),
     "last_step_of_the_fit": ({"worker": 1, "step": 44}, (2, 15)),  # no step left: validation's first sum agrees
-    "validation": ({"worker": 1, "val_epoch": 1, "val_step": 1}, (1, 15)),  # stops at validation step 2
+    # Validation agrees every step here (max_stride 1): the flag noted after validation step 1 joins the sum
+    # started after step 2, read after step 3, where both stop.
+    "validation": ({"worker": 1, "val_epoch": 1, "val_step": 1, "max_stride": 1}, (1, 15)),
+    # Checks 10 s apart: the chief proposes the largest stride at the first check, none comes again in this
+    # validation, and the epoch's end agrees.
+    "validation_with_long_strides": ({"worker": 1, "val_epoch": 1, "val_step": 1, "check_seconds": 10.0}, (2, 0)),
     # Windows of 4 over the fit: in epoch 1 they end after its steps 3 and 7. No reduction inside a window:
     # the flag noted after step 3 rides with the window that ends after step 7.
     "accumulation_window": ({"worker": 1, "step": 18, "accumulate": 4}, (1, 8)),
