@@ -94,6 +94,9 @@ def backend_for(device: torch.device, implementation: str = "AUTO") -> str:
 # torch 2.13 renamed the single-tensor gather (all_gather_into_tensor -> all_gather_single) and
 # deprecates the old name; torch 2.11 has only the old one.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# ... and the single-tensor reduce-scatter (reduce_scatter_tensor -> reduce_scatter_single): the new name where
+# it exists (2.13), the old one before (2.11), which 2.13 still has but warns about.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Collective:
@@ -248,6 +251,32 @@ class Collective:
             self.operations += 1
             return [part.to(tensor.device) for part in out.unbind(0)]
 
+    def reduce_scatter_flat(self, buffer: torch.Tensor, what: str) -> torch.Tensor:
+        """The SUM over workers of this worker's part of the flat ``buffer``: its elements are cut into
+        ``world_size`` equal parts (``buffer`` is padded with zeros to a multiple of ``world_size``
+        first) and worker ``w`` gets part ``w`` summed, ``ceil(len / world_size)`` elements. One
+        collective (``reduce_scatter_single``), on every backend of torch 2.11 and later."""
+        with self._guard(what):
+            flat = buffer.detach().reshape(-1)
+            chunk = -(-flat.numel() // self.world_size)
+            padded = flat if flat.numel() == chunk * self.world_size else _padded(flat, chunk * self.world_size)
+            staged = padded.cpu() if self._staged else padded.contiguous()
+            out = staged.new_empty(chunk)
+            _reduce_scatter_single(out, staged, op=dist.ReduceOp.SUM)
+            self.operations += 1
+            return out.to(buffer.device)
+
+    def all_gather_flat(self, chunk: torch.Tensor, length: int, what: str) -> torch.Tensor:
+        """Every worker's ``chunk`` (the same size on all), put end to end and cut to ``length`` elements:
+        the inverse of ``reduce_scatter_flat``'s cut. One collective (``all_gather_single``)."""
+        with self._guard(what):
+            source = chunk.detach().reshape(-1)
+            source = source.cpu() if self._staged else source.contiguous()
+            out = source.new_empty(source.numel() * self.world_size)
+            _all_gather_single(out, source)
+            self.operations += 1
+            return out[:length].to(chunk.device)
+
     def broadcast(self, tensor: torch.Tensor, what: str) -> None:
         """Worker 0's ``tensor`` into ``tensor`` on every worker, in place."""
         with self._guard(what):
@@ -309,6 +338,12 @@ class Collective:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
         self._owns_default = False
+
+
+def _padded(flat: torch.Tensor, length: int) -> torch.Tensor:
+    out = flat.new_zeros(length)
+    out[: flat.numel()] = flat
+    return out
 
 
 def _host(address: str) -> str:

@@ -230,3 +230,18 @@ def step_values(rank, num_workers, port, buckets=False, dtype="float32"):
     strategy.extended.release_gradient_hooks()
     strategy.cluster.barrier("end")
     return out
+
+
+def sharded_reductions(rank, num_workers, port, length=11, dtype="float32"):
+    """``reduce_scatter_flat`` of an uneven buffer and ``all_gather_flat`` back, on gloo (warnings recorded)."""
+    import warnings
+
+    strategy = strategy_for(rank, num_workers, port)
+    collective = strategy.extended._collective
+    kind = getattr(torch, dtype)
+    buffer = torch.arange(length, dtype=kind) * (rank + 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        chunk = collective.reduce_scatter_flat(buffer, "a test's reduce-scatter")
+        whole = collective.all_gather_flat(chunk * 2, length, "a test's all-gather")
+    return {"chunk": chunk, "whole": whole, "warnings": [str(w.message) for w in caught]}
