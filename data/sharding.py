@@ -163,6 +163,26 @@ def _rebuilt(loader, workers) -> ShardedLoader:
     return mine[place]
 
 
+def loaders_of(source) -> list:
+    """The ``DataLoader`` objects a pass over ``source`` iterates: the user's own, and the ones rebuilt from it
+    for the workers' shares (``[]`` for other sources)."""
+    if not isinstance(source, torch.utils.data.DataLoader):
+        return []
+    rebuilt = _REBUILT.get(source) or {}
+    return [source, *(sharded.loader for sharded in rebuilt.values())]
+
+
+def drop_persistent_iterator(loader) -> None:
+    """Ends a ``DataLoader``'s live persistent iterator (its worker processes), so that the next pass makes a
+    new one, drawing its workers' base seed again as the first pass did."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+        loader._iterator = None
+
+
 def _no_rows(leaf):
     return leaf[:0] if isinstance(leaf, torch.Tensor) else leaf
 

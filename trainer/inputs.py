@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 import replicafit.data as data_layer
+from replicafit.data import sharding
 from replicafit.strategies import nest
 
 __all__ = [
@@ -147,6 +148,7 @@ class Cursor:
             return
         now = torch.get_rng_state()
         self.set_random_state(replay[2])
+        self._match_persistent_iterators(replay[2].get("live"))
         try:
             self._begin(pass_index, position)
             self._read_ahead(pass_index, position)  # the pass's draws happen now, from its own random state
@@ -241,8 +243,22 @@ class Cursor:
         return found
 
     def random_state(self) -> dict:
-        """``{"torch": torch's generator state, "generators": [state of each of ``generators``]}``."""
-        return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in self.generators]}
+        """``{"torch": torch's generator state, "generators": [state of each of ``generators``], "live": [whether
+        each loader iterated had a live persistent iterator]}``: a loader with persistent worker processes
+        draws their base seed only as its first pass begins, and the order of every pass."""
+        live = [getattr(loader, "_iterator", None) is not None for loader in sharding.loaders_of(self.source)]
+        return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in self.generators], "live": live}
+
+    def _match_persistent_iterators(self, saved_live) -> None:
+        """Before a replayed pass: a loader whose pass began without a live persistent iterator (its first, where
+        the base seed is drawn too) and that has one now (made by ``peek`` before the restore) drops it, so the
+        replay draws what the saved pass drew."""
+        loaders = sharding.loaders_of(self.source)
+        if not isinstance(saved_live, list) or len(saved_live) != len(loaders):
+            return
+        for loader, was_live in zip(loaders, saved_live):
+            if not was_live and getattr(loader, "_iterator", None) is not None:
+                sharding.drop_persistent_iterator(loader)
 
     def set_random_state(self, state: dict) -> None:
         """Sets what ``random_state`` returned (the source's generators only where they are as many)."""

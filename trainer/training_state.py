@@ -430,6 +430,8 @@ def _whole(window: dict) -> bool:
     since: alike on every worker), rather than this worker's part."""
     lists = list(window["gradients"].values())
     saver = window.get("replicas_in_sync")
+    if saver is None:  # only a loaded window of an earlier version lacks it (a live one always has it): whole
+        return True
     return window.get("first_replica", 0) == 0 and bool(lists) and len(lists[0]) == saver
 
 

@@ -119,3 +119,39 @@ def resume_run(
 def worker(rank, num_workers, port, backup_dir, **kwargs):
     """``resume_run`` as worker ``rank`` of ``num_workers`` (one replica each)."""
     return resume_run(strategy_of("worker", rank, num_workers, port), backup_dir, **kwargs)
+
+
+def old_window_saved_again(rank, num_workers, port, folder):
+    """A checkpoint with an open accumulation window in an earlier version's layout (no ``first_replica`` /
+    ``replicas_in_sync``), loaded on 2 workers and saved again before any step: the window's sums per position."""
+    import os
+
+    strategy = strategy_of("worker", rank, num_workers, port)
+
+    def trainer_and_model():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 3))
+        optimizer = optimizers.SGD(0.1, gradient_accumulation_steps=4)
+        return Trainer(strategy=strategy, optimizer=optimizer, loss="cross_entropy", seed=1), model
+
+    first = os.path.join(folder, "new.pt")
+
+    class SaveMidWindow(Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:  # 2 steps of a window of 4: open
+                self.trainer.save_checkpoint(first)
+
+    trainer, model = trainer_and_model()
+    x, y = data()
+    trainer.fit(model, (x[:64], y[:64]), batch_size=16, epochs=1, verbose=0, callbacks=[SaveMidWindow()])
+    if rank == 0:
+        state = torch.load(first, weights_only=True)
+        window = state["optimizer"]["accumulation"]
+        window.pop("first_replica"), window.pop("replicas_in_sync")
+        torch.save(state, os.path.join(folder, "old.pt"))
+    strategy.cluster.barrier("old checkpoint written")
+    again, model = trainer_and_model()
+    again.load_checkpoint(os.path.join(folder, "old.pt"), model=model)
+    saved = again.save_checkpoint(os.path.join(folder, "again.pt"))
+    window = torch.load(saved, weights_only=True)["optimizer"]["accumulation"]
+    return {position: len(sums) for position, sums in window["gradients"].items()}

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import mw_resume_scenarios as scenarios
 import pytest
@@ -167,6 +170,57 @@ def test_a_shuffled_dataloader_resumes_mid_epoch_bit_identical(tmp_path, own_gen
     assert all(torch.equal(weights[k], v) for k, v in straight[1].items())
 
 
+PERSISTENT_SCRIPT = """
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+import mw_resume_scenarios as scenarios
+import replicafit.strategies as ds
+from replicafit.trainer import BackupAndRestore, Trainer
+
+x, y = scenarios.data()
+
+def run(callbacks, init_seed=0):
+    torch.manual_seed(init_seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    dataset = torch.utils.data.TensorDataset(x[:114], y[:114])
+    loader = torch.utils.data.DataLoader(dataset, batch_size=12, shuffle=True, num_workers=1, persistent_workers=True)
+    trainer = Trainer(strategy=ds.get_strategy(), optimizer="adam", metrics=["accuracy"], seed=3)
+    history = trainer.fit(model, loader, epochs=2, verbose=0, callbacks=callbacks)
+    return history.history, model.state_dict()
+
+straight = run([])
+for crash_at in (5, 15):  # mid-epoch 0 (the loader's first pass), mid-epoch 1
+    folder = f"{sys.argv[1]}/{crash_at}"
+    try:
+        run([BackupAndRestore(folder, save_freq=3), scenarios.CrashAt(crash_at)])
+    except scenarios.Crash:
+        pass
+    history, weights = run([BackupAndRestore(folder, save_freq=3)], init_seed=9)
+    same = history == straight[0] and all(torch.equal(weights[k], v) for k, v in straight[1].items())
+    print(crash_at, "same" if same else "differs")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_shuffled_dataloader_with_persistent_workers_resumes_bit_identical(tmp_path):
+    """Regression (mid-epoch 0): a loader with persistent worker processes draws their base seed only as its first
+    pass begins; the resumed run's first look had made that iterator before the restore, so the replayed pass
+    drew its order from another point of the random stream (other rows trained twice or never). In a fresh
+    process: its loader's worker processes are forked, which a multi-threaded test process does not do safely."""
+    script = tmp_path / "persistent.py"
+    script.write_text(PERSISTENT_SCRIPT)
+    here = str(Path(__file__).parent)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), here],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["5", "same", "15", "same"]
+
+
 # --- another global batch size is refused ---------------------------------------------------------------------------
 
 
@@ -310,3 +364,12 @@ def test_batch_norm_resumes_on_another_number_of_replicas_as_documented(tmp_path
         assert worst <= 5e-4
     else:
         assert worst > 1e-3
+
+
+@pytest.mark.timeout(120)
+def test_an_earlier_versions_open_window_is_not_gathered_again_when_saved_before_a_step(tmp_path):
+    """Regression: without the layout entries a loaded window looked like this worker's part and was gathered
+    again (2 workers: 4 sums per variable), which the next resume added up to twice the window's total."""
+    workers = results(run_workers(SCENARIOS, "old_window_saved_again", 2, timeout=90, kwargs={"folder": str(tmp_path)}))
+    for sums in workers:
+        assert set(sums.values()) == {2}, sums  # the 2 replicas' sums, once

@@ -49,8 +49,11 @@ class BackupAndRestore(_Periodic):
     A backup resumes under any strategy, on any number of workers or replicas, with the same
     *global* batch size (another one is a ``CheckpointError``: the data position is counted in
     global batches, and the optimizer's steps assume them). The run goes on with the same global
-    batches; what belongs to replicas carries over by rule (``docs/resume.md``): an open
-    accumulation window's sums go, added together, to global replica 0 (the others start at zero);
+    batches (from a source of global batches: arrays, a dataset with ``batch_size``, a
+    ``DataLoader``; a source each worker reads apart, a ``DistributedSampler``'s, makes other
+    global batches on another number of workers); what belongs to replicas carries over by rule
+    (``docs/resume.md``): an open accumulation window's sums go, added together, to global replica
+    0 (the others start at zero);
     metric accumulators are shared equally among the replicas; replicas the saver had keep their
     random streams (by global replica id), and a replica that did not exist before (every replica
     after the default strategy) starts a stream seeded from (seed, its global id, epoch, step). A
