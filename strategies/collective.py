@@ -266,6 +266,25 @@ class Collective:
             self.operations += 1
             return out.to(buffer.device)
 
+    def reduce_scatter_carrying(self, buffer: torch.Tensor, carried: torch.Tensor, what: str) -> tuple:
+        """``reduce_scatter_flat(buffer)`` that also sums ``carried`` (a few elements of ``buffer``'s dtype:
+        the step values, ``step_values.py``) across workers for every worker, in the same collective: each
+        part of the padded buffer is followed by a copy of ``carried``, so every worker's part ends with
+        their total. Returns ``(this worker's part, the total of carried)``."""
+        with self._guard(what):
+            flat, extra = buffer.detach().reshape(-1), carried.detach().reshape(-1).to(buffer.dtype)
+            chunk = -(-flat.numel() // self.world_size)
+            padded = flat if flat.numel() == chunk * self.world_size else _padded(flat, chunk * self.world_size)
+            layout = flat.new_empty(self.world_size, chunk + extra.numel())
+            layout[:, :chunk] = padded.view(self.world_size, chunk)
+            layout[:, chunk:] = extra  # (a copy per part: the sum of the copies in part w is the total)
+            staged = layout.reshape(-1).cpu() if self._staged else layout.reshape(-1)
+            out = staged.new_empty(chunk + extra.numel())
+            _reduce_scatter_single(out, staged, op=dist.ReduceOp.SUM)
+            self.operations += 1
+            out = out.to(buffer.device)
+            return out[:chunk], out[chunk:]
+
     def all_gather_flat(self, chunk: torch.Tensor, length: int, what: str) -> torch.Tensor:
         """Every worker's ``chunk`` (the same size on all), put end to end and cut to ``length`` elements:
         the inverse of ``reduce_scatter_flat``'s cut. One collective (``all_gather_single``)."""

@@ -245,3 +245,12 @@ def sharded_reductions(rank, num_workers, port, length=11, dtype="float32"):
         chunk = collective.reduce_scatter_flat(buffer, "a test's reduce-scatter")
         whole = collective.all_gather_flat(chunk * 2, length, "a test's all-gather")
     return {"chunk": chunk, "whole": whole, "warnings": [str(w.message) for w in caught]}
+
+
+def sharded_with_step_values(rank, num_workers, port, length=10):
+    """``reduce_scatter_carrying``: each worker's part of the summed buffer, and the carried values' total."""
+    strategy = strategy_for(rank, num_workers, port)
+    collective = strategy.extended._collective
+    buffer = torch.arange(length, dtype=torch.float32) + rank
+    carried = torch.tensor([rank + 1.0, 2.0, 0.5])
+    return collective.reduce_scatter_carrying(buffer, carried, "a test's reduce-scatter with step values")

@@ -92,3 +92,18 @@ def test_reduce_scatter_flat_and_all_gather_flat_on_gloo(workers, length, dtype)
         assert torch.equal(outcome["chunk"], padded[rank * chunk : (rank + 1) * chunk]), rank
         assert torch.equal(outcome["whole"], 2 * total)
         assert not outcome["warnings"], outcome["warnings"]  # (no deprecated name on torch 2.13)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("workers", [2, 3])
+def test_step_values_reach_every_worker_in_the_same_reduce_scatter(workers):
+    """A per-step value (the real-element count, the preemption flag) must reach every worker, while the
+    gradients are only reduce-scattered: each part carries a copy of the values."""
+    got = results(run_workers(SCENARIOS, "sharded_with_step_values", workers, timeout=60))
+    total = sum(torch.arange(10, dtype=torch.float32) + r for r in range(workers))
+    chunk = -(-10 // workers)
+    padded = torch.cat([total, total.new_zeros(chunk * workers - 10)])
+    carried = torch.tensor([sum(range(1, workers + 1)), 2.0 * workers, 0.5 * workers])
+    for rank, (part, values) in enumerate(got):
+        assert torch.equal(part, padded[rank * chunk : (rank + 1) * chunk])
+        assert torch.equal(values, carried)
