@@ -31,8 +31,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import torch
-
 __all__ = ["Piece", "ShardPlan", "dtype_segments", "owned_bytes"]
 
 
@@ -121,4 +119,4 @@ def dtype_segments(tensors) -> tuple:
 
 def owned_bytes(plan: ShardPlan, dtypes, worker: int) -> int:
     """The bytes of ``worker``'s pieces, segment ``i`` being of ``dtypes[i]``."""
-    return sum(piece.size * torch.empty((), dtype=dtypes[piece.segment]).element_size() for piece in plan.owned(worker))
+    return sum(piece.size * dtypes[piece.segment].itemsize for piece in plan.owned(worker))

@@ -187,11 +187,7 @@ def _attempts(command, num_workers, max_restarts, base, cores, log_all_workers, 
     with _forwarding_signals():
         for attempt in range(max_restarts + 1):
             if attempt:
-                print(
-                    f"replicafit: restarting all {num_workers} workers (restart {attempt} of {max_restarts})",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                _say(f"restarting all {num_workers} workers (restart {attempt} of {max_restarts})")
             status = _Attempt(command, num_workers, attempt, base, cores, log_all_workers).run(waits)
             if status in (0, PREEMPTED_EXIT_STATUS):  # preempted: the scheduler's to requeue, not a failure
                 return status
@@ -248,7 +244,7 @@ class _forwarding_signals:
         if isinstance(error, _ParentSignaled):
             # One line, as Ctrl-C's "interrupted": the status alone (143) says nothing to whoever reads the log.
             name = signal.Signals(error.signum).name
-            print(f"replicafit: {name} received; the workers were stopped", file=sys.stderr, flush=True)
+            _say(f"{name} received; the workers were stopped")
             raise SystemExit(128 + error.signum) from None
         return False
 
@@ -262,6 +258,11 @@ def _process_state(pid: int) -> str:
         return "process state unknown"
     words = {"T": "stopped by a signal", "t": "stopped by a debugger", "D": "waiting on the disk or a device"}
     return words.get(state, "running or waiting")
+
+
+def _say(text: str, end: str = "\n") -> None:
+    """A message of the launcher's on stderr, at once (the chief's output shares the stream)."""
+    print(f"replicafit: {text}", end=end, file=sys.stderr, flush=True)
 
 
 def _in_main_thread() -> bool:
@@ -326,20 +327,14 @@ class _Attempt:
             if failed is None:
                 return 0
             if failed == "preempted":
-                print(
-                    f"replicafit: the workers were preempted and wrote their backup (exit status "
-                    f"{PREEMPTED_EXIT_STATUS}); rerun the same command to resume",
-                    file=sys.stderr,
-                    flush=True,
+                _say(
+                    f"the workers were preempted and wrote their backup (exit status "
+                    f"{PREEMPTED_EXIT_STATUS}); rerun the same command to resume"
                 )
                 return PREEMPTED_EXIT_STATUS
             rank, code = failed
             if code is not None:  # (a stuck worker was named by _watch)
-                print(
-                    f"replicafit: worker {rank} failed first ({_describe(code)}); stopping the other workers",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                _say(f"worker {rank} failed first ({_describe(code)}); stopping the other workers")
             self._stop(signal.SIGTERM, waits.grace)
             self._show_tail(rank)
             return code if code is not None and code > 0 else 1
@@ -354,11 +349,9 @@ class _Attempt:
                 return 0
             if PREEMPTED_EXIT_STATUS in codes and all(code in (0, PREEMPTED_EXIT_STATUS) for code in codes):
                 name = signal.Signals(error.signum).name
-                print(
-                    f"replicafit: {name} received; the workers stopped at an agreed step and wrote their backup "
-                    f"(exit status {PREEMPTED_EXIT_STATUS}: preempted); rerun the same command to resume",
-                    file=sys.stderr,
-                    flush=True,
+                _say(
+                    f"{name} received; the workers stopped at an agreed step and wrote their backup "
+                    f"(exit status {PREEMPTED_EXIT_STATUS}: preempted); rerun the same command to resume"
                 )
                 return PREEMPTED_EXIT_STATUS
             raise
@@ -393,11 +386,9 @@ class _Attempt:
             if first_done is not None and time.monotonic() - first_done > exit_seconds:
                 running = [rank for rank, code in enumerate(codes) if code is None]
                 done = [rank for rank, code in enumerate(codes) if code in ended]
-                print(
-                    f"replicafit: worker {running[0]} is still running {exit_seconds:g} s after worker(s) "
-                    f"{', '.join(map(str, done))} exited: it is stuck; stopping it",
-                    file=sys.stderr,
-                    flush=True,
+                _say(
+                    f"worker {running[0]} is still running {exit_seconds:g} s after worker(s) "
+                    f"{', '.join(map(str, done))} exited: it is stuck; stopping it"
                 )
                 return running[0], None
             self.output.pump(poll_seconds)
@@ -410,11 +401,9 @@ class _Attempt:
         stuck = [rank for rank, state in running.items() if state != "running or waiting"] or list(running)
         waited = ", ".join(str(r) for r, _ in failures)
         named = ", ".join(f"{rank} ({running[rank]})" for rank in stuck)
-        print(
-            f"replicafit: worker {named} stopped arriving: worker(s) {waited} gave up waiting in a collective (exit "
-            f"code {PEER_FAILED_EXIT_STATUS}) while it still runs; stopping it",
-            file=sys.stderr,
-            flush=True,
+        _say(
+            f"worker {named} stopped arriving: worker(s) {waited} gave up waiting in a collective (exit "
+            f"code {PEER_FAILED_EXIT_STATUS}) while it still runs; stopping it"
         )
         return stuck[0], None
 
@@ -439,7 +428,7 @@ class _Attempt:
                 try:
                     proc.wait(timeout=_REAP_SECONDS)
                 except subprocess.TimeoutExpired:  # uninterruptible (D state): reported, never waited on forever
-                    print(f"replicafit: process {proc.pid} did not end after SIGKILL", file=sys.stderr, flush=True)
+                    _say(f"process {proc.pid} did not end after SIGKILL")
             self.output.close()
 
     def _signal_groups(self, signum: int) -> None:
@@ -454,7 +443,7 @@ class _Attempt:
         if rank == 0 or self.log_all_workers or not lines:
             return  # the chief's stderr, or every worker's with log_all_workers, was shown as it came
         shown = "".join(f"  {line}\n" for line in lines)
-        print(f"replicafit: the last lines of worker {rank}'s stderr:\n{shown}", end="", file=sys.stderr, flush=True)
+        _say(f"the last lines of worker {rank}'s stderr:\n{shown}", end="")
 
 
 class _Output:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_strategy
+from mw_resume_scenarios import Crash, CrashAt
 
 from replicafit import optimizers
 from replicafit.optimizers import schedules
@@ -62,23 +63,6 @@ def assert_same_optimizer_state(a: dict, b: dict) -> None:
     assert a["slots"].keys() == b["slots"].keys()
     for name in a["slots"]:
         assert_same_state(a["slots"][name], b["slots"][name])
-
-
-class Crash(Exception):
-    pass
-
-
-class CrashAt(Callback):
-    """Raises at the beginning of global step ``step`` (0-based): ``step`` steps are done."""
-
-    def __init__(self, step: int):
-        super().__init__()
-        self.step, self.seen = step, 0
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self.seen == self.step:
-            raise Crash(f"interrupted at global step {self.step}")
-        self.seen += 1
 
 
 class Probe(Callback):
