@@ -88,6 +88,7 @@ from . import state as state_format
 from .accumulation import GradientAccumulation, check_accumulation_steps
 from .ema import MovingAverages, _with_average, check_ema, move_averages
 from .multi_tensor import MultiTensorUpdates
+from .sharded import ShardedSlot, ShardedStates
 from .tensors import _first_tensor, _no_grad
 
 # torch's privates used here, and why: ``Tensor._version`` (``_counter_key``), the in-place write counter autograd
@@ -106,7 +107,7 @@ def _check_positive(name: str, value, allow_none: bool = True):
     return float(value)
 
 
-class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
+class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, ShardedStates):
     """Base class of distribution-aware optimizers (see the module docstring for the pipeline).
 
     Args:
@@ -205,6 +206,7 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
         self._init_accumulation()
         self._init_averages()
         self._init_plans()
+        self._init_sharding()
 
     # --- learning rate ----------------------------------------------------------------------
     @staticmethod
@@ -254,9 +256,10 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
         for variable in variables:
             if id(variable) not in self._built_ids:
                 self._built_ids.add(id(variable))
-                self._variables.append(variable)
-                if self._excluded_from_decay(variable):
-                    self._no_decay.add(id(value_container(variable)))
+                if id(variable) not in self._piece_source:  # a piece's variable is registered, decay decided
+                    self._variables.append(variable)
+                    if self._excluded_from_decay(variable):
+                        self._no_decay.add(id(value_container(variable)))
                 if self.use_ema:
                     self.add_variable_from_reference(variable, "average")
 
@@ -340,9 +343,12 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
             value = torch.as_tensor(initializer(shape, dtype), dtype=dtype)
         else:
             value = torch.full(shape, float(initializer), dtype=dtype)
-        strategy = getattr(container, "_distribute_strategy", None) or context.get_strategy()
-        with context.enter_or_assert_strategy(strategy), strategy.extended.colocate_vars_with(container):
-            slot = ds.Variable(value, trainable=False, name=f"{container.name}/{name}")
+        if id(container) in self._piece_source:  # sharded optimizer states: this worker's piece only
+            slot = self._piece_slot(container, name, value)
+        else:
+            strategy = getattr(container, "_distribute_strategy", None) or context.get_strategy()
+            with context.enter_or_assert_strategy(strategy), strategy.extended.colocate_vars_with(container):
+                slot = ds.Variable(value, trainable=False, name=f"{container.name}/{name}")
         self._slots[key] = slot
         self._slot_names.setdefault(id(container), []).append(name)
         return slot
@@ -430,12 +436,20 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
         """
         count = strategy.cluster.num_local_replicas  # the components of this worker
         grads = [g if isinstance(g, ds.DistributedValues) else ds.PerReplica([g] * count) for g in grads]
+        shards = self._sharded_build(strategy, variables)
+        if shards is not None:  # a reduce-scatter: this worker's part of every gradient
+            chunks = strategy.extended.reduce_scatter_gradients(shards, grads)
+            return self._apply_sharded(strategy, shards, shards.piece_views(chunks), divisor=divisor)
         reduced = strategy.extended.batch_reduce_to(ds.ReduceOp.SUM, list(zip(grads, variables)))
         return self._apply_aggregated(strategy, reduced, variables, divisor=divisor)
 
     def _apply_aggregated(self, strategy, grads, variables, divisor=None):
         """Cross-replica part: build, transform, update, count. ``grads`` are aggregated
         (an accumulation window's sums, to be divided by ``divisor``)."""
+        shards = self._sharded_build(strategy, variables)
+        if shards is not None:  # reduced already: this worker's slices of them
+            whole = [g if type(g) is torch.Tensor else _first_tensor(g) for g in grads]
+            return self._apply_sharded(strategy, shards, shards.slices(whole), divisor=divisor)
         self._build_for(variables)
         plain = all(type(g) is torch.Tensor for g in grads)  # one copy each (the default strategy)
         primaries = grads if plain else [_first_tensor(g) for g in grads]
@@ -596,14 +610,29 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
             self._wrapped[id(variable)] = entry
         return entry[1]
 
+    def _sharded_build(self, strategy, variables):
+        """The ``StateShards`` of ``variables`` when the strategy shards optimizer states (the optimizer built
+        for their pieces, a loaded state restored), else ``None``."""
+        if self._shards is None and getattr(strategy.extended, "shard_optimizer_states", False) is False:
+            return None
+        shards = self._shards_for(strategy, variables)
+        if shards is not None:
+            self._build_for(variables)
+        return shards
+
     def _build_for(self, variables) -> None:
+        """Builds for the variables not built for yet (for their pieces where the strategy shards the state)."""
         if self._slots_outdated:
             self._refresh_slots()
         missing = [v for v in variables if id(v) not in self._built_ids]
         if missing:
             strategy = self._strategy_of(missing)
-            with context.enter_or_assert_strategy(strategy):
-                self.build(missing)
+            shards = self._shards_for(strategy, variables) if len(missing) == len(variables) else None
+            if shards is not None:
+                self._build_sharded(strategy, shards)
+            else:
+                with context.enter_or_assert_strategy(strategy):
+                    self.build(missing)
         # A loaded state waits for its variables (built here, or by a direct build() call).
         if self._pending is not None and self._pending.checked != len(self._variables):
             self._restore_pending()
@@ -662,7 +691,9 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
             self._build_for(self._window.variables)
         records = state_format.describe(self._variables)
         slots: dict = {}
-        for position, variable in enumerate(self._variables):
+        if self._shards is not None:  # gathered from every worker's pieces
+            slots = self._whole_slots()
+        for position, variable in enumerate(self._variables if self._shards is None else ()):
             slots[position] = {
                 name: local_results(self._slots[(id(variable), name)])[0].value().detach().clone()
                 for name in self._slot_names.get(id(variable), [])
@@ -729,7 +760,9 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
         assignments = []
         for position, entry in taken.items():
             variable = self._variables[position]
-            names = self._slot_names.get(id(variable), [])
+            names = self._slot_names.get(id(variable), []) if self._shards is None else self._piece_names(position)
+            if names is None:  # sharded, and this worker owns no piece at all: nothing here to check or keep
+                continue
             entry = _with_average(entry, names, variable)
             if (set(entry) ^ set(names)) - set(self._optional_slots):
                 raise ValueError(
@@ -740,9 +773,12 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates):
             expected = list(local_results(variable)[0].shape)
             for name in [*names, *(n for n in entry if n not in names)]:
                 key = (id(variable), name)
-                slot = self._slots[key] if key in self._slots else _NewSlot(self, variable, name)
+                if self._shards is not None:  # this worker's pieces of the whole value
+                    slot = ShardedSlot(self, position, name)
+                else:
+                    slot = self._slots[key] if key in self._slots else _NewSlot(self, variable, name)
                 if name not in entry:  # an optional slot the state lacks starts again
-                    assignments.append((slot, torch.zeros_like(local_results(slot)[0].value())))
+                    assignments.append((slot, torch.zeros(expected, dtype=local_results(variable)[0].dtype)))
                     continue
                 value = entry[name]
                 if not isinstance(value, torch.Tensor) or list(value.shape) != expected:

@@ -58,7 +58,11 @@ class MovingAverages:
         """
         if not self.use_ema:
             return
-        for variable in self._averaged(var_list):
+        variables = self._averaged(var_list)
+        if self._shards is not None:  # whole averages gathered from the pieces (every worker calls this)
+            self._write_averages(variables)
+            return
+        for variable in variables:
             self._strategy_of([variable]).extended.update(variable, self._take_average, group=False)
 
     @contextlib.contextmanager
@@ -118,7 +122,9 @@ class MovingAverages:
             raise RuntimeError(f"{caller}: the averages are swapped in already (averaged_weights() do not nest).")
         variables = self._averaged(self._variables if var_list is None else var_list)
         saved = [[_tensor_of(c).detach().clone() for c in local_results(v)] for v in variables]
-        for variable in variables:
+        if self._shards is not None:  # whole averages gathered from the pieces (every worker calls this)
+            self._write_averages(variables)
+        for variable in variables if self._shards is None else ():
             self._strategy_of([variable]).extended.update(variable, self._take_average, group=False)
         self._swapped = list(zip(variables, saved))
 
@@ -165,7 +171,10 @@ class MovingAverages:
         for item in var_list:
             entry = self._wrapped.get(id(item))
             container = entry[1] if entry is not None and entry[0] is item else value_container(item)
-            if (id(container), "average") in self._slots and id(container) not in seen:
+            averaged = (id(container), "average") in self._slots or (
+                self._shards is not None and id(container) in self._built_ids and self.use_ema
+            )
+            if averaged and id(container) not in seen:
                 seen.add(id(container))
                 found.append(container)
         return found

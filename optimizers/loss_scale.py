@@ -142,6 +142,8 @@ class LossScaleOptimizer(Optimizer):
             wide = [g if g.dtype in (torch.float32, torch.float64) else g.float() for g in unscaled]
             norms = torch._foreach_norm(wide, ord=2)
             finite = all(bool(torch.isfinite(torch.stack(group)).all()) for group in _by_device(norms))
+            # With sharded optimizer states each worker holds a part of the gradients: every worker must agree.
+            finite = self.inner_optimizer._agreed(finite, "the loss scaler's finite check")
             if not finite:
                 self._scale /= 2.0
                 self._step_counter = 0
@@ -172,6 +174,9 @@ class LossScaleOptimizer(Optimizer):
 
     def build(self, variables) -> None:
         self.inner_optimizer.build(variables)
+
+    def _build_for(self, variables) -> None:
+        self.inner_optimizer._build_for(variables)
 
     # The inner optimizer keeps the exclusions and the averages: methods inherited from Optimizer would
     # set their state on this wrapper instead (``__getattr__`` only forwards what is missing).

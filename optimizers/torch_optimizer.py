@@ -82,6 +82,9 @@ class TorchOptimizer(Optimizer):
 
     def build(self, variables) -> None:
         super().build(variables)
+        if self._shards is not None:  # sharded optimizer states: one torch optimizer over this worker's pieces
+            self._build_pieces()
+            return
         copies = len(local_results(self._variables[0]))
         previous = self._torch_optimizers
         self._torch_optimizers = []
@@ -99,6 +102,38 @@ class TorchOptimizer(Optimizer):
             if copy < len(previous):  # keep the state of variables built before
                 optimizer.state.update(previous[copy].state)
             self._torch_optimizers.append(optimizer)
+
+    def _build_pieces(self) -> None:
+        """One torch optimizer over this worker's piece variables (1-D views of its chunks), its param groups
+        those of the whole variables (a group may be empty on this worker), so its state has their layout."""
+        pieces = self._shards.piece_variables
+        excluded = [i for i, v in enumerate(pieces) if id(v) in self._no_decay] if self._decays else []
+        decayed = [i for i in range(len(pieces)) if i not in set(excluded)]
+        self._torch_order = decayed + excluded  # torch's parameter index -> piece index
+        whole_excluded = self._decays and any(id(v) in self._no_decay for v in self._variables)
+        whole_decayed = not self._decays or any(id(v) not in self._no_decay for v in self._variables)
+        tensors = [v._read() for v in pieces]
+        params = [{"params": [tensors[i] for i in decayed]}] if whole_decayed else []
+        if whole_excluded:
+            params.append({"params": [tensors[i] for i in excluded], "weight_decay": 0.0})
+        self._torch_optimizers = [self._torch_class(params, **self._torch_kwargs)]
+
+    def _update_pieces(self, shards, grads: list, learning_rate: float, ema) -> None:
+        """torch's ``step()`` on this worker's pieces, then their moving averages."""
+        optimizer = self._torch_optimizers[0]
+        pieces = [v._read() for v in shards.piece_variables]
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate
+        try:
+            for tensor, grad in zip(pieces, grads):
+                tensor.grad = grad.detach()
+            optimizer.step()
+        finally:
+            for tensor in pieces:
+                tensor.grad = None
+        if ema is not None and pieces:
+            averages = [self._slots[(id(v), "average")]._read() for v in shards.piece_variables]
+            move_averages(averages, pieces, ema)
 
     @property
     def torch_class(self) -> type:
@@ -142,6 +177,10 @@ class TorchOptimizer(Optimizer):
         return local_results(variable)[copy].value()
 
     def _apply_aggregated(self, strategy, grads, variables, divisor=None):
+        shards = self._sharded_build(strategy, variables)
+        if shards is not None:  # reduced already: this worker's slices of them
+            whole = [g if type(g) is torch.Tensor else local_results(g)[0] for g in grads]
+            return self._apply_sharded(strategy, shards, shards.slices(whole), divisor=divisor)
         self._build_for(variables)
         primaries = [g if type(g) is torch.Tensor else local_results(g)[0] for g in grads]
         prepared = self._prepared(primaries, self._divisor(strategy, divisor))
@@ -219,7 +258,10 @@ class TorchOptimizer(Optimizer):
         groups = [dict(group) for group in self._pending_groups]
         if self._torch_optimizers:
             state = self._torch_optimizers[0].state_dict()
-            entries = {self._torch_order[index]: _cloned(entry) for index, entry in state["state"].items()}
+            if self._shards is not None:  # every worker's pieces, gathered into whole entries
+                entries = self._whole_torch_state(state["state"])
+            else:
+                entries = {self._torch_order[index]: _cloned(entry) for index, entry in state["state"].items()}
             groups = [{k: v for k, v in group.items() if k != "params"} for group in state["param_groups"]]
         pending = self._pending
         if pending is not None and pending.records is None and not self._variables:
@@ -239,8 +281,61 @@ class TorchOptimizer(Optimizer):
         self._add_window_state(state)
         return state
 
+    def _piece_entries(self, taken: dict) -> dict:
+        """``{piece number: torch entry}``: the whole entries ``taken`` (by position) cut into this worker's
+        pieces; a value shaped like its variable is sliced, any other (``step``) kept as it is."""
+        entries: dict = {}
+        for number, piece in enumerate(self._shards.pieces):
+            entry = taken.get(piece.variable)
+            if entry is None:
+                continue
+            shape = tuple(local_results(self._variables[piece.variable])[0]._read().shape)
+            entries[number] = {
+                name: value.reshape(-1)[piece.start : piece.stop].clone()
+                if name != "step" and isinstance(value, torch.Tensor) and tuple(value.shape) == shape
+                else value
+                for name, value in entry.items()
+            }
+        return entries
+
+    def _whole_torch_state(self, state: dict) -> dict:
+        """``{position: torch entry}`` of whole variables from this worker's piece entries (``state``, keyed by
+        torch's index) and every other worker's: an entry's tensors shaped like the piece are gathered into the
+        variable's shape, its other values (``step``) are the same on every piece and taken as they are."""
+        shards = self._shards
+        by_piece = {self._torch_order[index]: entry for index, entry in state.items()}
+        mine: dict = {}  # position -> {name: None for a gathered tensor, else the value}
+        for number, piece in enumerate(shards.pieces):
+            entry = by_piece.get(number)
+            if entry is not None and piece.variable not in mine:
+                mine[piece.variable] = {
+                    name: None if _is_piece_tensor(name, value, piece) else _cloned({name: value})[name]
+                    for name, value in entry.items()
+                }
+        layout: dict = {}
+        for part in shards.gather_objects(mine, "the torch optimizer's state layout"):
+            for position, entry in part.items():
+                layout.setdefault(position, entry)
+        names = []
+        for entry in layout.values():
+            names += [name for name, value in entry.items() if value is None and name not in names]
+        entries = {position: dict(entry) for position, entry in layout.items()}
+        for name in names:
+            per_piece = [
+                by_piece[number][name].detach() if name in by_piece.get(number, {}) else None
+                for number in range(len(shards.pieces))
+            ]
+            whole = shards.gather(per_piece, f"the torch optimizer's {name!r} state")
+            for position, entry in entries.items():
+                if name in entry:
+                    shape = local_results(shards.variables[position])[0]._read().shape
+                    entry[name] = whole[position].view(shape).clone()
+        return dict(sorted(entries.items()))
+
     def _average_entries(self, records) -> dict:
         """``{position: {"average": tensor}}``: the moving averages (``use_ema``), as the built-ins keep them."""
+        if self._shards is not None:
+            return self._whole_slots()
         slots = {
             position: {"average": local_results(self._slots[(id(v), "average")])[0].value().detach().clone()}
             for position, v in enumerate(self._variables)
@@ -303,14 +398,16 @@ class TorchOptimizer(Optimizer):
             return
         pending = self._pending
         taken = pending.match(self._variables)
-        index = {position: i for i, position in enumerate(self._torch_order)}  # torch's numbering
+        loaded, index = taken, {position: i for i, position in enumerate(self._torch_order)}  # torch's numbering
+        if self._shards is not None:  # each whole entry cut into this worker's pieces, keyed by their numbers
+            loaded, index = self._piece_entries(taken), {number: i for i, number in enumerate(self._torch_order)}
         for optimizer in self._torch_optimizers:
             current = optimizer.state_dict()
             groups = current["param_groups"]
             for group, saved in zip(groups, self._pending_groups):
                 group.update(saved)
             # Each copy gets its own tensors: torch updates its state in place.
-            entries = dict(current["state"]) | {index[position]: _cloned(entry) for position, entry in taken.items()}
+            entries = dict(current["state"]) | {index[key]: _cloned(entry) for key, entry in loaded.items()}
             optimizer.load_state_dict({"state": entries, "param_groups": groups})
         pending.discard(taken, self._variables)
         if pending.done(len(self._variables)):
@@ -322,6 +419,11 @@ class TorchOptimizer(Optimizer):
             slots.discard(slot_taken, self._variables)
             if slots.done(len(self._variables)):
                 self._pending_slots = None
+
+
+def _is_piece_tensor(name: str, value, piece) -> bool:
+    """Whether a torch state value holds one value per element of ``piece`` (``step`` never does)."""
+    return name != "step" and isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == piece.size
 
 
 def _call_of(optimizer: torch.optim.Optimizer) -> str:

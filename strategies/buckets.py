@@ -24,6 +24,13 @@ order** (bucket *i* only after *i - 1*). ``reduce`` (called by ``batch_reduce_to
    (so the collective sequence is the same on every worker whatever ran locally);
 4. returns views of the reduced buffers, which go straight into the update.
 
+With sharded optimizer states (``parts`` = the number of workers) each bucket's buffer is padded with
+zeros to equal parts and its all-reduce becomes a **reduce-scatter**: worker ``w`` receives the sum of
+part ``w`` of every bucket, exactly the gradients of the elements whose optimizer state it keeps
+(``state_sharding.StateShards`` cuts the same layout). The last bucket's spare and flag elements travel
+whole to every worker (a copy after each part, ``Collective.start_reduce_scatter``). ``reduce`` then
+returns this worker's part of each bucket, in bucket order.
+
 Every worker therefore makes the same collectives in the same order every step, and the sums are
 those of the packed path: the same values summed in the same order (bit-identical to
 ``overlap_gradients=False``, which reduces through the same buckets after backward).
@@ -45,7 +52,7 @@ from .values import local_results
 # bucket; torch has no public equivalent) and ``Tensor._version`` (the in-place version counter:
 # the only way to see that a gradient was changed in place after its hook recorded it).
 
-__all__ = ["GradientBuckets"]
+__all__ = ["GradientBuckets", "bucket_layout"]
 
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket: small, so communication starts early
 DEFAULT_BUCKET_BYTES = 25 << 20  # DDP's bucket_cap_mb
@@ -57,8 +64,36 @@ def reading_back_waits(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+def bucket_layout(tensors: list, bucket_bytes: int = 0) -> list:
+    """``[(variable indices, dtype, device)]``: the buckets of gradients shaped like ``tensors`` (one list
+    of local copies per variable; the first copy decides), in reverse variable order: the first bucket up to
+    1 MiB, the others up to ``bucket_bytes`` (``DEFAULT_BUCKET_BYTES`` when 0), one dtype and device each.
+    Sharded optimizer states cut the same layout (``state_sharding.StateShards``), so that each bucket's
+    reduce-scatter hands every worker the gradients it updates.
+
+    Example::
+
+        >>> import torch
+        >>> [m for m, _, _ in bucket_layout([[torch.zeros(3)], [torch.zeros(2, dtype=torch.float64)]])]
+        [[1], [0]]
+    """
+    cap = bucket_bytes or DEFAULT_BUCKET_BYTES
+    layout: list = []
+    size, key = 0, None
+    for index in reversed(range(len(tensors))):
+        first = tensors[index][0]
+        nbytes = first.numel() * first.element_size()
+        limit = min(FIRST_BUCKET_BYTES, cap) if len(layout) == 1 else cap  # the first is small
+        if not layout or (first.dtype, first.device) != key or (layout[-1][0] and size + nbytes > limit):
+            size, key = 0, (first.dtype, first.device)
+            layout.append(([], first.dtype, first.device))
+        layout[-1][0].append(index)
+        size += nbytes
+    return layout
+
+
 class _Bucket:
-    __slots__ = ("members", "buffer", "views", "spare", "work", "ready", "remaining", "dtype", "device")
+    __slots__ = ("members", "buffer", "data", "views", "spare", "work", "out", "ready", "remaining", "dtype", "device")
 
     def __init__(self, members, dtype, device):
         self.members = members  # variable indices, in bucket order
@@ -67,7 +102,9 @@ class _Bucket:
         self.buffer = None
         self.views = []
         self.spare = None  # the step values' elements (the last bucket)
-        self.work = None  # the all-reduce in flight
+        self.data = 0  # the gradients' elements in the buffer, padding included (the rest: spare and flag)
+        self.work = None  # the all-reduce (or reduce-scatter) in flight
+        self.out = None  # the reduce-scatter's result: this worker's part, then the spare and flag totals
         self.ready = False  # every local gradient recorded during backward
         self.remaining = 0
 
@@ -88,7 +125,7 @@ class GradientBuckets:
     #: on the host elsewhere); ``True`` forces the host (the tests exercise that path on CPU).
     flag_on_host: bool | None = None
 
-    def __init__(self, collective, variables, local_count: int, bucket_bytes: int = 0):
+    def __init__(self, collective, variables, local_count: int, bucket_bytes: int = 0, parts: int = 1):
         self._collective = collective
         self.variables = list(variables)
         self._count = local_count
@@ -96,20 +133,9 @@ class GradientBuckets:
         self._armed = False
         components = [local_results(v) for v in self.variables]
         self._tensors = [[c._read() for c in comps] for comps in components]
-        cap = bucket_bytes or DEFAULT_BUCKET_BYTES
-        self._buckets: list[_Bucket] = []
-        self._bucket_of: dict = {}  # variable index -> bucket index
-        current, size, key = None, 0, None
-        for index in reversed(range(len(self.variables))):
-            first = self._tensors[index][0]
-            nbytes = first.numel() * first.element_size()
-            limit = min(FIRST_BUCKET_BYTES, cap) if len(self._buckets) == 1 else cap  # the first is small
-            if current is None or (first.dtype, first.device) != key or (current.members and size + nbytes > limit):
-                current, size, key = _Bucket([], first.dtype, first.device), 0, (first.dtype, first.device)
-                self._buckets.append(current)
-            self._bucket_of[index] = len(self._buckets) - 1
-            current.members.append(index)
-            size += nbytes
+        self._parts = parts
+        self._buckets = [_Bucket(m, dtype, device) for m, dtype, device in bucket_layout(self._tensors, bucket_bytes)]
+        self._bucket_of = {index: number for number, b in enumerate(self._buckets) for index in b.members}
         last = len(self._buckets) - 1
         host = self.flag_on_host if self.flag_on_host is not None else reading_back_waits(self._buckets[-1].device)
         # With one bucket nothing starts during backward: there is nothing to agree on.
@@ -123,10 +149,12 @@ class GradientBuckets:
             numels = [self._tensors[i][0].numel() for i in bucket.members]
             spare = SLOTS if number == last and self.carrier_dtype is not None else 0
             flag = 1 if number == last and self._flag == "bucket" else 0  # the "transformed" flag
-            bucket.buffer = torch.zeros(sum(numels) + spare + flag, dtype=bucket.dtype, device=bucket.device)
-            pieces = bucket.buffer.split(numels + [spare, flag])
+            bucket.data = -(-sum(numels) // parts) * parts  # padded with zeros to equal parts when scattered
+            pad = bucket.data - sum(numels)
+            bucket.buffer = torch.zeros(bucket.data + spare + flag, dtype=bucket.dtype, device=bucket.device)
+            pieces = bucket.buffer.split(numels + [pad, spare, flag])
             bucket.views = [p.view(self._tensors[i][0].shape) for p, i in zip(pieces, bucket.members)]
-            bucket.spare = pieces[len(numels)]
+            bucket.spare = pieces[len(numels) + 1]
         self._grads = [[None] * len(self.variables) for _ in range(local_count)]
         self._versions = [[0] * len(self.variables) for _ in range(local_count)]
         self._next = 0
@@ -162,7 +190,7 @@ class GradientBuckets:
             self._reset()
         for work in pending:
             try:
-                self._collective.wait_work(work, "gradient buckets (an unfinished step)")
+                self._wait(work, "gradient buckets (an unfinished step)")
             except Exception:
                 if not quiet:
                     raise
@@ -202,8 +230,28 @@ class GradientBuckets:
         while self._next < last and self._buckets[self._next].ready:
             bucket = self._buckets[self._next]
             self._fill(bucket, [[self._grads[r][i] for i in bucket.members] for r in range(self._count)])
-            bucket.work = self._collective.start_all_reduce(bucket.buffer, f"gradient bucket {self._next}")
+            self._start(bucket, f"gradient bucket {self._next}")
             self._next += 1
+
+    def _start(self, bucket: _Bucket, what: str) -> None:
+        """Starts the bucket's all-reduce, or with ``parts`` > 1 its reduce-scatter (the spare and flag elements
+        carried whole to every worker)."""
+        if self._parts == 1:
+            bucket.work = self._collective.start_all_reduce(bucket.buffer, what)
+        else:
+            data, extras = bucket.buffer[: bucket.data], bucket.buffer[bucket.data :]
+            bucket.work = self._collective.start_reduce_scatter(data, extras, what, bucket=True)
+
+    def _wait(self, work, what: str):
+        if self._parts == 1:
+            return self._collective.wait_work(work, what)
+        return work.result()
+
+    def _finish(self, bucket: _Bucket, what: str) -> None:
+        work, bucket.work = bucket.work, None
+        result = self._wait(work, what)
+        if self._parts > 1:  # this worker's part, then the spare and flag totals
+            bucket.out = result
 
     def _fill(self, bucket: _Bucket, per_replica: list) -> None:
         """The local replicas' gradients summed in replica order into the bucket (as the packed
@@ -245,13 +293,12 @@ class GradientBuckets:
                     self._fill_spare(bucket, carried)
                 if number == last and self._flag == "bucket":
                     bucket.buffer[-1] = transformed
-                bucket.work = self._collective.start_all_reduce(bucket.buffer, f"gradient bucket {number}")
+                self._start(bucket, f"gradient bucket {number}")
             self._next = len(self._buckets)
         for number, bucket in enumerate(self._buckets):
-            self._collective.wait_work(bucket.work, f"gradient bucket {number}")
-            bucket.work = None
+            self._finish(bucket, f"gradient bucket {number}")
         if self._flag == "bucket":
-            self.redone = float(self._buckets[-1].buffer[-1]) > 0  # a CPU buffer: no synchronisation
+            self.redone = float(self._extras()[-1]) > 0  # a CPU buffer: no synchronisation
         else:
             self.redone = agreed is not None and agreed()[0] > 0
         if self.redone:
@@ -259,20 +306,25 @@ class GradientBuckets:
             # every bucket again from the given values (the same sequence everywhere).
             for number, bucket in enumerate(self._buckets[:-1]):
                 self._fill(bucket, [[given[i][r] for i in bucket.members] for r in range(self._count)])
-                bucket.work = self._collective.start_all_reduce(bucket.buffer, f"gradient bucket {number} (again)")
+                self._start(bucket, f"gradient bucket {number} (again)")
             for number, bucket in enumerate(self._buckets[:-1]):
-                self._collective.wait_work(bucket.work, f"gradient bucket {number} (again)")
-                bucket.work = None
+                self._finish(bucket, f"gradient bucket {number} (again)")
         if carried:
-            spare = self._buckets[-1].spare
-            self.carried = spare[: carried[0].numel()].clone()
+            self.carried = self._extras()[: carried[0].numel()].clone()
         with self._lock:
             self._reset()
+        if self._parts > 1:
+            return [bucket.out[0] for bucket in self._buckets]
         results: list = [None] * len(self.variables)
         for bucket in self._buckets:
             for view, index in zip(bucket.views, bucket.members):
                 results[index] = view
         return results
+
+    def _extras(self) -> torch.Tensor:
+        """The last bucket's reduced spare and flag elements."""
+        last = self._buckets[-1]
+        return last.out[1] if self._parts > 1 else last.buffer[last.data :]
 
     def _fill_spare(self, bucket: _Bucket, carried: list | None) -> None:
         """The step values' limbs summed over the local replicas into the spare elements; zeros when

@@ -256,45 +256,57 @@ class Collective:
         ``world_size`` equal parts (``buffer`` is padded with zeros to a multiple of ``world_size``
         first) and worker ``w`` gets part ``w`` summed, ``ceil(len / world_size)`` elements. One
         collective (``reduce_scatter_single``), on every backend of torch 2.11 and later."""
-        with self._guard(what):
-            flat = buffer.detach().reshape(-1)
-            chunk = -(-flat.numel() // self.world_size)
-            padded = flat if flat.numel() == chunk * self.world_size else _padded(flat, chunk * self.world_size)
-            staged = padded.cpu() if self._staged else padded.contiguous()
-            out = staged.new_empty(chunk)
-            _reduce_scatter_single(out, staged, op=dist.ReduceOp.SUM)
-            self.operations += 1
-            return out.to(buffer.device)
+        return self.start_reduce_scatter(buffer, None, what).result()[0]
 
     def reduce_scatter_carrying(self, buffer: torch.Tensor, carried: torch.Tensor, what: str) -> tuple:
         """``reduce_scatter_flat(buffer)`` that also sums ``carried`` (a few elements of ``buffer``'s dtype:
         the step values, ``step_values.py``) across workers for every worker, in the same collective: each
         part of the padded buffer is followed by a copy of ``carried``, so every worker's part ends with
         their total. Returns ``(this worker's part, the total of carried)``."""
+        return self.start_reduce_scatter(buffer, carried, what).result()
+
+    def start_reduce_scatter(self, buffer: torch.Tensor, carried, what: str, bucket: bool = False) -> _Started:
+        """Starts ``reduce_scatter_carrying(buffer, carried)`` (``carried`` may be ``None`` or empty: a plain
+        reduce-scatter, with no copy of ``buffer`` where its length is a multiple of ``world_size``); ``bucket``
+        puts it on the gradient buckets' group. Its ``result()`` waits and returns ``(part, carried total)``."""
         with self._guard(what):
-            flat, extra = buffer.detach().reshape(-1), carried.detach().reshape(-1).to(buffer.dtype)
+            flat = buffer.detach().reshape(-1)
+            extra = None if carried is None or not carried.numel() else carried.detach().reshape(-1)
             chunk = -(-flat.numel() // self.world_size)
             padded = flat if flat.numel() == chunk * self.world_size else _padded(flat, chunk * self.world_size)
-            layout = flat.new_empty(self.world_size, chunk + extra.numel())
-            layout[:, :chunk] = padded.view(self.world_size, chunk)
-            layout[:, chunk:] = extra  # (a copy per part: the sum of the copies in part w is the total)
-            staged = layout.reshape(-1).cpu() if self._staged else layout.reshape(-1)
-            out = staged.new_empty(chunk + extra.numel())
-            _reduce_scatter_single(out, staged, op=dist.ReduceOp.SUM)
+            if extra is None:
+                source = padded.contiguous()
+            else:
+                layout = flat.new_empty(self.world_size, chunk + extra.numel())
+                layout[:, :chunk] = padded.view(self.world_size, chunk)
+                layout[:, chunk:] = extra.to(
+                    flat.dtype
+                )  # (a copy per part: the sum of the copies in part w is the total)
+                source = layout.reshape(-1)
+            if self._staged:
+                source = source.cpu()
+            out = source.new_empty(source.numel() // self.world_size)
+            group = self.bucket_group if bucket else None
+            work = _reduce_scatter_single(out, source, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            self._pending.append(work)
             self.operations += 1
-            out = out.to(buffer.device)
-            return out[:chunk], out[chunk:]
+            return _Started(self, work, out, buffer.device, chunk, what)
 
     def all_gather_flat(self, chunk: torch.Tensor, length: int, what: str) -> torch.Tensor:
         """Every worker's ``chunk`` (the same size on all), put end to end and cut to ``length`` elements:
         the inverse of ``reduce_scatter_flat``'s cut. One collective (``all_gather_single``)."""
+        return self.start_all_gather(chunk, length, what).result()
+
+    def start_all_gather(self, chunk: torch.Tensor, length: int, what: str) -> _Started:
+        """Starts ``all_gather_flat(chunk, length)``; its ``result()`` waits and returns the gathered elements."""
         with self._guard(what):
             source = chunk.detach().reshape(-1)
             source = source.cpu() if self._staged else source.contiguous()
             out = source.new_empty(source.numel() * self.world_size)
-            _all_gather_single(out, source)
+            work = _all_gather_single(out, source, async_op=True)
+            self._pending.append(work)
             self.operations += 1
-            return out[:length].to(chunk.device)
+            return _Started(self, work, out, chunk.device, length, what, gathered=True)
 
     def broadcast(self, tensor: torch.Tensor, what: str) -> None:
         """Worker 0's ``tensor`` into ``tensor`` on every worker, in place."""
@@ -357,6 +369,25 @@ class Collective:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
         self._owns_default = False
+
+
+class _Started:
+    """A collective in flight (``Collective.start_reduce_scatter``, ``start_all_gather``): ``result()`` waits
+    for it (bounded by the timeout, a lost worker a ``WorkerFailedError``) and returns its output on the
+    caller's device."""
+
+    __slots__ = ("collective", "work", "out", "device", "length", "what", "gathered")
+
+    def __init__(self, collective, work, out, device, length: int, what: str, gathered: bool = False):
+        self.collective, self.work, self.out, self.device = collective, work, out, device
+        self.length, self.what, self.gathered = length, what, gathered
+
+    def result(self):
+        self.collective.wait_work(self.work, self.what)
+        out = self.out.to(self.device)
+        if self.gathered:
+            return out[: self.length]
+        return out[: self.length], out[self.length :]
 
 
 def _padded(flat: torch.Tensor, length: int) -> torch.Tensor:

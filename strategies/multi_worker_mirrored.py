@@ -36,6 +36,7 @@ from .devices import canonicalize_list, torch_device
 from .distribute_lib import Strategy, StrategyExtended, _tensor_of
 from .mirrored import _default_cross_device_ops
 from .reduce_util import CommunicationOptions, ReduceOp
+from .state_sharding import StateShards
 from .values import DistributedValues, PerReplica
 
 __all__ = ["MultiWorkerMirroredStrategy", "WorkerFailedError"]
@@ -50,8 +51,13 @@ def _default_devices(resolver: ClusterResolver) -> tuple:
 class MultiWorkerMirroredExtended(StrategyExtended):
     """Mirrored variables on this worker's devices; reductions across every worker."""
 
-    def __init__(self, strategy, devices, resolver: ClusterResolver, options: CommunicationOptions):
+    def __init__(
+        self, strategy, devices, resolver: ClusterResolver, options: CommunicationOptions, shard_states: bool = False
+    ):
         self._resolver = resolver
+        #: Whether each worker keeps the optimizer state of its part of the variables only (``state_shards``).
+        self.shard_optimizer_states = bool(shard_states)
+        self._shards = None  # the StateShards of the last list of variables asked for
         self._num_workers = resolver.num_workers
         self._worker_index = resolver.worker_index
         self._replica_id_offset = resolver.worker_index * len(devices)
@@ -121,7 +127,10 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         if buckets is None or not buckets.matches(variables):
             self.release_gradient_hooks()
             bytes_per_bucket = self._options.bytes_per_pack or 0
-            buckets = GradientBuckets(self._collective, variables, len(self._worker_devices), bytes_per_bucket)
+            parts = self._num_workers if self.shard_optimizer_states else 1  # reduce-scatters when sharded
+            buckets = GradientBuckets(
+                self._collective, variables, len(self._worker_devices), bytes_per_bucket, parts=parts
+            )
             self._grad_buckets = buckets
         return self._bucket_step(buckets)
 
@@ -157,7 +166,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
 
     def _reduce_with_step_values(self, pairs, options, payload) -> tuple:
         buckets = self._buckets_for(ReduceOp.SUM, pairs)
-        if buckets is None:
+        if buckets is None or self.shard_optimizer_states:
             return super()._reduce_with_step_values(pairs, options, payload)
         # In the spare elements of the last bucket where its dtype sums them exactly, else on their own.
         carried = payload.as_dtype(buckets.carrier_dtype) if buckets.carrier_dtype is not None else None
@@ -168,6 +177,8 @@ class MultiWorkerMirroredExtended(StrategyExtended):
 
     def _batch_reduce_to(self, op, pairs, options) -> list:
         buckets = self._buckets_for(op, pairs)
+        if buckets is not None and self.shard_optimizer_states:
+            buckets = None  # they reduce-scatter, for the sharded optimizer only: the packed path reduces these
         if buckets is not None:
             reduced = buckets.reduce([value for value, _ in pairs])
             return [_broadcast(t, destination_devices(d)) for t, (_, d) in zip(reduced, pairs)]
@@ -175,6 +186,48 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             # As in TensorFlow: a plain value is this worker's (each local replica's) value.
             pairs = [(self._as_local_replicas(value), d) for value, d in pairs]
         return super()._batch_reduce_to(op, pairs, options)
+
+    # --- sharded optimizer states ----------------------------------------------------------
+    def state_shards(self, variables):
+        """The ``StateShards`` of ``variables`` when this strategy shards optimizer states across several
+        workers (``shard_optimizer_states=True``), else ``None``: the optimizer keeps every slot then. One
+        list at a time (asking for another list makes its shards anew)."""
+        if not self.shard_optimizer_states or self._collective is None or not variables:
+            return None
+        shards = self._shards
+        if shards is None or not shards.matches(variables):
+            shards = self._shards = StateShards(self._collective, variables, self._options.bytes_per_pack or 0)
+        return shards
+
+    def reduce_scatter_gradients(self, shards, grads: list) -> list:
+        """This worker's chunk of each of ``shards``' segments, summed over every replica of every worker:
+        ``grads`` are ``PerReplica`` gradients of ``shards.variables`` (cross-replica context). In a training
+        step the buckets started during backward did most of it; else one reduce-scatter per segment. The
+        pending step values ride along (every worker gets their totals) as with ``batch_reduce_to``."""
+        values = self._step_values
+        payload = values.take() if values.pending else None
+        pairs = list(zip(grads, shards.variables))
+        buckets = self._buckets_for(ReduceOp.SUM, pairs)
+        limbs = None
+        if buckets is not None:
+            carried = None
+            if payload is not None and buckets.carrier_dtype is not None:
+                carried = payload.as_dtype(buckets.carrier_dtype)
+            chunks = buckets.reduce([value for value, _ in pairs], carried)
+            if carried is not None:
+                limbs = buckets.carried
+        else:
+            local = [_local_sum(value, self._worker_devices[0]) for value in grads]
+            carried = None
+            if payload is not None and shards.carrier is not None:
+                limbs_per_replica = PerReplica(payload.as_dtype(shards.dtypes[shards.carrier]), self._worker_devices)
+                carried = _local_sum(limbs_per_replica, self._worker_devices[0])
+            chunks, limbs = shards.reduce(local, carried)
+        if payload is not None:
+            if limbs is None:
+                limbs = self._reduce_step_values_alone(payload)
+            values.finish(payload, limbs)
+        return chunks
 
     def _as_local_replicas(self, value):
         if self._collective is None or isinstance(value, DistributedValues):
@@ -242,6 +295,19 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         return self._create_distributed_variable(spec, devices)
 
     _module_variable = StrategyExtended._replicated_module_variable
+
+
+def _local_sum(value, device) -> torch.Tensor:
+    """This worker's replicas of ``value`` summed in replica order on ``device`` (as the buckets sum them)."""
+    components = value.values if isinstance(value, DistributedValues) else (value,)
+    target = torch_device(device)
+    with torch.no_grad():
+        total = components[0].to(target)
+        if len(components) > 1:
+            total = total.clone()
+            for component in components[1:]:
+                total += component.to(target)
+    return total
 
 
 def _gpu_identities(devices) -> tuple:
@@ -313,8 +379,18 @@ class MultiWorkerMirroredStrategy(Strategy):
         devices, NCCL for CUDA devices; ``RING`` means gloo, for CUDA devices too, which is how
         several worker processes share one GPU (NCCL refuses two ranks on one device);
         ``NCCL`` needs CUDA devices).
-      cluster_resolver: a ``ClusterResolver``; ``None`` detects the environment:
-        ``torchrun``'s variables, then ``TF_CONFIG``, else one local worker.
+      cluster_resolver: a ``ClusterResolver``; ``None`` detects the environment
+        (``resolve_cluster()``: ``torchrun``'s variables, then SLURM's, then ``TF_CONFIG``, else one
+        local worker).
+      shard_optimizer_states: ``True``: each worker keeps the optimizer state (slots, moving averages)
+        of its part of the variables only, about ``1/num_workers`` of it, balanced by bytes (ZeRO
+        stage 1, as torch's ``ZeroRedundancyOptimizer``). Gradients are reduce-scattered (the
+        buckets started during backward too), each worker updates its part once, and the updated
+        values are all-gathered into every worker's variables; every element-wise optimizer (the
+        built-ins, a ``build`` + ``update_step`` subclass, ``from_torch``) does this with no code of
+        its own, and gives the unsharded run's results (within float rounding where clipping norms
+        are summed from parts). Checkpoints hold the whole state in the unsharded layout. Variables
+        and gradients stay whole on every worker (unlike FSDP). No effect with one worker.
 
     The cluster is joined when the strategy is built (every worker must build it). Each
     worker's replicas run on its local devices (the resolver's ``devices``; else every GPU,
@@ -333,7 +409,13 @@ class MultiWorkerMirroredStrategy(Strategy):
         trainer.fit(model, (x, y), batch_size=64)          # the same call on every worker
     """
 
-    def __init__(self, communication_options: CommunicationOptions | None = None, cluster_resolver=None):
+    def __init__(
+        self,
+        communication_options: CommunicationOptions | None = None,
+        cluster_resolver=None,
+        *,
+        shard_optimizer_states: bool = False,
+    ):
         if communication_options is None:
             communication_options = CommunicationOptions()
         if not isinstance(communication_options, CommunicationOptions):
@@ -352,8 +434,13 @@ class MultiWorkerMirroredStrategy(Strategy):
         implementation = communication_options.implementation.value
         if implementation == "NCCL" and not all(d.startswith("cuda") for d in devices):
             raise ValueError(f"CommunicationImplementation.NCCL needs CUDA devices; this worker's are {list(devices)}.")
+        if not isinstance(shard_optimizer_states, bool):
+            raise TypeError(f"shard_optimizer_states must be True or False, got {shard_optimizer_states!r}.")
         self._cluster_resolver = cluster_resolver
-        super().__init__(MultiWorkerMirroredExtended(self, devices, cluster_resolver, communication_options))
+        extended = MultiWorkerMirroredExtended(
+            self, devices, cluster_resolver, communication_options, shard_optimizer_states
+        )
+        super().__init__(extended)
 
     @property
     def cluster_resolver(self) -> ClusterResolver:
@@ -364,7 +451,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         extended = self._extended
         return (
             f"MultiWorkerMirroredStrategy(worker {extended._worker_index} of {extended._num_workers}, "
-            f"devices={extended.worker_devices})"
+            f"devices={extended.worker_devices}"
+            + (", shard_optimizer_states=True" if extended.shard_optimizer_states else "")
+            + ")"
         )
 
     def configure(self, session_config=None, cluster_spec=None, task_type=None, task_id=None) -> None:

@@ -31,7 +31,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
-__all__ = ["Piece", "ShardPlan", "dtype_segments", "owned_bytes"]
+import torch
+
+from .buckets import bucket_layout
+from .step_values import CARRIERS
+from .values import local_results
+from .variables import LocalVariable
+
+__all__ = ["Piece", "ShardPlan", "StateShards", "dtype_segments", "owned_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,3 +127,176 @@ def dtype_segments(tensors) -> tuple:
 def owned_bytes(plan: ShardPlan, dtypes, worker: int) -> int:
     """The bytes of ``worker``'s pieces, segment ``i`` being of ``dtypes[i]``."""
     return sum(piece.size * dtypes[piece.segment].itemsize for piece in plan.owned(worker))
+
+
+class StateShards:
+    """This worker's part of the optimizer state of one list of variables, and the collectives that serve it
+    (``MultiWorkerMirroredStrategy(shard_optimizer_states=True)``; made by ``extended.state_shards``).
+
+    The segments are the gradient buckets of these variables (``buckets.bucket_layout``: the same
+    layout the buckets started during backward use), so a bucket's reduce-scatter hands this worker exactly
+    the gradients of its pieces. For every piece it owns the worker keeps a **piece variable**: a 1-D
+    ``LocalVariable`` viewing its place in ``values``, this worker's chunk of each segment, which the
+    optimizer updates as if it were a variable (its slots are made shaped like it). A step:
+
+    1. ``load()``: the variables' current elements into ``values`` (a copy of ``1/num_workers`` of them);
+    2. the gradients arrive as this worker's chunks (``reduce``, or the buckets), viewed per piece;
+    3. the optimizer updates the piece variables;
+    4. ``publish()``: every worker's chunks all-gathered, segment by segment (all started, then each
+       waited for and copied into every local copy of its variables).
+
+    Example (what the optimizer does under the strategy)::
+
+        shards = strategy.extended.state_shards(variables)   # None unless the strategy shards
+        shards.load()
+        chunks = strategy.extended.reduce_scatter_gradients(shards, per_replica_grads)
+        for piece, grad in zip(shards.piece_variables, shards.piece_views(chunks)):
+            ...                                                # the update rule on the piece
+        shards.publish()
+    """
+
+    def __init__(self, collective, variables, bucket_bytes: int = 0):
+        self._collective = collective
+        self.variables = list(variables)
+        copies = [[component._read() for component in local_results(v)] for v in self.variables]
+        layout = bucket_layout(copies, bucket_bytes)
+        segments = [[(i, 0, copies[i][0].numel()) for i in members if copies[i][0].numel()] for members, _, _ in layout]
+        kept = [k for k, segment in enumerate(segments) if segment]
+        self.plan = ShardPlan([segments[k] for k in kept], collective.world_size)
+        self.dtypes = [layout[k][1] for k in kept]
+        self.devices = [layout[k][2] for k in kept]
+        self.worker = collective.rank
+        self.pieces = self.plan.owned(self.worker)
+        self.values = [
+            torch.zeros(length, dtype=dtype, device=device)
+            for length, dtype, device in zip(self.plan.chunk_lengths, self.dtypes, self.devices)
+        ]
+        self.piece_variables = []
+        for piece in self.pieces:
+            source = self.variables[piece.variable]
+            view = self.values[piece.segment][piece.offset : piece.offset + piece.size]
+            device = local_results(source)[0]._device_name()
+            name = f"{source.name}[{piece.start}:{piece.stop}]"
+            self.piece_variables.append(LocalVariable(view, name=name, device=device, trainable=False))
+        self._ids = [id(v) for v in self.variables]
+        fits = [k for k, dtype in enumerate(self.dtypes) if dtype in CARRIERS]
+        #: The segment whose reduce-scatter carries the step values (the last of a dtype that sums their limbs
+        #: exactly, as the buckets carry them in the last bucket), or ``None``: they are reduced on their own.
+        self.carrier = fits[-1] if fits else None
+
+    def matches(self, variables) -> bool:
+        return len(variables) == len(self._ids) and all(id(v) == i for v, i in zip(variables, self._ids))
+
+    def pieces_of(self, index: int) -> list:
+        """``[(piece, piece variable)]`` of variable ``index`` that this worker owns."""
+        return [(p, v) for p, v in zip(self.pieces, self.piece_variables) if p.variable == index]
+
+    def piece_views(self, chunks: list) -> list:
+        """Each piece's elements of ``chunks`` (one tensor per segment laid out as ``values``)."""
+        return [chunks[p.segment][p.offset : p.offset + p.size] for p in self.pieces]
+
+    def slices(self, tensors: list) -> list:
+        """Each piece's elements of whole tensors (one per variable, of its shape)."""
+        return [tensors[p.variable].reshape(-1)[p.start : p.stop] for p in self.pieces]
+
+    # --- a step ----------------------------------------------------------------------------------
+    def load(self) -> None:
+        """The variables' current values (their first local copy) into this worker's pieces."""
+        if not self.pieces:
+            return
+        sources = [local_results(self.variables[p.variable])[0]._read().detach() for p in self.pieces]
+        with torch.no_grad():
+            torch._foreach_copy_(
+                [v._read() for v in self.piece_variables],
+                [t.reshape(-1)[p.start : p.stop] for t, p in zip(sources, self.pieces)],
+            )
+
+    def reduce(self, local_sums: list, carried=None) -> tuple:
+        """``(this worker's chunk of each segment summed over every worker, the total of carried)``:
+        ``local_sums`` holds one tensor per variable (this worker's replicas summed); ``carried``: the step
+        values' limbs (of segment ``carrier``'s dtype, not ``None`` only where there is one), which ride whole in
+        that segment's reduce-scatter. One reduce-scatter per segment, all started
+        and then waited for in order."""
+        carrier = self.carrier if carried is not None else None
+        started = []
+        for k, segment in enumerate(self.plan.segments):
+            buffer = torch.cat([local_sums[i].reshape(-1)[a:b] for i, a, b in segment])
+            extra = carried.to(self.dtypes[k]) if k == carrier else None
+            started.append(self._collective.start_reduce_scatter(buffer, extra, f"reduce_scatter (segment {k})"))
+        chunks, total = [], None
+        for k, work in enumerate(started):
+            part, extra = work.result()
+            chunks.append(part)
+            if k == carrier:
+                total = extra
+        return chunks, total
+
+    def publish(self) -> None:
+        """Every worker's updated pieces into every local copy of every variable (one all-gather per segment)."""
+        started = [
+            self._collective.start_all_gather(chunk, length, f"all_gather (updated values, segment {k})")
+            for k, (chunk, length) in enumerate(zip(self.values, self.plan.lengths))
+        ]
+        with torch.no_grad():
+            for k, work in enumerate(started):
+                self._scatter(k, work.result())
+
+    def _scatter(self, k: int, full: torch.Tensor) -> None:
+        destinations, sources, position = [], [], 0
+        for index, start, stop in self.plan.segments[k]:
+            part = full[position : position + stop - start]
+            position += stop - start
+            for component in local_results(self.variables[index]):
+                tensor = component._read()
+                destinations.append(tensor.detach().view(-1)[start:stop])
+                sources.append(part if part.device == tensor.device else part.to(tensor.device))
+        torch._foreach_copy_(destinations, sources)
+
+    def gather(self, per_piece: list, what: str) -> list:
+        """Whole tensors from pieces: ``per_piece`` holds a 1-D tensor (or ``None``: zeros) per piece of this
+        worker, of its variable's dtype; returns one flat tensor per variable, every worker's pieces in place
+        (a collective: every worker calls it). One all-gather per segment, one segment at a time."""
+        whole: list = [None] * len(self.variables)
+        by_segment: dict = {}
+        for piece, tensor in zip(self.pieces, per_piece):
+            by_segment.setdefault(piece.segment, []).append((piece, tensor))
+        for k, segment in enumerate(self.plan.segments):
+            chunk = self.values[k].new_zeros(self.plan.chunk_lengths[k])
+            for piece, tensor in by_segment.get(k, ()):
+                if tensor is not None:
+                    chunk[piece.offset : piece.offset + piece.size] = tensor.reshape(-1)
+            full = self._collective.all_gather_flat(chunk, self.plan.lengths[k], f"gathering {what} (segment {k})")
+            position = 0
+            for index, start, stop in segment:
+                if whole[index] is None:
+                    first = local_results(self.variables[index])[0]._read()
+                    whole[index] = first.new_zeros(first.numel())
+                whole[index][start:stop] = full[position : position + stop - start]
+                position += stop - start
+        for index, variable in enumerate(self.variables):
+            if whole[index] is None:  # no elements (an empty variable)
+                whole[index] = local_results(variable)[0]._read().new_zeros(0)
+        return whole
+
+    def sum(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """``tensor`` summed over the workers (a small all-reduce: the partial sums of a norm)."""
+        buffer = tensor.detach().to(self._collective.device).clone().reshape(-1)
+        self._collective.all_reduce_flat([buffer], what)
+        return buffer.view(tensor.shape).to(tensor.device)
+
+    def all_workers_agree(self, flag: bool, what: str) -> bool:
+        """Whether ``flag`` holds on every worker."""
+        return self._collective.sum_ints([0 if flag else 1], what)[0] == 0
+
+    def gather_objects(self, obj, what: str) -> list:
+        return self._collective.all_gather_object(obj, what)
+
+    @property
+    def num_workers(self) -> int:
+        return self._collective.world_size
+
+    def owned_bytes(self) -> int:
+        return owned_bytes(self.plan, self.dtypes, self.worker)
+
+    def __repr__(self) -> str:
+        return f"StateShards(worker {self.worker} of {self.num_workers}, {len(self.pieces)} pieces, {self.plan!r})"

@@ -54,20 +54,23 @@ def central_storage(compute_devices: list[str] | None = None, parameter_device: 
     return ds.CentralStorageStrategy(_some_devices("compute_devices", compute_devices), parameter_device)
 
 
-def multi_worker_mirrored(timeout_seconds: float | None = None, bytes_per_pack: int = 0) -> ds.Strategy:
+def multi_worker_mirrored(
+    timeout_seconds: float | None = None, bytes_per_pack: int = 0, shard_optimizer_states: bool = False
+) -> ds.Strategy:
     """MultiWorkerMirroredStrategy: one process per worker (`replicafit fit --workers N`, torchrun).
 
     The cluster comes from the environment that the launcher or torchrun sets; ``timeout_seconds``
     bounds every wait for the other workers (a worker that dies or stops arriving fails the run
-    after it; ``None``: torch's default, 30 minutes) and ``bytes_per_pack`` sizes the buffers that
-    cross processes (``CommunicationOptions``). Example recipe entry::
+    after it; ``None``: torch's default, 30 minutes), ``bytes_per_pack`` sizes the buffers that
+    cross processes (``CommunicationOptions``) and ``shard_optimizer_states`` splits the optimizer's
+    state across the workers. Example recipe entry::
 
-        strategy: {type: multi_worker_mirrored, timeout_seconds: 300}
+        strategy: {type: multi_worker_mirrored, timeout_seconds: 300, shard_optimizer_states: true}
     """
     # Looked up when called, not when this module is imported: the registry does not depend on
     # the strategy class being importable.
     options = ds.CommunicationOptions(bytes_per_pack=bytes_per_pack, timeout_seconds=timeout_seconds)
-    return ds.MultiWorkerMirroredStrategy(communication_options=options)
+    return ds.MultiWorkerMirroredStrategy(communication_options=options, shard_optimizer_states=shard_optimizer_states)
 
 
 def _some_devices(name: str, devices):
