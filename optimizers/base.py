@@ -33,7 +33,11 @@ Slot variables made with ``add_variable_from_reference`` live where their variab
 lives (mirrored under ``MirroredStrategy``, on the parameter device under
 ``CentralStorageStrategy``), and ``get_slot`` inside ``update_step`` resolves to the copy
 that matches the variable copy being updated. So a subclass is correct under every
-strategy without seeing one.
+strategy without seeing one. Under ``MultiWorkerMirroredStrategy(shard_optimizer_states=True)``
+``build`` and ``update_step`` see 1-D slices of the variables (each worker's part, ``sharded.py``),
+which is right for every element-wise rule; a rule that reads whole variables (a norm per
+variable, a factorisation by shape) sets the class attribute ``elementwise_update = False`` and
+is refused there.
 
 A complete optimizer (Lion, Chen et al. 2023) in a few lines::
 
@@ -438,8 +442,8 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
         grads = [g if isinstance(g, ds.DistributedValues) else ds.PerReplica([g] * count) for g in grads]
         shards = self._sharded_build(strategy, variables)
         if shards is not None:  # a reduce-scatter: this worker's part of every gradient
-            chunks = strategy.extended.reduce_scatter_gradients(shards, grads)
-            return self._apply_sharded(strategy, shards, shards.piece_views(chunks), divisor=divisor)
+            chunks, buffers = strategy.extended.reduce_scatter_gradients(shards, grads)
+            return self._apply_sharded(strategy, shards, shards.piece_views(chunks), divisor, buffers)
         reduced = strategy.extended.batch_reduce_to(ds.ReduceOp.SUM, list(zip(grads, variables)))
         return self._apply_aggregated(strategy, reduced, variables, divisor=divisor)
 

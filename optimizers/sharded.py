@@ -5,15 +5,16 @@ pieces (``strategies.state_sharding.StateShards``: every gradient bucket cut int
 worker) and each worker keeps the optimizer state of its own pieces only. The optimizer then:
 
 1. builds for **piece variables** instead of the variables: ``build`` (a subclass's own included) is
-   called with the 1-D piece variables of this worker, so ``add_variable_from_reference`` makes slots
-   shaped like pieces, local to this worker (no collective: the pieces differ between workers);
-2. receives the gradients as this worker's chunks (a reduce-scatter, started during backward in a
-   training step) and runs the gradient stages and transforms on them: ``clipnorm`` and
-   ``global_clipnorm`` sum the squares of the parts over the workers (one small all-reduce), a loss
-   scaler's finite check is agreed by every worker;
+   called with the 1-D piece variables of this worker (views of the owned elements of each variable), so
+   ``add_variable_from_reference`` makes slots shaped like pieces, local to this worker (no collective:
+   the pieces differ between workers);
+2. receives the gradients as this worker's chunks (reduced during backward in a training step) and runs
+   the gradient stages and transforms on them: ``clipnorm`` and ``global_clipnorm`` sum the squares of
+   the parts over the workers (one small all-reduce), a loss scaler's finite check is agreed by every
+   worker;
 3. runs the update rule (``update_step``, or the built-ins' multi-tensor ``_update_many``) on the
-   pieces, with their decay and moving averages: every element is updated once, by its owner;
-4. all-gathers the updated pieces into every worker's variables.
+   pieces, with their decay and moving averages: every element is updated once, by its owner, in place;
+4. gathers the updated pieces into every worker's variables (``StateShards.publish``).
 
 So an element-wise rule gives the unsharded result. A rule that needs a whole tensor (a per-variable
 norm as LAMB and LARS use, a factorisation by shape as Adafactor's) declares
@@ -110,8 +111,9 @@ class ShardedStates:
         return LocalVariable(tensor, name=f"{container.name}/{name}", device=device, trainable=False)
 
     # --- the update ------------------------------------------------------------------------------
-    def _apply_sharded(self, strategy, shards, grads: list, divisor=None):
-        """Steps 3-5 of the pipeline on this worker's pieces, ``grads`` the pieces' reduced gradients."""
+    def _apply_sharded(self, strategy, shards, grads: list, divisor=None, buffers=None):
+        """Steps 3-5 of the pipeline on this worker's pieces, ``grads`` the pieces' reduced gradients (views of
+        ``buffers``, the reduction's, which then receive the all-gather)."""
         prepared = None
         self._sharding_now = shards
         try:
@@ -125,9 +127,10 @@ class ShardedStates:
         learning_rate = self._current_learning_rate()
         self._prepare_step(learning_rate)
         ema = self._ema_step()
-        shards.load()
+        if shards.refresh():  # a variable's tensor was replaced: the pieces view the new one
+            self._plans.clear()
         self._update_pieces(shards, grads, learning_rate, ema)
-        shards.publish()
+        shards.publish(buffers)
         strategy.extended.after_direct_update(shards.variables)
         self._count()
         return self.iterations
@@ -149,7 +152,7 @@ class ShardedStates:
             return self._transform(grads, shards.piece_variables)
         with _no_grad():
             count = len(shards.variables)
-            device = shards.values[0].device if shards.values else torch.device("cpu")
+            device = shards.devices[0] if shards.devices else torch.device("cpu")
             squares = torch.zeros(count, dtype=torch.float64, device=device)
             for grad, piece in zip(grads, shards.pieces):
                 squares[piece.variable] += torch.linalg.vector_norm(grad.to(torch.float64)).square()

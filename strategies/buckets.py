@@ -25,11 +25,12 @@ order** (bucket *i* only after *i - 1*). ``reduce`` (called by ``batch_reduce_to
 4. returns views of the reduced buffers, which go straight into the update.
 
 With sharded optimizer states (``parts`` = the number of workers) each bucket's buffer is padded with
-zeros to equal parts and its all-reduce becomes a **reduce-scatter**: worker ``w`` receives the sum of
-part ``w`` of every bucket, exactly the gradients of the elements whose optimizer state it keeps
-(``state_sharding.StateShards`` cuts the same layout). The last bucket's spare and flag elements travel
-whole to every worker (a copy after each part, ``Collective.start_reduce_scatter``). ``reduce`` then
-returns this worker's part of each bucket, in bucket order.
+zeros to equal parts and worker ``w`` keeps the sum of part ``w`` of every bucket, exactly the gradients of
+the elements whose optimizer state it keeps (``state_sharding.StateShards`` cuts the same layout). On NCCL
+the all-reduce becomes a **reduce-scatter**, in place (the last bucket's spare and flag elements travel whole
+to every worker: a copy after each part, ``Collective.start_reduce_scatter``); on gloo it stays an all-reduce
+(``Collective.lean_scatter``: gloo's reduce-scatter takes longer than its all-reduce and allocates the whole
+buffer again). ``reduce`` then returns this worker's part of each bucket, in bucket order.
 
 Every worker therefore makes the same collectives in the same order every step, and the sums are
 those of the packed path: the same values summed in the same order (bit-identical to
@@ -236,20 +237,26 @@ class GradientBuckets:
     def _start(self, bucket: _Bucket, what: str) -> None:
         """Starts the bucket's all-reduce, or with ``parts`` > 1 its reduce-scatter (the spare and flag elements
         carried whole to every worker)."""
-        if self._parts == 1:
+        if self._parts == 1 or not self._collective.lean_scatter:  # gloo: an all-reduce, this worker keeps its part
             bucket.work = self._collective.start_all_reduce(bucket.buffer, what)
+        elif bucket.buffer.numel() == bucket.data:  # in place: this worker's part of the buffer gets the sums
+            bucket.work = self._collective.start_reduce_scatter_in_place(bucket.buffer, what, bucket=True)
         else:
             data, extras = bucket.buffer[: bucket.data], bucket.buffer[bucket.data :]
             bucket.work = self._collective.start_reduce_scatter(data, extras, what, bucket=True)
 
     def _wait(self, work, what: str):
-        if self._parts == 1:
+        if self._parts == 1 or not self._collective.lean_scatter:
             return self._collective.wait_work(work, what)
         return work.result()
 
     def _finish(self, bucket: _Bucket, what: str) -> None:
         work, bucket.work = bucket.work, None
         result = self._wait(work, what)
+        if self._parts > 1 and not self._collective.lean_scatter:  # all-reduced: this worker's part of the sums
+            chunk = bucket.data // self._parts
+            rank = self._collective.rank
+            result = (bucket.buffer[rank * chunk : (rank + 1) * chunk], bucket.buffer[bucket.data :])
         if self._parts > 1:  # this worker's part, then the spare and flag totals
             bucket.out = result
 
@@ -320,6 +327,11 @@ class GradientBuckets:
             for view, index in zip(bucket.views, bucket.members):
                 results[index] = view
         return results
+
+    def regions(self) -> list:
+        """Each bucket's gradient elements, padding included (free once ``reduce`` returned: sharded optimizer
+        states all-gather the updated values into them)."""
+        return [bucket.buffer[: bucket.data] for bucket in self._buckets]
 
     def _extras(self) -> torch.Tensor:
         """The last bucket's reduced spare and flag elements."""

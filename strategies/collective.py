@@ -110,6 +110,10 @@ class Collective:
     _instance: Collective | None = None
     _instance_lock = threading.Lock()
 
+    #: ``None``: reduce into parts and gather them with reduce-scatter and all-gather where the backend does
+    #: them cheaply (``lean_scatter``); ``True``/``False`` forces that way or the all-reduce way.
+    prefer_scatter: bool | None = None
+
     def __init__(
         self, rank: int, world_size: int, address: str, port: int, device, timeout_seconds, implementation="AUTO"
     ):
@@ -292,6 +296,50 @@ class Collective:
             self.operations += 1
             return _Started(self, work, out, buffer.device, chunk, what)
 
+    @property
+    def lean_scatter(self) -> bool:
+        """Whether reduce-scatter and all-gather are the cheaper way to reduce into parts and gather them back: on
+        NCCL (in place, no memory of their own). Not on gloo, measured on 2 workers with 38 MB: its
+        reduce-scatter took 60 ms and its all-gather 53 ms against 30-38 ms for an all-reduce, and each allocated
+        the whole buffer again (38-47 MB), which is what sharded optimizer states exist to save; there the sharded
+        reduction is an in-place all-reduce of which each worker keeps its part, and the gather an in-place
+        all-reduce of the parts with zeros elsewhere (exact: every element has one non-zero term).
+        ``prefer_scatter`` overrides it (the tests run the NCCL way on gloo)."""
+        return self.prefer_scatter if self.prefer_scatter is not None else self.backend == "nccl"
+
+    def start_reduce_scatter_in_place(self, buffer: torch.Tensor, what: str, bucket: bool = False) -> _Started:
+        """Starts summing ``buffer`` (flat, of ``world_size`` equal parts) across workers into this worker's part
+        of it, in place (no other memory: what sharded optimizer states save must not be spent on buffers);
+        ``result()`` waits and returns ``(that part, an empty tensor)``. On a GPU over gloo the collective runs
+        on a host copy, which is copied back."""
+        with self._guard(what):
+            chunk = buffer.numel() // self.world_size
+            source = buffer.cpu() if self._staged else buffer
+            part = source[self.rank * chunk : (self.rank + 1) * chunk]
+            group = self.bucket_group if bucket else None
+            work = _reduce_scatter_single(part, source, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            self._pending.append(work)
+            self.operations += 1
+            target = buffer[self.rank * chunk : (self.rank + 1) * chunk]
+            return _Started(self, work, part, buffer.device, chunk, what, target=target)
+
+    def start_all_gather_in_place(self, buffer: torch.Tensor, what: str) -> _Started:
+        """Starts filling ``buffer`` (flat, of ``world_size`` equal parts) with every worker's part of it, this
+        worker's part being its input (in place); ``result()`` waits and returns ``buffer``. Without
+        ``lean_scatter`` an all-reduce: the other parts must hold zeros."""
+        with self._guard(what):
+            if not self.lean_scatter:
+                work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True)
+                self._pending.append(work)
+                self.operations += 1
+                return _Started(self, work, buffer, buffer.device, buffer.numel(), what, gathered=True, target=buffer)
+            chunk = buffer.numel() // self.world_size
+            source = buffer.cpu() if self._staged else buffer
+            work = _all_gather_single(source, source[self.rank * chunk : (self.rank + 1) * chunk], async_op=True)
+            self._pending.append(work)
+            self.operations += 1
+            return _Started(self, work, source, buffer.device, buffer.numel(), what, gathered=True, target=buffer)
+
     def all_gather_flat(self, chunk: torch.Tensor, length: int, what: str) -> torch.Tensor:
         """Every worker's ``chunk`` (the same size on all), put end to end and cut to ``length`` elements:
         the inverse of ``reduce_scatter_flat``'s cut. One collective (``all_gather_single``)."""
@@ -376,14 +424,18 @@ class _Started:
     for it (bounded by the timeout, a lost worker a ``WorkerFailedError``) and returns its output on the
     caller's device."""
 
-    __slots__ = ("collective", "work", "out", "device", "length", "what", "gathered")
+    __slots__ = ("collective", "work", "out", "device", "length", "what", "gathered", "target")
 
-    def __init__(self, collective, work, out, device, length: int, what: str, gathered: bool = False):
+    def __init__(self, collective, work, out, device, length: int, what: str, gathered=False, target=None):
         self.collective, self.work, self.out, self.device = collective, work, out, device
-        self.length, self.what, self.gathered = length, what, gathered
+        self.length, self.what, self.gathered, self.target = length, what, gathered, target
 
     def result(self):
         self.collective.wait_work(self.work, self.what)
+        if self.target is not None:  # in place (a host copy's result copied back where it ran staged)
+            if self.target.data_ptr() != self.out.data_ptr():
+                self.target.copy_(self.out)
+            return self.target if self.gathered else (self.target, self.target.new_empty(0))
         out = self.out.to(self.device)
         if self.gathered:
             return out[: self.length]

@@ -199,11 +199,12 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             shards = self._shards = StateShards(self._collective, variables, self._options.bytes_per_pack or 0)
         return shards
 
-    def reduce_scatter_gradients(self, shards, grads: list) -> list:
-        """This worker's chunk of each of ``shards``' segments, summed over every replica of every worker:
-        ``grads`` are ``PerReplica`` gradients of ``shards.variables`` (cross-replica context). In a training
-        step the buckets started during backward did most of it; else one reduce-scatter per segment. The
-        pending step values ride along (every worker gets their totals) as with ``batch_reduce_to``."""
+    def reduce_scatter_gradients(self, shards, grads: list) -> tuple:
+        """``(chunks, buffers)``: this worker's chunk of each of ``shards``' segments, summed over every replica
+        of every worker, and the segments' buffers (free once the chunks are used: ``shards.publish`` gathers
+        into them). ``grads`` are ``PerReplica`` gradients of ``shards.variables`` (cross-replica context). In a
+        training step the buckets started during backward did most of it; else one reduce-scatter per segment.
+        The pending step values ride along (every worker gets their totals) as with ``batch_reduce_to``."""
         values = self._step_values
         payload = values.take() if values.pending else None
         pairs = list(zip(grads, shards.variables))
@@ -213,7 +214,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             carried = None
             if payload is not None and buckets.carrier_dtype is not None:
                 carried = payload.as_dtype(buckets.carrier_dtype)
-            chunks = buckets.reduce([value for value, _ in pairs], carried)
+            chunks, buffers = buckets.reduce([value for value, _ in pairs], carried), buckets.regions()
             if carried is not None:
                 limbs = buckets.carried
         else:
@@ -222,12 +223,12 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             if payload is not None and shards.carrier is not None:
                 limbs_per_replica = PerReplica(payload.as_dtype(shards.dtypes[shards.carrier]), self._worker_devices)
                 carried = _local_sum(limbs_per_replica, self._worker_devices[0])
-            chunks, limbs = shards.reduce(local, carried)
+            chunks, buffers, limbs = shards.reduce(local, carried)
         if payload is not None:
             if limbs is None:
                 limbs = self._reduce_step_values_alone(payload)
             values.finish(payload, limbs)
-        return chunks
+        return chunks, buffers
 
     def _as_local_replicas(self, value):
         if self._collective is None or isinstance(value, DistributedValues):

@@ -136,23 +136,25 @@ class StateShards:
     The segments are the gradient buckets of these variables (``buckets.bucket_layout``: the same
     layout the buckets started during backward use), so a bucket's reduce-scatter hands this worker exactly
     the gradients of its pieces. For every piece it owns the worker keeps a **piece variable**: a 1-D
-    ``LocalVariable`` viewing its place in ``values``, this worker's chunk of each segment, which the
-    optimizer updates as if it were a variable (its slots are made shaped like it). A step:
+    ``LocalVariable`` viewing those elements of the variable's first local copy, which the optimizer updates
+    in place as if it were a variable (its slots are made shaped like it). A step:
 
-    1. ``load()``: the variables' current elements into ``values`` (a copy of ``1/num_workers`` of them);
-    2. the gradients arrive as this worker's chunks (``reduce``, or the buckets), viewed per piece;
-    3. the optimizer updates the piece variables;
-    4. ``publish()``: every worker's chunks all-gathered, segment by segment (all started, then each
-       waited for and copied into every local copy of its variables).
+    1. the gradients arrive as this worker's chunk of each segment, reduce-scattered in place in the
+       segment's buffer (the bucket's, or one made by ``reduce``), viewed per piece;
+    2. the optimizer updates the piece variables (so the first copy's owned elements);
+    3. ``publish(buffers)``: this worker's updated elements packed into its chunk of each buffer, every
+       worker's chunks all-gathered in place (all started, then each waited for) and copied into every local
+       copy of the variables.
+
+    No memory beyond the buffers the unsharded reduction uses: what sharding saves is the optimizer state.
 
     Example (what the optimizer does under the strategy)::
 
         shards = strategy.extended.state_shards(variables)   # None unless the strategy shards
-        shards.load()
-        chunks = strategy.extended.reduce_scatter_gradients(shards, per_replica_grads)
+        chunks, buffers = strategy.extended.reduce_scatter_gradients(shards, per_replica_grads)
         for piece, grad in zip(shards.piece_variables, shards.piece_views(chunks)):
             ...                                                # the update rule on the piece
-        shards.publish()
+        shards.publish(buffers)
     """
 
     def __init__(self, collective, variables, bucket_bytes: int = 0):
@@ -167,14 +169,11 @@ class StateShards:
         self.devices = [layout[k][2] for k in kept]
         self.worker = collective.rank
         self.pieces = self.plan.owned(self.worker)
-        self.values = [
-            torch.zeros(length, dtype=dtype, device=device)
-            for length, dtype, device in zip(self.plan.chunk_lengths, self.dtypes, self.devices)
-        ]
         self.piece_variables = []
+        self._storage: list = [None] * len(self.variables)  # each first copy's tensor the pieces view
         for piece in self.pieces:
             source = self.variables[piece.variable]
-            view = self.values[piece.segment][piece.offset : piece.offset + piece.size]
+            view = self._view(piece)
             device = local_results(source)[0]._device_name()
             name = f"{source.name}[{piece.start}:{piece.stop}]"
             self.piece_variables.append(LocalVariable(view, name=name, device=device, trainable=False))
@@ -184,6 +183,26 @@ class StateShards:
         #: exactly, as the buckets carry them in the last bucket), or ``None``: they are reduced on their own.
         self.carrier = fits[-1] if fits else None
 
+    def _view(self, piece: Piece) -> torch.Tensor:
+        tensor = local_results(self.variables[piece.variable])[0]._read()
+        if not tensor.is_contiguous():
+            raise ValueError(
+                f"Sharded optimizer states update the variables in place, and {self.variables[piece.variable].name!r} "
+                "is not contiguous: make its tensor contiguous (module parameters are) before training."
+            )
+        self._storage[piece.variable] = tensor
+        return tensor.detach().view(-1)[piece.start : piece.stop]
+
+    def refresh(self) -> bool:
+        """Points the piece variables at the variables' tensors again where one was replaced (``param.data = ...``);
+        whether any was (the optimizer's multi-tensor plans are then made again)."""
+        changed = False
+        for piece, variable in zip(self.pieces, self.piece_variables):
+            if local_results(self.variables[piece.variable])[0]._read() is not self._storage[piece.variable]:
+                variable._tensor = self._view(piece)
+                changed = True
+        return changed
+
     def matches(self, variables) -> bool:
         return len(variables) == len(self._ids) and all(id(v) == i for v, i in zip(variables, self._ids))
 
@@ -192,7 +211,7 @@ class StateShards:
         return [(p, v) for p, v in zip(self.pieces, self.piece_variables) if p.variable == index]
 
     def piece_views(self, chunks: list) -> list:
-        """Each piece's elements of ``chunks`` (one tensor per segment laid out as ``values``)."""
+        """Each piece's elements of ``chunks`` (this worker's chunk of each segment)."""
         return [chunks[p.segment][p.offset : p.offset + p.size] for p in self.pieces]
 
     def slices(self, tensors: list) -> list:
@@ -200,42 +219,76 @@ class StateShards:
         return [tensors[p.variable].reshape(-1)[p.start : p.stop] for p in self.pieces]
 
     # --- a step ----------------------------------------------------------------------------------
-    def load(self) -> None:
-        """The variables' current values (their first local copy) into this worker's pieces."""
-        if not self.pieces:
-            return
-        sources = [local_results(self.variables[p.variable])[0]._read().detach() for p in self.pieces]
-        with torch.no_grad():
-            torch._foreach_copy_(
-                [v._read() for v in self.piece_variables],
-                [t.reshape(-1)[p.start : p.stop] for t, p in zip(sources, self.pieces)],
-            )
+    def buffers(self) -> list:
+        """A zeroed buffer per segment, padded to equal parts."""
+        return [
+            torch.zeros(self.plan.padded_length(k), dtype=dtype, device=device)
+            for k, (dtype, device) in enumerate(zip(self.dtypes, self.devices))
+        ]
 
     def reduce(self, local_sums: list, carried=None) -> tuple:
-        """``(this worker's chunk of each segment summed over every worker, the total of carried)``:
-        ``local_sums`` holds one tensor per variable (this worker's replicas summed); ``carried``: the step
-        values' limbs (of segment ``carrier``'s dtype, not ``None`` only where there is one), which ride whole in
-        that segment's reduce-scatter. One reduce-scatter per segment, all started
-        and then waited for in order."""
+        """``(this worker's chunk of each segment summed over every worker, the segments' buffers, the total of
+        carried)``: ``local_sums`` holds one tensor per variable (this worker's replicas summed); ``carried``: the
+        step values' limbs (of segment ``carrier``'s dtype, not ``None`` only where there is one), which ride
+        whole in that segment's reduce-scatter. One reduce-scatter per segment, in place in its buffer but the
+        carrier's, all started and then waited for in order."""
         carrier = self.carrier if carried is not None else None
-        started = []
-        for k, segment in enumerate(self.plan.segments):
-            buffer = torch.cat([local_sums[i].reshape(-1)[a:b] for i, a, b in segment])
-            extra = carried.to(self.dtypes[k]) if k == carrier else None
-            started.append(self._collective.start_reduce_scatter(buffer, extra, f"reduce_scatter (segment {k})"))
+        buffers, started = self.buffers(), []
+        for k, (segment, buffer) in enumerate(zip(self.plan.segments, buffers)):
+            position = 0
+            for i, a, b in segment:
+                buffer[position : position + b - a] = local_sums[i].reshape(-1)[a:b]
+                position += b - a
+            what = f"reduce_scatter (segment {k})"
+            if not self._collective.lean_scatter:  # an in-place all-reduce, this worker keeping its part
+                extra = carried.to(self.dtypes[k]) if k == carrier else buffer.new_empty(0)
+                whole = torch.cat([buffer, extra]) if extra.numel() else buffer
+                started.append((self._collective.start_all_reduce(whole, what), whole))
+            elif k == carrier:
+                started.append(self._collective.start_reduce_scatter(buffer, carried.to(self.dtypes[k]), what))
+            else:
+                started.append(self._collective.start_reduce_scatter_in_place(buffer, what))
         chunks, total = [], None
         for k, work in enumerate(started):
-            part, extra = work.result()
+            if isinstance(work, tuple):
+                self._collective.wait_work(work[0], f"reduce_scatter (segment {k})")
+                chunk, length = self.plan.chunk_lengths[k], self.plan.padded_length(k)
+                part, extra = work[1][self.worker * chunk : (self.worker + 1) * chunk], work[1][length:]
+                if work[1] is not buffers[k]:
+                    buffers[k] = work[1][:length]
+            else:
+                part, extra = work.result()
             chunks.append(part)
             if k == carrier:
                 total = extra
-        return chunks, total
+        return chunks, buffers, total
 
-    def publish(self) -> None:
-        """Every worker's updated pieces into every local copy of every variable (one all-gather per segment)."""
+    def publish(self, buffers: list | None = None) -> None:
+        """Every worker's updated pieces into every local copy of every variable: this worker's owned elements
+        packed into its chunk of each segment's buffer (``buffers``: the step's, free once the gradients are
+        used; ``None``: new ones), one in-place all-gather per segment, then copied out."""
+        buffers = self.buffers() if buffers is None else buffers
+        rank = self.worker
+        with torch.no_grad():
+            destinations, sources = [], []
+            for piece, variable in zip(self.pieces, self.piece_variables):
+                chunk = self.plan.chunk_lengths[piece.segment]
+                at = rank * chunk + piece.offset
+                destinations.append(buffers[piece.segment][at : at + piece.size])
+                sources.append(variable._read())
+            lean = self._collective.lean_scatter
+            for k, buffer in enumerate(buffers):  # the padding of this worker's chunk: zeros (all but it, on gloo)
+                chunk = self.plan.chunk_lengths[k]
+                end = min(max(self.plan.lengths[k] - rank * chunk, 0), chunk)
+                buffer[rank * chunk + end : (rank + 1) * chunk].zero_()
+                if not lean:
+                    buffer[: rank * chunk].zero_()
+                    buffer[(rank + 1) * chunk :].zero_()
+            if destinations:
+                torch._foreach_copy_(destinations, sources)
         started = [
-            self._collective.start_all_gather(chunk, length, f"all_gather (updated values, segment {k})")
-            for k, (chunk, length) in enumerate(zip(self.values, self.plan.lengths))
+            self._collective.start_all_gather_in_place(buffer, f"all_gather (updated values, segment {k})")
+            for k, buffer in enumerate(buffers)
         ]
         with torch.no_grad():
             for k, work in enumerate(started):
@@ -261,7 +314,7 @@ class StateShards:
         for piece, tensor in zip(self.pieces, per_piece):
             by_segment.setdefault(piece.segment, []).append((piece, tensor))
         for k, segment in enumerate(self.plan.segments):
-            chunk = self.values[k].new_zeros(self.plan.chunk_lengths[k])
+            chunk = torch.zeros(self.plan.chunk_lengths[k], dtype=self.dtypes[k], device=self.devices[k])
             for piece, tensor in by_segment.get(k, ()):
                 if tensor is not None:
                     chunk[piece.offset : piece.offset + piece.size] = tensor.reshape(-1)

@@ -10,6 +10,7 @@ from conftest import Lion  # the base class docstring's subclass: build and upda
 
 import replicafit.strategies as ds
 from replicafit import optimizers
+from replicafit.strategies.collective import Collective
 from replicafit.trainer import Trainer
 
 
@@ -96,8 +97,9 @@ def refused(rank, num_workers, port):
     return None
 
 
-def custom_loops(rank, num_workers, port):
+def custom_loops(rank, num_workers, port, scatter=None):
     """``custom_loop`` sharded and whole, in replica and cross-replica context; and ``refused``."""
+    Collective.prefer_scatter = scatter
     out = {
         (shard, cross): custom_loop(rank, num_workers, port, shard=shard, cross_replica=cross)
         for shard in (True, False)
@@ -140,9 +142,10 @@ def custom_loop(rank, num_workers, port, shard=True, kind="adam", cross_replica=
     }
 
 
-def compare(rank, num_workers, port, cases=(("adam", {}),)):
+def compare(rank, num_workers, port, cases=(("adam", {}),), scatter=None):
     """For each ``(kind, fit kwargs)``: ``fit`` sharded, then unsharded, in the same processes (the strategies
-    share the process group)."""
+    share the process group). ``scatter=True``: reduce-scatter and all-gather (NCCL's way) on gloo too."""
+    Collective.prefer_scatter = scatter
     return [
         {
             "sharded": fit(rank, num_workers, port, kind, shard=True, **kwargs),
@@ -152,11 +155,12 @@ def compare(rank, num_workers, port, cases=(("adam", {}),)):
     ]
 
 
-def element_level(rank, num_workers, port):
+def element_level(rank, num_workers, port, scatter=None):
     """An element-level loss (its real-element count rides with the reduce-scatter) sharded and whole."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import element_scenarios
 
+    Collective.prefer_scatter = scatter
     out = {}
     for shard in (True, False):
         strategy = strategy_for(rank, num_workers, port, shard)

@@ -54,6 +54,22 @@ def test_two_workers_reach_what_mirrored_two_reaches(two_workers, tmp_path):
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["best.pt", "last.pt"]
 
 
+@pytest.mark.timeout(180)
+def test_the_recipe_key_shard_optimizer_states_gives_the_same_run_and_checkpoint(two_workers, tmp_path):
+    run_dir, _ = two_workers
+    sharded = ["--set", "strategy={type: multi_worker_mirrored, timeout_seconds: 20, shard_optimizer_states: true}"]
+    done = replicafit("fit", "digits_mlp", *SHORT, *sharded, "--workers", "2", "--run-dir", str(tmp_path / "s"))
+    assert done.returncode == 0, done.stderr
+    assert final(tmp_path / "s") == final(run_dir)  # element-wise updates of each part: bit for bit on 2 workers
+    ours = torch.load(tmp_path / "s" / "checkpoints" / "last.pt", weights_only=True)
+    theirs = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    for key, value in theirs["model"].items():
+        assert torch.equal(ours["model"][key], value), key
+    for position, slots in theirs["optimizer"]["slots"].items():  # gathered into the unsharded layout
+        for name, value in slots.items():
+            assert torch.equal(ours["optimizer"]["slots"][position][name], value), (position, name)
+
+
 @pytest.mark.timeout(240)
 def test_a_killed_worker_is_restarted_with_the_others_and_the_run_ends_bit_identical(tmp_path):
     backup = ["--set", f"callbacks=[{{type: backup_and_restore, backup_dir: '{tmp_path / 'backup'}', save_freq: 1}}]"]

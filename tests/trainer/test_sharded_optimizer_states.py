@@ -49,21 +49,19 @@ CASES_2 = [
     ("adam", {"bytes_per_pack": 512, "overlap": False}),  # ... or after it
     ("adam", {"local": 2}),  # two replicas per worker
 ]
-CASES_3 = [
-    ("adam", {}),
-    ("adamw_global_clipnorm", {}),
-    ("lion", {}),
-    ("torch_adamw", {}),
-    ("adam_accumulation", {}),
-    ("loss_scaled", {}),
-    ("adam", {"bytes_per_pack": 512}),
-]
+CASES_3 = [*CASES_2[:6], ("adam", {"bytes_per_pack": 512})]
 
 
+# scatter: the reduction and gather as reduce-scatter and all-gather (NCCL's way), or as all-reduces (gloo's way)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("workers, cases", [(2, CASES_2), (3, CASES_3)], ids=["2-workers", "3-workers"])
-def test_sharded_runs_equal_the_unsharded_runs_and_every_worker_agrees_bit_for_bit(workers, cases):
-    outcomes = results(run_workers(SCENARIOS, "compare", workers, timeout=280, kwargs={"cases": cases}))
+@pytest.mark.parametrize(
+    "workers, cases, scatter",
+    [(2, CASES_2, False), (3, CASES_3, False), (2, CASES_2, True), (3, CASES_3, True)],
+    ids=["2-workers", "3-workers", "2-workers-scatter", "3-workers-scatter"],
+)
+def test_sharded_runs_equal_the_unsharded_runs_and_every_worker_agrees_bit_for_bit(workers, cases, scatter):
+    kwargs = {"cases": cases, "scatter": scatter}
+    outcomes = results(run_workers(SCENARIOS, "compare", workers, timeout=280, kwargs=kwargs))
     for number, (kind, kwargs) in enumerate(cases):
         what = f"{kind} {kwargs}"
         sharded, whole = outcomes[0][number]["sharded"], outcomes[0][number]["whole"]
@@ -107,8 +105,9 @@ def test_checkpoints_hold_the_unsharded_layout_and_load_in_one_process_and_on_th
 
 
 @pytest.mark.timeout(120)
-def test_custom_loops_reduce_scatter_without_buckets_and_whole_rules_are_refused():
-    outcomes = results(run_workers(SCENARIOS, "custom_loops", 2, timeout=100))
+@pytest.mark.parametrize("scatter", [False, True])
+def test_custom_loops_reduce_scatter_without_buckets_and_whole_rules_are_refused(scatter):
+    outcomes = results(run_workers(SCENARIOS, "custom_loops", 2, timeout=100, kwargs={"scatter": scatter}))
     for cross in (False, True):
         sharded, whole = outcomes[0][True, cross], outcomes[0][False, cross]
         for a, b in zip(sharded["weights"], whole["weights"]):
@@ -125,7 +124,8 @@ def test_custom_loops_reduce_scatter_without_buckets_and_whole_rules_are_refused
 
 
 @pytest.mark.timeout(120)
-def test_an_element_level_loss_counts_its_real_elements_through_the_reduce_scatter():
-    outcomes = results(run_workers(SCENARIOS, "element_level", 2, timeout=100))
+@pytest.mark.parametrize("scatter", [False, True])
+def test_an_element_level_loss_counts_its_real_elements_through_the_reduce_scatter(scatter):
+    outcomes = results(run_workers(SCENARIOS, "element_level", 2, timeout=100, kwargs={"scatter": scatter}))
     for outcome in outcomes:
         assert _largest(outcome[True], outcome[False]) <= TOLERANCE
