@@ -372,8 +372,9 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
     def _refresh_slots(self) -> None:
         self._slots_outdated = False
         if self._variables:
+            built = self._variables if self._shards is None else self._shards.piece_variables  # sharded: the pieces
             with context.enter_or_assert_strategy(self._strategy_of(self._variables)):
-                self.build(list(self._variables))
+                self.build(list(built))
             self._plans.clear()  # the multi-tensor groups follow each variable's slot names
 
     def get_slot(self, variable, name: str):
@@ -625,7 +626,16 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
         return shards
 
     def _build_for(self, variables) -> None:
-        """Builds for the variables not built for yet (for their pieces where the strategy shards the state)."""
+        """Builds for the variables not built for yet (``_build_missing``), then restores what a loaded state
+        holds for them."""
+        self._build_missing(variables)
+        # A loaded state waits for its variables (built here, or by a direct build() call).
+        if self._pending is not None and self._pending.checked != len(self._variables):
+            self._restore_pending()
+
+    def _build_missing(self, variables) -> None:
+        """Builds for the variables not built for yet: for their pieces where the strategy shards the optimizer
+        state (``Trainer`` calls it before it loads a state, which is then checked against them)."""
         if self._slots_outdated:
             self._refresh_slots()
         missing = [v for v in variables if id(v) not in self._built_ids]
@@ -637,9 +647,6 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
             else:
                 with context.enter_or_assert_strategy(strategy):
                     self.build(missing)
-        # A loaded state waits for its variables (built here, or by a direct build() call).
-        if self._pending is not None and self._pending.checked != len(self._variables):
-            self._restore_pending()
 
     # --- configuration and state --------------------------------------------------------------
     def get_config(self) -> dict:

@@ -46,7 +46,8 @@ class MovingAverages:
         ``var_list``: variables or a module's parameters (``model.parameters()``); those the
         optimizer keeps no average for (never updated by it) are left as they are. Every copy
         of a variable gets its own copy's average (``extended.update``), so copies stay equal;
-        under ``MultiWorkerMirroredStrategy`` every worker calls it (no communication). Without
+        under ``MultiWorkerMirroredStrategy`` every worker calls it (no communication, except with
+        ``shard_optimizer_states``: the averages are gathered from every worker's part then). Without
         ``use_ema`` it does nothing. ``Trainer.fit`` calls it at its end, before ``on_train_end``
         (as Keras' ``fit`` does), so the model holds the averages after training.
 
@@ -60,6 +61,7 @@ class MovingAverages:
             return
         variables = self._averaged(var_list)
         if self._shards is not None:  # whole averages gathered from the pieces (every worker calls this)
+            self._shards.settle()  # the last update's values first (a gather the trainer's step may defer)
             self._write_averages(variables)
             return
         for variable in variables:
@@ -121,6 +123,8 @@ class MovingAverages:
         if self._swapped is not None:
             raise RuntimeError(f"{caller}: the averages are swapped in already (averaged_weights() do not nest).")
         variables = self._averaged(self._variables if var_list is None else var_list)
+        if self._shards is not None:
+            self._shards.settle()  # the trained values kept are the last update's (its gather may be deferred)
         saved = [[_tensor_of(c).detach().clone() for c in local_results(v)] for v in variables]
         if self._shards is not None:  # whole averages gathered from the pieces (every worker calls this)
             self._write_averages(variables)

@@ -18,6 +18,9 @@ changes), ``scale`` is halved and the growth counter restarts; after
 same on every replica and, after the all-reduce, on every worker, so every replica and worker
 takes the same decision from the gradient reduction itself, with no second collective: one
 replica's overflow (an infinite loss on its rows only) makes the sum non-finite everywhere.
+With sharded optimizer states (``MultiWorkerMirroredStrategy(shard_optimizer_states=True)``) each
+worker holds its part of the reduced gradients only, and the decision is agreed by one small
+collective.
 
 Where we differ from Keras 3: a skipped step still counts in ``iterations`` (as tf.keras'
 LossScaleOptimizer counted it; Keras 3 leaves the inner optimizer's count alone), so a
@@ -175,8 +178,8 @@ class LossScaleOptimizer(Optimizer):
     def build(self, variables) -> None:
         self.inner_optimizer.build(variables)
 
-    def _build_for(self, variables) -> None:
-        self.inner_optimizer._build_for(variables)
+    def _build_missing(self, variables) -> None:
+        self.inner_optimizer._build_missing(variables)
 
     # The inner optimizer keeps the exclusions and the averages: methods inherited from Optimizer would
     # set their state on this wrapper instead (``__getattr__`` only forwards what is missing).

@@ -74,13 +74,13 @@ class ShardedStates:
             return None
         if not self.elementwise_update:
             raise ValueError(
-                f"{type(self).__name__} declares elementwise_update = False (its update reads whole variables: a "
-                "norm per variable, a factorisation by shape), so its state cannot be sharded into slices of "
-                "variables. Use MultiWorkerMirroredStrategy(shard_optimizer_states=False) with it."
+                f"{type(self).__name__} {self.name!r} declares elementwise_update = False (its update reads whole "
+                "variables: a norm per variable, a factorisation by shape), so its state cannot be sharded into "
+                "slices of variables. Use MultiWorkerMirroredStrategy(shard_optimizer_states=False) with it."
             )
         if self._variables:
             raise ValueError(
-                f"{type(self).__name__} {self.name!r} was built with whole slots (a build() or a load before the "
+                f"{type(self).__name__} {self.name!r} was built with whole slots (a direct build() call before the "
                 "strategy sharded them); with shard_optimizer_states, let the first update (or Trainer's restore) "
                 "build it."
             )
@@ -127,13 +127,17 @@ class ShardedStates:
         learning_rate = self._current_learning_rate()
         self._prepare_step(learning_rate)
         ema = self._ema_step()
-        if shards.refresh():  # a variable's tensor was replaced: the pieces view the new one
+        if shards.refresh():  # a variable's memory moved (``param.data = ...``): the pieces view it again
             self._plans.clear()
+            self._pieces_moved()
         self._update_pieces(shards, grads, learning_rate, ema)
         shards.publish(buffers)
         strategy.extended.after_direct_update(shards.variables)
         self._count()
         return self.iterations
+
+    def _pieces_moved(self) -> None:
+        """The piece variables view other memory now (``StateShards.refresh``): what holds their tensors follows."""
 
     def _update_pieces(self, shards, grads: list, learning_rate: float, ema) -> None:
         pieces = shards.piece_variables
@@ -200,6 +204,9 @@ class ShardedStates:
             for name in names[position]:
                 if name not in every:
                     every.append(name)
+        for position, variable in enumerate(shards.variables):  # an empty variable has no piece anywhere
+            if position not in names and not local_results(variable)[0]._read().numel():
+                names[position] = list(every)
         slots: dict = {position: {} for position in range(len(shards.variables))}
         for name in every:
             per_piece = []

@@ -74,6 +74,8 @@ class TorchOptimizer(Optimizer):
         )
         self._torch_class = optimizer_class
         self._torch_kwargs = dict(torch_kwargs)
+        # Sharded optimizer states give the update slices of variables: refused for rules that read whole ones.
+        self.elementwise_update = optimizer_class.__name__ not in _WHOLE_TENSOR_RULES
         self._decays = "weight_decay" in probe.defaults  # the class has a weight_decay (exclusions apply)
         self._torch_optimizers: list = []
         self._torch_order: list = []  # the variable position of each of torch's parameter indices
@@ -117,6 +119,22 @@ class TorchOptimizer(Optimizer):
         if whole_excluded:
             params.append({"params": [tensors[i] for i in excluded], "weight_decay": 0.0})
         self._torch_optimizers = [self._torch_class(params, **self._torch_kwargs)]
+
+    def _pieces_moved(self) -> None:
+        """The torch optimizer's parameters (and its state, keyed by them) follow the pieces' new views."""
+        optimizer = self._torch_optimizers[0]
+        tensors = [v._read() for v in self._shards.piece_variables]
+        old = [p for group in optimizer.param_groups for p in group["params"]]
+        state = {id(p): optimizer.state[p] for p in old if p in optimizer.state}
+        start = 0
+        for group in optimizer.param_groups:  # torch numbers the parameters group by group
+            count = len(group["params"])
+            group["params"] = [tensors[self._torch_order[i]] for i in range(start, start + count)]
+            start += count
+        optimizer.state.clear()
+        for before, after in zip(old, (p for group in optimizer.param_groups for p in group["params"])):
+            if id(before) in state:
+                optimizer.state[after] = state[id(before)]
 
     def _update_pieces(self, shards, grads: list, learning_rate: float, ema) -> None:
         """torch's ``step()`` on this worker's pieces, then their moving averages."""
@@ -419,6 +437,11 @@ class TorchOptimizer(Optimizer):
             slots.discard(slot_taken, self._variables)
             if slots.done(len(self._variables)):
                 self._pending_slots = None
+
+
+# torch.optim rules that read whole parameters (Adafactor's factored second moments and RMS scale, Muon's
+# orthogonalised matrices, L-BFGS's closure over every parameter): not element-wise, so never sharded.
+_WHOLE_TENSOR_RULES = frozenset({"Adafactor", "Muon", "LBFGS"})
 
 
 def _is_piece_tensor(name: str, value, piece) -> bool:

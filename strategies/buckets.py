@@ -272,7 +272,8 @@ class GradientBuckets:
 
     def reduce(self, values: list, carried: list | None = None) -> list:
         """The summed gradients of every worker and replica, one tensor per variable (a view of
-        its bucket, valid until the next step): ``values`` are the ``PerReplica`` gradients
+        its bucket, valid until the next step; with ``parts`` > 1 this worker's part of each bucket
+        instead, in bucket order): ``values`` are the ``PerReplica`` gradients
         ``batch_reduce_to`` was given. ``carried``: the step values' limbs per local replica
         (``carrier_dtype``), summed in the last bucket's spare elements into ``self.carried``."""
         given = [v.values for v in values]

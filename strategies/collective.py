@@ -303,7 +303,8 @@ class Collective:
         reduce-scatter took 60 ms and its all-gather 53 ms against 30-38 ms for an all-reduce, and each allocated
         the whole buffer again (38-47 MB), which is what sharded optimizer states exist to save; there the sharded
         reduction is an in-place all-reduce of which each worker keeps its part, and the gather an in-place
-        all-reduce of the parts with zeros elsewhere (exact: every element has one non-zero term).
+        all-reduce of the parts with zeros elsewhere (exact: every element has one non-zero term; a -0.0
+        comes back as 0.0).
         ``prefer_scatter`` overrides it (the tests run the NCCL way on gloo)."""
         return self.prefer_scatter if self.prefer_scatter is not None else self.backend == "nccl"
 

@@ -242,6 +242,15 @@ class StrategyExtended:
         """Drops what ``gradient_step`` built (the hooks on the model's parameters), e.g. when a
         fit ends."""
 
+    def settle_updates(self) -> None:
+        """Makes every variable hold the last update where the strategy let its communication run on past the
+        step (sharded optimizer states under ``MultiWorkerMirroredStrategy``); nothing elsewhere.
+
+        Example::
+
+            strategy.extended.settle_updates()   # before reading weights between two built-in steps
+        """
+
     def _as_local_replicas(self, value):
         """``value`` as a distributed value of this worker's replicas where a plain value is
         worker-specific (across workers); unchanged in one process."""

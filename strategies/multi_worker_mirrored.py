@@ -136,18 +136,40 @@ class MultiWorkerMirroredExtended(StrategyExtended):
 
     @contextlib.contextmanager
     def _bucket_step(self, buckets):
+        self.settle_updates()  # the previous step's gathered values, before this step's forward reads them
+        shards = self._shards if self._shards is not None and self._shards.matches(buckets.variables) else None
         buckets.arm(hooks=self.overlap_gradients)
         self._grad_step = buckets
+        if shards is not None:  # the step's gather of updated values may run on past its end (settle_updates)
+            shards.defer = True
         try:
             yield
         except BaseException:
             self._grad_step = None
-            buckets.disarm(quiet=True)  # the step's own error is the one to report
+            if shards is not None:
+                shards.defer = False
+                shards.settle(quiet=True)  # no gather left in flight; the step's own error is the one to report
+            buckets.disarm(quiet=True)
             raise
         self._grad_step = None
+        if shards is not None:
+            shards.defer = False
         buckets.disarm()
 
+    def settle_updates(self) -> None:
+        """Finishes the gather of the last update's values where sharded optimizer states deferred it (the
+        trainer's built-in step lets it run on while the trainer moves to the next step): after this every
+        variable holds its updated value. The strategy calls it before the next step and any ``run``; the
+        trainer before callbacks that may read the variables and at the end of the steps."""
+        if self._shards is not None and self._shards.pending:
+            self._shards.settle()
+
+    def _call_for_each_replica(self, fn, args, kwargs, timeout=None):
+        self.settle_updates()
+        return super()._call_for_each_replica(fn, args, kwargs, timeout)
+
     def release_gradient_hooks(self) -> None:
+        self.settle_updates()
         if self._grad_buckets is not None:
             self._grad_buckets.remove()
             self._grad_buckets = None
@@ -194,6 +216,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         list at a time (asking for another list makes its shards anew)."""
         if not self.shard_optimizer_states or self._collective is None or not variables:
             return None
+        self.settle_updates()
         shards = self._shards
         if shards is None or not shards.matches(variables):
             shards = self._shards = StateShards(self._collective, variables, self._options.bytes_per_pack or 0)
@@ -203,7 +226,8 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         """``(chunks, buffers)``: this worker's chunk of each of ``shards``' segments, summed over every replica
         of every worker, and the segments' buffers (free once the chunks are used: ``shards.publish`` gathers
         into them). ``grads`` are ``PerReplica`` gradients of ``shards.variables`` (cross-replica context). In a
-        training step the buckets started during backward did most of it; else one reduce-scatter per segment.
+        training step the buckets started during backward did most of it; else one reduction per segment (a
+        reduce-scatter on NCCL, an all-reduce of which this worker keeps its part on gloo).
         The pending step values ride along (every worker gets their totals) as with ``batch_reduce_to``."""
         values = self._step_values
         payload = values.take() if values.pending else None

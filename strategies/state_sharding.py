@@ -113,6 +113,10 @@ class ShardPlan:
         return f"ShardPlan({len(self.segments)} segment(s), {sum(self.lengths)} elements, {self.num_workers} workers)"
 
 
+def _where(tensor: torch.Tensor) -> tuple:
+    return tensor.data_ptr(), tuple(tensor.shape), tensor.dtype
+
+
 def dtype_segments(tensors) -> tuple:
     """``(segments, dtypes)``: one segment per dtype (in order of first appearance) holding whole
     tensors in order, as the reduction packs them when it is not bucketed."""
@@ -162,15 +166,23 @@ class StateShards:
         self.variables = list(variables)
         copies = [[component._read() for component in local_results(v)] for v in self.variables]
         layout = bucket_layout(copies, bucket_bytes)
+        # One segment per bucket (a bucket of empty variables only is an empty segment: indices stay aligned).
         segments = [[(i, 0, copies[i][0].numel()) for i in members if copies[i][0].numel()] for members, _, _ in layout]
-        kept = [k for k, segment in enumerate(segments) if segment]
-        self.plan = ShardPlan([segments[k] for k in kept], collective.world_size)
-        self.dtypes = [layout[k][1] for k in kept]
-        self.devices = [layout[k][2] for k in kept]
+        self.plan = ShardPlan(segments, collective.world_size)
+        self.dtypes = [dtype for _, dtype, _ in layout]
+        self.devices = [device for _, _, device in layout]
         self.worker = collective.rank
+        idle = [w for w in range(collective.world_size) if not self.plan.owned(w)]
+        if idle:  # the same plan on every worker: every worker raises
+            raise ValueError(
+                f"Sharded optimizer states: worker(s) {idle} of {collective.world_size} would own no element of these "
+                f"variables ({sum(self.plan.lengths)} elements in {len(segments)} bucket(s), each cut into one equal "
+                "part per worker). A model this small has nothing to save by sharding: use "
+                "MultiWorkerMirroredStrategy(shard_optimizer_states=False)."
+            )
         self.pieces = self.plan.owned(self.worker)
         self.piece_variables = []
-        self._storage: list = [None] * len(self.variables)  # each first copy's tensor the pieces view
+        self._storage: list = [None] * len(self.variables)  # (data pointer, shape, dtype) the pieces view
         for piece in self.pieces:
             source = self.variables[piece.variable]
             view = self._view(piece)
@@ -178,6 +190,9 @@ class StateShards:
             name = f"{source.name}[{piece.start}:{piece.stop}]"
             self.piece_variables.append(LocalVariable(view, name=name, device=device, trainable=False))
         self._ids = [id(v) for v in self.variables]
+        self._pending = None  # the gathers a deferred publish started
+        #: Whether ``publish`` only starts the gathers (``settle`` finishes them): set by the strategy.
+        self.defer = False
         fits = [k for k, dtype in enumerate(self.dtypes) if dtype in CARRIERS]
         #: The segment whose reduce-scatter carries the step values (the last of a dtype that sums their limbs
         #: exactly, as the buckets carry them in the last bucket), or ``None``: they are reduced on their own.
@@ -190,17 +205,27 @@ class StateShards:
                 f"Sharded optimizer states update the variables in place, and {self.variables[piece.variable].name!r} "
                 "is not contiguous: make its tensor contiguous (module parameters are) before training."
             )
-        self._storage[piece.variable] = tensor
+        self._storage[piece.variable] = _where(tensor)
         return tensor.detach().view(-1)[piece.start : piece.stop]
 
     def refresh(self) -> bool:
-        """Points the piece variables at the variables' tensors again where one was replaced (``param.data = ...``);
-        whether any was (the optimizer's multi-tensor plans are then made again)."""
+        """Points the piece variables at the variables' memory again where it moved (``param.data = ...`` keeps the
+        parameter and gives it other memory); whether any did (the optimizer then makes its plans again). A
+        variable whose shape or dtype changed since is a ``ValueError``: the partition was cut for the old one."""
         changed = False
         for piece, variable in zip(self.pieces, self.piece_variables):
-            if local_results(self.variables[piece.variable])[0]._read() is not self._storage[piece.variable]:
-                variable._tensor = self._view(piece)
-                changed = True
+            tensor = local_results(self.variables[piece.variable])[0]._read()
+            now, then = _where(tensor), self._storage[piece.variable]
+            if now == then:
+                continue
+            if now[1:] != then[1:]:
+                raise ValueError(
+                    f"The variable {self.variables[piece.variable].name!r} changed from shape {list(then[1])} "
+                    f"{then[2]} to {list(now[1])} {now[2]} after its optimizer state was sharded: change a model's "
+                    "parameters before its first update (or make a new optimizer)."
+                )
+            variable._tensor = self._view(piece)
+            changed = True
         return changed
 
     def matches(self, variables) -> bool:
@@ -235,6 +260,9 @@ class StateShards:
         carrier = self.carrier if carried is not None else None
         buffers, started = self.buffers(), []
         for k, (segment, buffer) in enumerate(zip(self.plan.segments, buffers)):
+            if not segment and k != carrier:  # a bucket of empty variables: nothing to reduce
+                started.append(None)
+                continue
             position = 0
             for i, a, b in segment:
                 buffer[position : position + b - a] = local_sums[i].reshape(-1)[a:b]
@@ -250,6 +278,9 @@ class StateShards:
                 started.append(self._collective.start_reduce_scatter_in_place(buffer, what))
         chunks, total = [], None
         for k, work in enumerate(started):
+            if work is None:
+                chunks.append(buffers[k])
+                continue
             if isinstance(work, tuple):
                 self._collective.wait_work(work[0], f"reduce_scatter (segment {k})")
                 chunk, length = self.plan.chunk_lengths[k], self.plan.padded_length(k)
@@ -266,7 +297,13 @@ class StateShards:
     def publish(self, buffers: list | None = None) -> None:
         """Every worker's updated pieces into every local copy of every variable: this worker's owned elements
         packed into its chunk of each segment's buffer (``buffers``: the step's, free once the gradients are
-        used; ``None``: new ones), one in-place all-gather per segment, then copied out."""
+        used; ``None``: new ones), one in-place all-gather per segment, then copied out.
+
+        With ``defer`` set (the strategy sets it for the trainer's built-in step) the gathers are only started:
+        ``settle()`` waits for them and copies the values out, which the strategy does before anything reads
+        the variables again (the next step's forward, any ``strategy.run``, the trainer's callbacks that may
+        read them, a checkpoint), so the gather overlaps what the trainer does between two steps."""
+        self.settle()
         buffers = self.buffers() if buffers is None else buffers
         rank = self.worker
         with torch.no_grad():
@@ -286,13 +323,39 @@ class StateShards:
                     buffer[(rank + 1) * chunk :].zero_()
             if destinations:
                 torch._foreach_copy_(destinations, sources)
-        started = [
+        self._pending = [
             self._collective.start_all_gather_in_place(buffer, f"all_gather (updated values, segment {k})")
+            if buffer.numel()
+            else None
             for k, buffer in enumerate(buffers)
         ]
+        if not self.defer:
+            self.settle()
+
+    @property
+    def pending(self) -> bool:
+        """Whether a deferred ``publish`` has not been settled yet (the variables do not hold the update yet)."""
+        return self._pending is not None
+
+    def settle(self, quiet: bool = False) -> None:
+        """Finishes a deferred ``publish``: waits for its gathers and copies every worker's updated values into
+        every local copy (nothing when none is pending). ``quiet``: on the way out of a failed step, a failure to
+        wait is not raised (the step's own error is on its way) and nothing is copied."""
+        started, self._pending = self._pending, None
+        if not started:
+            return
         with torch.no_grad():
             for k, work in enumerate(started):
-                self._scatter(k, work.result())
+                if work is None:  # an empty segment
+                    continue
+                try:
+                    full = work.result()
+                except Exception:
+                    if quiet:
+                        continue
+                    raise
+                if not quiet:
+                    self._scatter(k, full)
 
     def _scatter(self, k: int, full: torch.Tensor) -> None:
         destinations, sources, position = [], [], 0
@@ -314,6 +377,8 @@ class StateShards:
         for piece, tensor in zip(self.pieces, per_piece):
             by_segment.setdefault(piece.segment, []).append((piece, tensor))
         for k, segment in enumerate(self.plan.segments):
+            if not segment:
+                continue
             chunk = torch.zeros(self.plan.chunk_lengths[k], dtype=self.dtypes[k], device=self.devices[k])
             for piece, tensor in by_segment.get(k, ()):
                 if tensor is not None:

@@ -51,6 +51,7 @@ class FitPlan:
     accumulating: bool  # the optimizer accumulates gradients over a window of steps
     overlap: object  # the built-in step's reduction in buckets during backward (a context), else None
     preemption: object = None  # the PreemptionWatch of BackupAndRestore(save_before_preemption=...), else None
+    settle_each_step: bool = True  # a step's deferred update (sharded optimizer states) is settled before batch hooks
 
 
 class FitLoop:
@@ -251,9 +252,13 @@ class FitLoop:
         accumulating = bool(getattr(self.optimizer, "gradient_accumulation_steps", None))
         builtin_step = self._is_builtin("train_step")
         overlap = self.strategy.extended.gradient_step if builtin_step and not accumulating else None
+        # Sharded optimizer states gather a step's updated values while the loop moves on, unless a callback's
+        # batch hooks might read the variables (then they are settled before those hooks).
+        settle = callbacks_module.may_touch_variables_between_steps(callback_list)
         return FitPlan(
-            steps, validation_data, batch_size, batch_logs, agree_logs, agree_each_step, accumulating, overlap, watch
-        )
+            steps, validation_data, batch_size, batch_logs, agree_logs, agree_each_step, accumulating, overlap, watch,
+            settle,
+        )  # fmt: skip
 
     def _fit_epoch(self, epoch: int, resumed, dm, cursor, callback_list, plan) -> dict:
         """One epoch of ``fit``: its steps (from where the backup ``resumed`` left off, if given), then the
@@ -265,6 +270,7 @@ class FitLoop:
         callback_list.call("on_epoch_begin", epoch, {})
         watch = plan.preemption
         step, preempted = self._train_steps(resumed["step"] if resumed is not None else 0, cursor, callback_list, plan)
+        self.strategy.extended.settle_updates()  # every variable holds the last update from here on
         if preempted:
             self._preempted(watch, epoch, step)
         if plan.accumulating:  # a partial window is applied, not dropped
@@ -340,6 +346,8 @@ class FitLoop:
             if watch is not None:  # this worker's flag rides with the step's reduction
                 watch.before_step()
             self._run_train_step(batch, plan)
+            if plan.settle_each_step:
+                self.strategy.extended.settle_updates()
             step += 1
             self._step = step
             # Across workers reading the logs is a collective (agreed once: every step); in one

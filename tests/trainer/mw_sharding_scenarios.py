@@ -11,7 +11,7 @@ from conftest import Lion  # the base class docstring's subclass: build and upda
 import replicafit.strategies as ds
 from replicafit import optimizers
 from replicafit.strategies.collective import Collective
-from replicafit.trainer import Trainer
+from replicafit.trainer import Callback, Trainer
 
 
 class WholeNorm(Lion):
@@ -35,6 +35,8 @@ def make_optimizer(kind: str):
         return optimizers.RMSprop(1e-2, momentum=0.5, clipvalue=0.05)
     if kind == "adagrad":
         return optimizers.Adagrad(0.05)
+    if kind == "sgd_momentum_later":  # momentum set after the first epoch (MomentumLater): its slots made then
+        return optimizers.SGD(0.05)
     if kind == "lion":
         return Lion(1e-3)
     if kind == "whole_norm":
@@ -69,13 +71,45 @@ def strategy_for(rank, num_workers, port, shard, bytes_per_pack=0, local=1):
     return ds.MultiWorkerMirroredStrategy(options, resolver, shard_optimizer_states=shard)
 
 
-def fit(rank, num_workers, port, kind="adam", shard=True, epochs=2, units=7, bytes_per_pack=0, local=1, overlap=True):
-    """Two epochs of fit; the weights, history and the whole optimizer state afterwards."""
+class Weights(Callback):
+    """Reads the model's weights at every batch's end (a user's callback: the step's update must be there)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append([p.detach().clone() for p in self.model.parameters()])
+
+
+class MomentumLater(Callback):
+    """Sets SGD's momentum at the first epoch's end (as a scheduler of momentum does): the slots are made then."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.trainer.optimizer.momentum = 0.9
+
+
+def fit(
+    rank,
+    num_workers,
+    port,
+    kind="adam",
+    shard=True,
+    epochs=2,
+    units=7,
+    bytes_per_pack=0,
+    local=1,
+    overlap=True,
+    reader=False,
+):
+    """Two epochs of fit; the weights, history and the whole optimizer state afterwards (``reader``: and the
+    weights a callback read after every step)."""
     strategy = strategy_for(rank, num_workers, port, shard, bytes_per_pack, local)
     strategy.extended.overlap_gradients = overlap
     model = model_of(units)
     trainer = Trainer(strategy=strategy, optimizer=make_optimizer(kind), loss="cross_entropy", seed=3)
-    history = trainer.fit(model, data(), batch_size=24, epochs=epochs, verbose=0)
+    callbacks = ([Weights()] if reader else []) + ([MomentumLater()] if kind == "sgd_momentum_later" else [])
+    history = trainer.fit(model, data(), batch_size=24, epochs=epochs, verbose=0, callbacks=callbacks)
     state = trainer.optimizer.state_dict()
     shards = trainer.optimizer._shards if hasattr(trainer.optimizer, "_shards") else None
     return {
@@ -83,6 +117,7 @@ def fit(rank, num_workers, port, kind="adam", shard=True, epochs=2, units=7, byt
         "weights": {k: v.clone() for k, v in model.state_dict().items()},
         "state": state,
         "owned": None if shards is None else sum(p.size for p in shards.pieces),
+        "read": callbacks[0].seen if reader else None,
     }
 
 
@@ -199,4 +234,66 @@ def second_epoch(rank, num_workers, port, directory, kinds=("adam",), shard=True
                 "weights": {k: v.clone() for k, v in model.state_dict().items()},
                 "state": trainer.optimizer.state_dict(),
             }
+    return out
+
+
+class WithEmpty(torch.nn.Module):
+    """An MLP with two parameters of no elements, one a float64 bucket of its own (an empty segment)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = model_of()
+        self.nothing = torch.nn.Parameter(torch.zeros(0))
+        self.nothing64 = torch.nn.Parameter(torch.zeros(0, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.body(x) + self.nothing.sum() + self.nothing64.sum().float()
+
+
+def edges(rank, num_workers, port):
+    """Edge cases, sharded and whole: parameters whose memory moves between steps (``param.data = ...``), for a
+    built-in and a ``from_torch`` optimizer; a model with empty parameters; the refusals (a worker that would own
+    nothing, a torch rule that reads whole parameters)."""
+    out = {}
+    for shard in (True, False):
+        for kind in ("adam", "torch_adamw"):
+            strategy = strategy_for(rank, num_workers, port, shard)
+            net = model_of()
+            with strategy.scope():
+                model = strategy.distribute_module(net)
+                optimizer = make_optimizer(kind)
+            x, y = data(48)
+            variables = model.trainable_variables
+
+            def step(xb, yb, model=model, optimizer=optimizer, variables=variables):
+                loss = torch.nn.functional.cross_entropy(model(xb), yb, reduction="sum") / 48
+                grads = torch.autograd.grad(loss, [v.value() for v in variables])
+                optimizer.apply_gradients(zip(grads, variables))
+
+            for number in range(3):
+                part = slice(rank * 24, rank * 24 + 24)
+                strategy.run(step, args=(x[part], y[part]))
+                if number == 0:
+                    for parameter in net.parameters():
+                        parameter.data = parameter.data + 0.01  # other memory and values, the same parameter
+            out["moved", kind, shard] = [v.read_value().detach().clone() for v in variables]
+        strategy = strategy_for(rank, num_workers, port, shard)
+        trainer = Trainer(strategy=strategy, optimizer=make_optimizer("adam"), loss="cross_entropy", seed=3)
+        model = WithEmpty()
+        trainer.fit(model, data(), batch_size=24, epochs=1, verbose=0)
+        out["empty", shard] = {
+            "weights": {k: v.clone() for k, v in model.state_dict().items()},
+            "state": trainer.optimizer.state_dict(),
+        }
+    for name, optimizer in (("tiny", "adam"), ("adafactor", "adafactor")):
+        strategy = strategy_for(rank, num_workers, port, True)
+        model = torch.nn.Linear(1, 1, bias=False) if name == "tiny" else model_of()
+        made = optimizers.from_torch(torch.optim.Adafactor) if optimizer == "adafactor" else make_optimizer(optimizer)
+        trainer = Trainer(strategy=strategy, optimizer=made, loss="mse")
+        try:
+            trainer.fit(model, (torch.randn(8, 1 if name == "tiny" else 6), torch.randn(8, 1 if name == "tiny" else 3)),
+                        batch_size=4, epochs=1, verbose=0)  # fmt: skip
+            out[name] = None
+        except ValueError as error:
+            out[name] = str(error)
     return out

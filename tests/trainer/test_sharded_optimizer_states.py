@@ -14,7 +14,7 @@ TOLERANCE = 1e-6
 
 
 def _largest(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
+    return max(float((a[k] - b[k]).abs().max()) if a[k].numel() else 0.0 for k in a)
 
 
 def _same_layout(sharded, whole, where: str) -> float:
@@ -48,6 +48,8 @@ CASES_2 = [
     ("adam", {"bytes_per_pack": 512}),  # several buckets reduce-scattered during backward
     ("adam", {"bytes_per_pack": 512, "overlap": False}),  # ... or after it
     ("adam", {"local": 2}),  # two replicas per worker
+    ("adam", {"reader": True}),  # a callback reads the weights after every step: the update is there
+    ("sgd_momentum_later", {}),  # slots a hyper-parameter asks for after the build: made for the pieces
 ]
 CASES_3 = [*CASES_2[:6], ("adam", {"bytes_per_pack": 512})]
 
@@ -66,6 +68,11 @@ def test_sharded_runs_equal_the_unsharded_runs_and_every_worker_agrees_bit_for_b
         what = f"{kind} {kwargs}"
         sharded, whole = outcomes[0][number]["sharded"], outcomes[0][number]["whole"]
         assert _largest(sharded["weights"], whole["weights"]) <= TOLERANCE, what
+        for ours, theirs in zip(sharded["read"] or (), whole["read"] or ()):  # after every step, as unsharded
+            assert max(float((a - b).abs().max()) for a, b in zip(ours, theirs)) <= TOLERANCE, what
+        assert (sharded["read"] is None) == (whole["read"] is None) and len(sharded["read"] or ()) == len(
+            whole["read"] or ()
+        ), what
         assert _same_layout(sharded["state"], whole["state"], what) <= TOLERANCE, what  # gathered, unsharded layout
         for name in ("loss",):
             assert sharded["history"][name] == pytest.approx(whole["history"][name], abs=1e-5), what
@@ -129,3 +136,17 @@ def test_an_element_level_loss_counts_its_real_elements_through_the_reduce_scatt
     outcomes = results(run_workers(SCENARIOS, "element_level", 2, timeout=100, kwargs={"scatter": scatter}))
     for outcome in outcomes:
         assert _largest(outcome[True], outcome[False]) <= TOLERANCE
+
+
+@pytest.mark.timeout(120)
+def test_moved_parameters_empty_parameters_and_the_refusals():
+    outcomes = results(run_workers(SCENARIOS, "edges", 2, timeout=100))
+    for outcome in outcomes:
+        for kind in ("adam", "torch_adamw"):  # param.data = ... after the first step: the pieces follow
+            for a, b in zip(outcome["moved", kind, True], outcome["moved", kind, False]):
+                assert float((a - b).abs().max()) <= TOLERANCE, kind
+        sharded, whole = outcome["empty", True], outcome["empty", False]
+        assert _largest(sharded["weights"], whole["weights"]) <= TOLERANCE
+        assert _same_layout(sharded["state"], whole["state"], "empty parameters") <= TOLERANCE
+        assert "would own no element" in outcome["tiny"] and "shard_optimizer_states=False" in outcome["tiny"]
+        assert "elementwise_update = False" in outcome["adafactor"]

@@ -25,6 +25,7 @@ from .backup_and_restore import BackupAndRestore
 from .callback import Callback
 from .callback_list import CallbackList
 from .callback_list import may_stop_training_alone as may_stop_training_alone  # the trainer's, outside __all__
+from .callback_list import may_touch_variables_between_steps as may_touch_variables_between_steps  # the trainer's
 from .csv_logger import CSVLogger
 from .early_stopping import EarlyStopping
 from .history import History

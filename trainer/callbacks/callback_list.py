@@ -4,7 +4,7 @@ hooks called in order, which logs they read, which keep state, whether one may s
 
 from __future__ import annotations
 
-from .callback import Callback
+from .callback import Callback, _overrides
 from .history import History
 
 _BATCH_HOOKS = (
@@ -84,3 +84,17 @@ def may_stop_training_alone(callbacks) -> bool:
     one of the built-ins acting on the (global) logs alone. A subclass of a built-in counts as the
     user's (it may decide otherwise), unless it sets ``_decides_from_logs = True`` itself."""
     return any(not type(cb).__dict__.get("_decides_from_logs", False) for cb in callbacks)
+
+
+def may_touch_variables_between_steps(callbacks) -> bool:
+    """Whether a callback's per-batch training hooks (``on_train_batch_begin``/``_end``) might read or write the
+    model's variables: any callback that implements one and is not one of the built-ins known to leave them
+    alone (a subclass of a built-in counts as the user's unless it sets ``_leaves_variables_in_batch_hooks =
+    True`` itself). Under sharded optimizer states the trainer finishes gathering a step's updated values before
+    such hooks run; otherwise the gather runs on through them."""
+    hooks = ("on_train_batch_begin", "on_train_batch_end")
+    return any(
+        not type(cb).__dict__.get("_leaves_variables_in_batch_hooks", False)
+        and any(_overrides(cb, hook) or hook in vars(cb) for hook in hooks)
+        for cb in callbacks
+    )

@@ -59,6 +59,8 @@ class ProgbarLogger(Callback):
         trainer.fit(model, data, epochs=3, callbacks=[ProgbarLogger(2, stream=open("log.txt", "w"))], verbose=0)
     """
 
+    _leaves_variables_in_batch_hooks = True  # its batch hooks read the logs (and set rates), not variables
+
     _decides_from_logs = True
     _REDRAW_SECONDS = 0.1
     _BAR = 20  # Keras' bar width, and the narrowest it gets

@@ -53,6 +53,8 @@ class TorchLRScheduler(MonitorCallback):
             TorchLRScheduler(partial(OneCycleLR, max_lr=0.01, total_steps=5 * steps), interval="step")])
     """
 
+    _leaves_variables_in_batch_hooks = True  # its batch hooks read the logs (and set rates), not variables
+
     _decides_from_logs = True
     logs_learning_rate = "after_step"
     _monitor_owner = "TorchLRScheduler(ReduceLROnPlateau)"
