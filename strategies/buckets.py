@@ -94,7 +94,10 @@ def bucket_layout(tensors: list, bucket_bytes: int = 0) -> list:
 
 
 class _Bucket:
-    __slots__ = ("members", "buffer", "data", "views", "spare", "work", "out", "ready", "remaining", "dtype", "device")
+    __slots__ = (
+        "members", "buffer", "data", "parts", "scattered", "views", "spare", "work", "out", "ready", "remaining",
+        "dtype", "device",
+    )  # fmt: skip
 
     def __init__(self, members, dtype, device):
         self.members = members  # variable indices, in bucket order
@@ -104,6 +107,8 @@ class _Bucket:
         self.views = []
         self.spare = None  # the step values' elements (the last bucket)
         self.data = 0  # the gradients' elements in the buffer, padding included (the rest: spare and flag)
+        self.parts = 1  # the parts it is reduced into (one per worker where sharded optimizer states cut it)
+        self.scattered = False  # whether its collective in flight is a reduce-scatter (else an all-reduce)
         self.work = None  # the all-reduce (or reduce-scatter) in flight
         self.out = None  # the reduce-scatter's result: this worker's part, then the spare and flag totals
         self.ready = False  # every local gradient recorded during backward
@@ -126,7 +131,9 @@ class GradientBuckets:
     #: on the host elsewhere); ``True`` forces the host (the tests exercise that path on CPU).
     flag_on_host: bool | None = None
 
-    def __init__(self, collective, variables, local_count: int, bucket_bytes: int = 0, parts: int = 1):
+    def __init__(
+        self, collective, variables, local_count: int, bucket_bytes: int = 0, parts: int = 1, whole=frozenset()
+    ):
         self._collective = collective
         self.variables = list(variables)
         self._count = local_count
@@ -150,7 +157,8 @@ class GradientBuckets:
             numels = [self._tensors[i][0].numel() for i in bucket.members]
             spare = SLOTS if number == last and self.carrier_dtype is not None else 0
             flag = 1 if number == last and self._flag == "bucket" else 0  # the "transformed" flag
-            bucket.data = -(-sum(numels) // parts) * parts  # padded with zeros to equal parts when scattered
+            bucket.parts = 1 if number in whole else parts  # ``whole``: buckets every worker keeps all of
+            bucket.data = -(-sum(numels) // bucket.parts) * bucket.parts  # padded with zeros to equal parts
             pad = bucket.data - sum(numels)
             bucket.buffer = torch.zeros(bucket.data + spare + flag, dtype=bucket.dtype, device=bucket.device)
             pieces = bucket.buffer.split(numels + [pad, spare, flag])
@@ -187,11 +195,11 @@ class GradientBuckets:
         the step's own error is on its way)."""
         with self._lock:
             self._armed = False
-            pending = [b.work for b in self._buckets if b.work is not None]
+            pending = [(b, b.work) for b in self._buckets if b.work is not None]
             self._reset()
-        for work in pending:
+        for bucket, work in pending:
             try:
-                self._wait(work, "gradient buckets (an unfinished step)")
+                self._wait(bucket, work, "gradient buckets (an unfinished step)")
             except Exception:
                 if not quiet:
                     raise
@@ -237,7 +245,8 @@ class GradientBuckets:
     def _start(self, bucket: _Bucket, what: str) -> None:
         """Starts the bucket's all-reduce, or with ``parts`` > 1 its reduce-scatter (the spare and flag elements
         carried whole to every worker)."""
-        if self._parts == 1 or not self._collective.lean_scatter:  # gloo: an all-reduce, this worker keeps its part
+        bucket.scattered = bucket.parts > 1 and self._collective.lean_scatter
+        if not bucket.scattered:  # one part, or gloo: an all-reduce, of which this worker keeps its part
             bucket.work = self._collective.start_all_reduce(bucket.buffer, what)
         elif bucket.buffer.numel() == bucket.data:  # in place: this worker's part of the buffer gets the sums
             bucket.work = self._collective.start_reduce_scatter_in_place(bucket.buffer, what, bucket=True)
@@ -245,19 +254,19 @@ class GradientBuckets:
             data, extras = bucket.buffer[: bucket.data], bucket.buffer[bucket.data :]
             bucket.work = self._collective.start_reduce_scatter(data, extras, what, bucket=True)
 
-    def _wait(self, work, what: str):
-        if self._parts == 1 or not self._collective.lean_scatter:
+    def _wait(self, bucket: _Bucket, work, what: str):
+        if not bucket.scattered:  # an all-reduce's work
             return self._collective.wait_work(work, what)
         return work.result()
 
     def _finish(self, bucket: _Bucket, what: str) -> None:
         work, bucket.work = bucket.work, None
-        result = self._wait(work, what)
-        if self._parts > 1 and not self._collective.lean_scatter:  # all-reduced: this worker's part of the sums
-            chunk = bucket.data // self._parts
-            rank = self._collective.rank
+        result = self._wait(bucket, work, what)
+        if self._parts > 1 and not bucket.scattered:  # all-reduced: this worker's part of the sums
+            chunk = bucket.data // bucket.parts
+            rank = self._collective.rank if bucket.parts > 1 else 0
             result = (bucket.buffer[rank * chunk : (rank + 1) * chunk], bucket.buffer[bucket.data :])
-        if self._parts > 1:  # this worker's part, then the spare and flag totals
+        if self._parts > 1:  # this worker's part (all of a whole bucket), then the spare and flag totals
             bucket.out = result
 
     def _fill(self, bucket: _Bucket, per_replica: list) -> None:

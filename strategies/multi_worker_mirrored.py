@@ -127,9 +127,12 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         if buckets is None or not buckets.matches(variables):
             self.release_gradient_hooks()
             bytes_per_bucket = self._options.bytes_per_pack or 0
-            parts = self._num_workers if self.shard_optimizer_states else 1  # reduce-scatters when sharded
+            parts, whole = 1, frozenset()
+            shards = self.state_shards(variables)
+            if shards is not None:  # each worker keeps its part of each bucket the shards cut
+                parts, whole = self._num_workers, shards.plan.whole
             buckets = GradientBuckets(
-                self._collective, variables, len(self._worker_devices), bytes_per_bucket, parts=parts
+                self._collective, variables, len(self._worker_devices), bytes_per_bucket, parts=parts, whole=whole
             )
             self._grad_buckets = buckets
         return self._bucket_step(buckets)
@@ -212,14 +215,17 @@ class MultiWorkerMirroredExtended(StrategyExtended):
     # --- sharded optimizer states ----------------------------------------------------------
     def state_shards(self, variables):
         """The ``StateShards`` of ``variables`` when this strategy shards optimizer states across several
-        workers (``shard_optimizer_states=True``), else ``None``: the optimizer keeps every slot then. One
-        list at a time (asking for another list makes its shards anew)."""
+        workers (``shard_optimizer_states=True``) and at least one of their buckets reaches
+        ``StateShards.min_bytes``, else ``None``: the optimizer keeps every slot then. One list at a time (asking
+        for another list makes its shards anew)."""
         if not self.shard_optimizer_states or self._collective is None or not variables:
             return None
         self.settle_updates()
         shards = self._shards
         if shards is None or not shards.matches(variables):
             shards = self._shards = StateShards(self._collective, variables, self._options.bytes_per_pack or 0)
+        if len(shards.plan.whole) == len(shards.plan.segments):  # every bucket under StateShards.min_bytes
+            return None  # nothing to cut: the optimizer keeps its whole state, as unsharded
         return shards
 
     def reduce_scatter_gradients(self, shards, grads: list) -> tuple:

@@ -11,6 +11,7 @@ from conftest import Lion  # the base class docstring's subclass: build and upda
 import replicafit.strategies as ds
 from replicafit import optimizers
 from replicafit.strategies.collective import Collective
+from replicafit.strategies.state_sharding import StateShards
 from replicafit.trainer import Callback, Trainer
 
 
@@ -64,6 +65,10 @@ def data(rows: int = 120):
     return x, y
 
 
+# Cut every bucket (the tests' models are small: by default buckets under StateShards.min_bytes stay whole).
+StateShards.min_bytes = 0
+
+
 def strategy_for(rank, num_workers, port, shard, bytes_per_pack=0, local=1):
     devices = [f"cpu:{i}" for i in range(local)]
     resolver = ds.SimpleClusterResolver(num_workers, rank, "127.0.0.1", port, devices=devices)
@@ -101,9 +106,11 @@ def fit(
     local=1,
     overlap=True,
     reader=False,
+    min_bytes=0,
 ):
     """Two epochs of fit; the weights, history and the whole optimizer state afterwards (``reader``: and the
     weights a callback read after every step)."""
+    StateShards.min_bytes = min_bytes
     strategy = strategy_for(rank, num_workers, port, shard, bytes_per_pack, local)
     strategy.extended.overlap_gradients = overlap
     model = model_of(units)
@@ -112,11 +119,13 @@ def fit(
     history = trainer.fit(model, data(), batch_size=24, epochs=epochs, verbose=0, callbacks=callbacks)
     state = trainer.optimizer.state_dict()
     shards = trainer.optimizer._shards if hasattr(trainer.optimizer, "_shards") else None
+    StateShards.min_bytes = 0
     return {
         "history": history.history,
         "weights": {k: v.clone() for k, v in model.state_dict().items()},
         "state": state,
-        "owned": None if shards is None else sum(p.size for p in shards.pieces),
+        "owned": None if shards is None else sum(p.size for p in shards.pieces if p.segment not in shards.plan.whole),
+        "whole": None if shards is None else sum(p.size for p in shards.pieces if p.segment in shards.plan.whole),
         "read": callbacks[0].seen if reader else None,
     }
 

@@ -50,6 +50,8 @@ CASES_2 = [
     ("adam", {"local": 2}),  # two replicas per worker
     ("adam", {"reader": True}),  # a callback reads the weights after every step: the update is there
     ("sgd_momentum_later", {}),  # slots a hyper-parameter asks for after the build: made for the pieces
+    ("adam", {"bytes_per_pack": 512, "min_bytes": 600}),  # buckets under 600 bytes stay whole, the others cut
+    ("adam", {"bytes_per_pack": 512, "min_bytes": 600, "local": 2}),
 ]
 CASES_3 = [*CASES_2[:6], ("adam", {"bytes_per_pack": 512})]
 
@@ -77,8 +79,10 @@ def test_sharded_runs_equal_the_unsharded_runs_and_every_worker_agrees_bit_for_b
         for name in ("loss",):
             assert sharded["history"][name] == pytest.approx(whole["history"][name], abs=1e-5), what
         owned = [outcomes[rank][number]["sharded"]["owned"] for rank in range(workers)]
+        kept = [outcomes[rank][number]["sharded"]["whole"] for rank in range(workers)]
         total = sum(v.numel() for v in whole["weights"].values())
-        assert sum(owned) == total, what  # every element has one owner
+        assert sum(owned) + kept[0] == total and len(set(kept)) == 1, what  # every element: one owner, or all
+        assert (kept[0] > 0) == ("min_bytes" in kwargs) and sum(owned) > 0, what
         assert max(owned) - min(owned) <= 3 * workers, what  # balanced, give or take a chunk's padding per segment
         for rank in range(1, workers):
             theirs = outcomes[rank][number]["sharded"]

@@ -36,6 +36,21 @@ class Callback:
     # Set on callbacks that act on the (global) logs alone, so decide alike on every worker.
     _decides_from_logs = False
 
+    #: Set ``True`` in a callback class whose per-batch training hooks (``on_train_batch_begin``/``_end``)
+    #: neither read nor write the model's variables (a timer, a display of the logs). Under sharded optimizer
+    #: states (``MultiWorkerMirroredStrategy(shard_optimizer_states=True)``) the gather of a step's updated
+    #: values then runs on through those hooks instead of being waited for before them. A subclass says so
+    #: itself (it may read what its parent did not).
+    #:
+    #: Example::
+    #:
+    #:     class StepTimer(Callback):
+    #:         leaves_variables_alone = True
+    #:
+    #:         def on_train_batch_end(self, batch, logs=None):
+    #:             self.times.append(time.perf_counter())
+    leaves_variables_alone = False
+
     # Whether ``on_epoch_end`` puts ``learning_rate`` into the epoch's logs, and when: ``"before_monitor"``
     # (before this callback reads its own monitor, which may then be ``learning_rate``), ``"after_step"`` (after
     # its own step: the callbacks after it see the value), or None. Recipes check a monitor of it with this.

@@ -89,12 +89,12 @@ def may_stop_training_alone(callbacks) -> bool:
 def may_touch_variables_between_steps(callbacks) -> bool:
     """Whether a callback's per-batch training hooks (``on_train_batch_begin``/``_end``) might read or write the
     model's variables: any callback that implements one and is not one of the built-ins known to leave them
-    alone (a subclass of a built-in counts as the user's unless it sets ``_leaves_variables_in_batch_hooks =
+    alone (a subclass of a built-in counts as the user's unless it sets ``leaves_variables_alone =
     True`` itself). Under sharded optimizer states the trainer finishes gathering a step's updated values before
     such hooks run; otherwise the gather runs on through them."""
     hooks = ("on_train_batch_begin", "on_train_batch_end")
     return any(
-        not type(cb).__dict__.get("_leaves_variables_in_batch_hooks", False)
+        not type(cb).__dict__.get("leaves_variables_alone", False)
         and any(_overrides(cb, hook) or hook in vars(cb) for hook in hooks)
         for cb in callbacks
     )

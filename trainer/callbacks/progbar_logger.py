@@ -59,7 +59,7 @@ class ProgbarLogger(Callback):
         trainer.fit(model, data, epochs=3, callbacks=[ProgbarLogger(2, stream=open("log.txt", "w"))], verbose=0)
     """
 
-    _leaves_variables_in_batch_hooks = True  # its batch hooks read the logs (and set rates), not variables
+    leaves_variables_alone = True  # its batch hooks read the logs (and set rates), not variables
 
     _decides_from_logs = True
     _REDRAW_SECONDS = 0.1

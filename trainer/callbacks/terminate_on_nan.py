@@ -10,7 +10,7 @@ from .callback import Callback
 class TerminateOnNaN(Callback):
     """Stops training as soon as a batch's loss is NaN or infinite."""
 
-    _leaves_variables_in_batch_hooks = True  # its batch hooks read the logs (and set rates), not variables
+    leaves_variables_alone = True  # its batch hooks read the logs (and set rates), not variables
 
     _decides_from_logs = True
 

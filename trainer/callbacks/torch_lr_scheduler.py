@@ -53,7 +53,7 @@ class TorchLRScheduler(MonitorCallback):
             TorchLRScheduler(partial(OneCycleLR, max_lr=0.01, total_steps=5 * steps), interval="step")])
     """
 
-    _leaves_variables_in_batch_hooks = True  # its batch hooks read the logs (and set rates), not variables
+    leaves_variables_alone = True  # its batch hooks read the logs (and set rates), not variables
 
     _decides_from_logs = True
     logs_learning_rate = "after_step"
