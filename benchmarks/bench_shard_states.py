@@ -48,7 +48,7 @@ def _mlp(widths):
     return torch.nn.Sequential(*layers[:-1])
 
 
-def worker(rank, workers, port, mode, model, steps, warmup, batch, min_bytes=None) -> dict:
+def worker(rank, workers, port, mode, model, steps, warmup, batch, min_bytes=None, ema=False) -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -83,10 +83,17 @@ def worker(rank, workers, port, mode, model, steps, warmup, batch, min_bytes=Non
             self.operations.append(collective.operations)
 
     clock = Clock()
-    optimizer = optimizers.Adam(1e-3)
+    optimizer = optimizers.Adam(1e-3, use_ema=ema)
     trainer = Trainer(strategy=strategy, optimizer=optimizer, loss="cross_entropy", metrics=(), seed=0)
     trainer.fit(net, (x, y), batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[clock])
     timed = [b - a for a, b in zip(clock.times[warmup - 1 : -1], clock.times[warmup:])]
+    swaps = []
+    for _ in range(5 if ema else 0):  # what SwapEMAWeights does around each validation: averages in, then out
+        collective.barrier("timing a swap")
+        start = time.perf_counter()
+        with optimizer.averaged_weights():
+            pass
+        swaps.append(time.perf_counter() - start)
     operations = (clock.operations[-1] - clock.operations[warmup - 1]) / len(timed)
     shards = optimizer._shards
     slot_bytes = sum(s._read().numel() * s._read().element_size() for s in optimizer._slots.values())
@@ -103,6 +110,7 @@ def worker(rank, workers, port, mode, model, steps, warmup, batch, min_bytes=Non
             moved = {"all_reduce": sum(sizes) + cut}
     return {
         "step": statistics.median(timed),
+        "swap": statistics.median(swaps) if swaps else None,
         "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "collectives": operations,
         "bytes": moved,
@@ -150,7 +158,11 @@ def _passed(args) -> list:
         "--workers", str(args.workers), "--model", args.model, "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--batch", str(args.batch),
     ]  # fmt: skip
-    return passed + (["--min-bytes", str(args.min_bytes)] if args.min_bytes is not None else [])
+    return (
+        passed
+        + (["--min-bytes", str(args.min_bytes)] if args.min_bytes is not None else [])
+        + (["--ema"] if args.ema else [])
+    )
 
 
 def main() -> None:
@@ -161,6 +173,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--ema", action="store_true", help="Adam(use_ema=True); time a swap of the averages in and out")
     parser.add_argument(
         "--min-bytes", type=int, default=None, help="StateShards.min_bytes (default: the library's, 1 MiB; 0 cuts all)"
     )
@@ -173,7 +186,7 @@ def main() -> None:
     if args.worker is not None:
         result = worker(
             args.worker, args.workers, args.port, args.mode, args.model, args.steps, args.warmup, args.batch,
-            args.min_bytes,
+            args.min_bytes, args.ema,
         )  # fmt: skip
         print(json.dumps(result), flush=True)
         return
@@ -191,6 +204,9 @@ def main() -> None:
         first = runs[0][0]
         summary[mode] = (step, rss, max(w["slot_bytes"] for w in runs[0]))
         moved = ", ".join(f"{name} {size / 1e6:.2f} MB" for name, size in first["bytes"].items())
+        if first["swap"] is not None:
+            swap = statistics.median(max(w["swap"] for w in run) for run in runs)
+            print(f"  {mode:8s} swapping the moving averages in and out (averaged_weights): {swap * 1e3:.1f} ms")
         print(
             f"  {mode:8s} step {step * 1e3:8.2f} ms   peak RSS {rss / 1e6:8.1f} MB   "
             f"slots held {summary[mode][2] / 1e6:6.1f} MB   data collectives/step {first['collectives']:.1f} "

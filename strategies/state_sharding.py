@@ -424,14 +424,14 @@ class StateShards:
         for k, segment in enumerate(self.plan.segments):
             if not segment:
                 continue
-            chunk = torch.zeros(self.plan.chunk_lengths[k], dtype=self.dtypes[k], device=self.devices[k])
+            buffer = torch.zeros(self.plan.padded_length(k), dtype=self.dtypes[k], device=self.devices[k])
+            at = self.plan.chunk_start(k, self.worker)
             for piece, tensor in by_segment.get(k, ()):
                 if tensor is not None:
-                    chunk[piece.offset : piece.offset + piece.size] = tensor.reshape(-1)
-            if k in self.plan.whole:  # every worker holds all of it
-                full = chunk
-            else:
-                full = self._collective.all_gather_flat(chunk, self.plan.lengths[k], f"gathering {what} (segment {k})")
+                    buffer[at + piece.offset : at + piece.offset + piece.size] = tensor.reshape(-1)
+            full = buffer  # a whole segment: every worker holds all of it
+            if k not in self.plan.whole:  # this worker's chunk, zeros elsewhere: gathered in place
+                full = self._collective.start_all_gather_in_place(buffer, f"gathering {what} (segment {k})").result()
             position = 0
             for index, start, stop in segment:
                 if whole[index] is None:

@@ -134,3 +134,20 @@ def preempted(rank, num_workers, port, outdir):
     except Preempted as error:
         stop = (error.epoch, error.step)
     return {"stop": stop, "resumed": run("backup"), "reference": reference}
+
+
+def sharded_fit(rank, num_workers, port, scatter=None):
+    """``fit_run`` with sharded optimizer states (every bucket cut), then without, two workers sharing the GPU over
+    gloo: the collectives run on host copies of the GPU buffers (``scatter=True``: reduce-scatter and all-gather,
+    NCCL's way, else gloo's all-reduces)."""
+    from replicafit.strategies.collective import Collective
+    from replicafit.strategies.state_sharding import StateShards
+
+    StateShards.min_bytes, Collective.prefer_scatter = 0, scatter
+    out = {}
+    for shard in (True, False):
+        resolver = ds.SimpleClusterResolver(num_workers, rank, "127.0.0.1", port, devices=[GPU])
+        options = ds.CommunicationOptions(timeout_seconds=60, implementation="RING")
+        strategy = ds.MultiWorkerMirroredStrategy(options, resolver, shard_optimizer_states=shard)
+        out[shard] = fit_run(strategy)
+    return out

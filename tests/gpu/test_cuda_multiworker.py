@@ -78,3 +78,12 @@ def test_preemption_on_two_workers_sharing_the_gpu_stops_both_at_one_step_and_re
     for index, got in enumerate(workers):
         assert_close_weights(got["resumed"]["weights"], got["reference"]["weights"], what=f"worker {index}")
         assert got["resumed"]["history"] == got["reference"]["history"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("scatter", [None, True], ids=["all-reduces", "reduce-scatter"])
+def test_sharded_optimizer_states_on_the_gpu_equal_the_unsharded_run(scatter):
+    workers = results(run_workers(SCENARIOS, "sharded_fit", 2, timeout=150, env=ENV, kwargs={"scatter": scatter}))
+    for index, got in enumerate(workers):
+        assert got[True]["device"].startswith(GPU_TYPE)
+        assert_close_weights(got[True]["weights"], got[False]["weights"], rtol=1e-6, atol=1e-7, what=f"worker {index}")
