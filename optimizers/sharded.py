@@ -158,8 +158,10 @@ class ShardedStates:
             count = len(shards.variables)
             device = shards.devices[0] if shards.devices else torch.device("cpu")
             squares = torch.zeros(count, dtype=torch.float64, device=device)
+            whole = shards.plan.whole  # every worker holds these: worker 0 counts them, once
             for grad, piece in zip(grads, shards.pieces):
-                squares[piece.variable] += torch.linalg.vector_norm(grad.to(torch.float64)).square()
+                if piece.segment not in whole or shards.worker == 0:
+                    squares[piece.variable] += torch.linalg.vector_norm(grad.to(torch.float64)).square()
             if self.clipnorm is not None:
                 norms = shards.sum(squares, "clipnorm (the norms' parts)").sqrt()
                 limit = self.clipnorm

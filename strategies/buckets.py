@@ -26,7 +26,8 @@ order** (bucket *i* only after *i - 1*). ``reduce`` (called by ``batch_reduce_to
 
 With sharded optimizer states (``parts`` = the number of workers) each bucket's buffer is padded with
 zeros to equal parts and worker ``w`` keeps the sum of part ``w`` of every bucket, exactly the gradients of
-the elements whose optimizer state it keeps (``state_sharding.StateShards`` cuts the same layout). On NCCL
+the elements whose optimizer state it keeps (``state_sharding.StateShards`` cuts the same layout; a bucket it
+keeps whole, under ``StateShards.min_bytes``, is reduced in one part, as unsharded). On NCCL
 the all-reduce becomes a **reduce-scatter**, in place (the last bucket's spare and flag elements travel whole
 to every worker: a copy after each part, ``Collective.start_reduce_scatter``); on gloo it stays an all-reduce
 (``Collective.lean_scatter``: gloo's reduce-scatter takes longer than its all-reduce and allocates the whole
@@ -173,6 +174,12 @@ class GradientBuckets:
             for replica, tensor in enumerate(tensors):
                 if tensor.requires_grad:
                     self._handles.append(tensor.register_hook(self._hook(replica, index)))
+
+    @property
+    def cut(self) -> bool:
+        """Whether ``reduce`` returns this worker's parts of the buckets (sharded optimizer states) rather than
+        whole gradients."""
+        return self._parts > 1
 
     @property
     def num_buckets(self) -> int:

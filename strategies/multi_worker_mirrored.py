@@ -172,7 +172,8 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         return super()._call_for_each_replica(fn, args, kwargs, timeout)
 
     def release_gradient_hooks(self) -> None:
-        self.settle_updates()
+        if self._shards is not None:  # (quietly: a fit that failed keeps its own error)
+            self._shards.settle(quiet=True)
         if self._grad_buckets is not None:
             self._grad_buckets.remove()
             self._grad_buckets = None
@@ -191,7 +192,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
 
     def _reduce_with_step_values(self, pairs, options, payload) -> tuple:
         buckets = self._buckets_for(ReduceOp.SUM, pairs)
-        if buckets is None or self.shard_optimizer_states:
+        if buckets is None or buckets.cut:
             return super()._reduce_with_step_values(pairs, options, payload)
         # In the spare elements of the last bucket where its dtype sums them exactly, else on their own.
         carried = payload.as_dtype(buckets.carrier_dtype) if buckets.carrier_dtype is not None else None
@@ -202,8 +203,8 @@ class MultiWorkerMirroredExtended(StrategyExtended):
 
     def _batch_reduce_to(self, op, pairs, options) -> list:
         buckets = self._buckets_for(op, pairs)
-        if buckets is not None and self.shard_optimizer_states:
-            buckets = None  # they reduce-scatter, for the sharded optimizer only: the packed path reduces these
+        if buckets is not None and buckets.cut:
+            buckets = None  # they reduce into parts, for the sharded optimizer only: the packed path reduces these
         if buckets is not None:
             reduced = buckets.reduce([value for value, _ in pairs])
             return [_broadcast(t, destination_devices(d)) for t, (_, d) in zip(reduced, pairs)]
@@ -240,7 +241,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         pairs = list(zip(grads, shards.variables))
         buckets = self._buckets_for(ReduceOp.SUM, pairs)
         limbs = None
-        if buckets is not None:
+        if buckets is not None and buckets.cut:
             carried = None
             if payload is not None and buckets.carrier_dtype is not None:
                 carried = payload.as_dtype(buckets.carrier_dtype)

@@ -131,7 +131,7 @@ class ShardPlan:
 
 
 def _where(tensor: torch.Tensor) -> tuple:
-    return tensor.data_ptr(), tuple(tensor.shape), tensor.dtype
+    return tensor.data_ptr(), tuple(tensor.shape), tensor.dtype, tensor.device
 
 
 def dtype_segments(tensors) -> tuple:
@@ -247,8 +247,8 @@ class StateShards:
             if now[1:] != then[1:]:
                 raise ValueError(
                     f"The variable {self.variables[piece.variable].name!r} changed from shape {list(then[1])} "
-                    f"{then[2]} to {list(now[1])} {now[2]} after its optimizer state was sharded: change a model's "
-                    "parameters before its first update (or make a new optimizer)."
+                    f"{then[2]} on {then[3]} to {list(now[1])} {now[2]} on {now[3]} after its optimizer state was "
+                    "sharded: change a model's parameters before its first update (or make a new optimizer)."
                 )
             variable._tensor = self._view(piece)
             changed = True
@@ -281,8 +281,9 @@ class StateShards:
         """``(this worker's chunk of each segment summed over every worker, the segments' buffers, the total of
         carried)``: ``local_sums`` holds one tensor per variable (this worker's replicas summed); ``carried``: the
         step values' limbs (of segment ``carrier``'s dtype, not ``None`` only where there is one), which ride
-        whole in that segment's reduce-scatter. One reduce-scatter per segment, in place in its buffer but the
-        carrier's, all started and then waited for in order."""
+        whole in that segment's reduction. One reduction per segment, all started and then waited for in order:
+        an all-reduce for a whole segment and on gloo (this worker keeping its part), else a reduce-scatter, in
+        place in its buffer but the carrier's."""
         carrier = self.carrier if carried is not None else None
         buffers, started = self.buffers(), []
         for k, (segment, buffer) in enumerate(zip(self.plan.segments, buffers)):
@@ -327,9 +328,10 @@ class StateShards:
         used; ``None``: new ones), one in-place all-gather per segment, then copied out.
 
         With ``defer`` set (the strategy sets it for the trainer's built-in step) the gathers are only started:
-        ``settle()`` waits for them and copies the values out, which the strategy does before anything reads
-        the variables again (the next step's forward, any ``strategy.run``, the trainer's callbacks that may
-        read them, a checkpoint), so the gather overlaps what the trainer does between two steps."""
+        ``settle()`` waits for them and copies the values out, which the strategy and trainer do before anything
+        reads the variables again (the next step's forward, any ``strategy.run``, the batch hooks of callbacks
+        that may read them, the end of the epoch's steps), so the gather overlaps what the trainer does between
+        two steps. Whole segments (``ShardPlan.whole``) are not gathered: every worker updated all of them."""
         self.settle()
         whole = self.plan.whole  # every worker updated all of these: nothing to gather
         buffers = self.buffers() if buffers is None else buffers
@@ -369,15 +371,15 @@ class StateShards:
 
     def settle(self, quiet: bool = False) -> None:
         """Finishes a deferred ``publish``: waits for its gathers and copies every worker's updated values into
-        every local copy (nothing when none is pending). ``quiet``: on the way out of a failed step, a failure to
-        wait is not raised (the step's own error is on its way) and nothing is copied."""
+        every local copy (nothing when none is pending). ``quiet``: on the way out of a failed step or fit, a
+        failure to wait is not raised (the error on its way is the one to report); what did arrive is copied."""
         started, self._pending = self._pending, None
         if not started:
             return
         with torch.no_grad():
             for k, work in enumerate(started):
                 if work is None:  # a whole segment (updated in the first copy: the others follow) or an empty one
-                    if k in self.plan.whole and not quiet:
+                    if k in self.plan.whole:
                         self._copy_from_first(k)
                     continue
                 try:
@@ -386,8 +388,7 @@ class StateShards:
                     if quiet:
                         continue
                     raise
-                if not quiet:
-                    self._scatter(k, full)
+                self._scatter(k, full)
 
     def _copy_from_first(self, k: int) -> None:
         """A whole segment's values from the first local copy (which the pieces updated) into the others."""
@@ -416,7 +417,8 @@ class StateShards:
     def gather(self, per_piece: list, what: str) -> list:
         """Whole tensors from pieces: ``per_piece`` holds a 1-D tensor (or ``None``: zeros) per piece of this
         worker, of its variable's dtype; returns one flat tensor per variable, every worker's pieces in place
-        (a collective: every worker calls it). One all-gather per segment, one segment at a time."""
+        (a collective: every worker calls it). One in-place gather per cut segment (an all-gather, on gloo an
+        all-reduce of the parts with zeros elsewhere), one segment at a time; whole segments are here already."""
         whole: list = [None] * len(self.variables)
         by_segment: dict = {}
         for piece, tensor in zip(self.pieces, per_piece):

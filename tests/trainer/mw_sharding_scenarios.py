@@ -12,7 +12,7 @@ import replicafit.strategies as ds
 from replicafit import optimizers
 from replicafit.strategies.collective import Collective
 from replicafit.strategies.state_sharding import StateShards
-from replicafit.trainer import Callback, Trainer
+from replicafit.trainer import Callback, Trainer, metrics
 
 
 class WholeNorm(Lion):
@@ -112,6 +112,7 @@ def fit(
     weights a callback read after every step)."""
     StateShards.min_bytes = min_bytes
     strategy = strategy_for(rank, num_workers, port, shard, bytes_per_pack, local)
+    start = strategy.extended._collective.operations
     strategy.extended.overlap_gradients = overlap
     model = model_of(units)
     trainer = Trainer(strategy=strategy, optimizer=make_optimizer(kind), loss="cross_entropy", seed=3)
@@ -127,6 +128,7 @@ def fit(
         "owned": None if shards is None else sum(p.size for p in shards.pieces if p.segment not in shards.plan.whole),
         "whole": None if shards is None else sum(p.size for p in shards.pieces if p.segment in shards.plan.whole),
         "read": callbacks[0].seen if reader else None,
+        "operations": strategy.extended._collective.operations - start,  # this fit's data collectives
     }
 
 
@@ -305,4 +307,36 @@ def edges(rank, num_workers, port):
             out[name] = None
         except ValueError as error:
             out[name] = str(error)
+    return out
+
+
+class Boom(metrics.SparseCategoricalAccuracy):
+    """An accuracy whose update raises at its ``at``-th call: a step that fails after its update was applied."""
+
+    def __init__(self, at: int):
+        super().__init__(name="accuracy")
+        self.at, self.calls = at, 0
+
+    def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError("boom")
+        super().update_state(y_true, y_pred, sample_weight)
+
+
+def failed_step(rank, num_workers, port):
+    """A step that raises after ``apply_gradients`` (in the metrics' update), sharded and whole: the weights that
+    fit leaves behind (every worker's update gathered in, as unsharded)."""
+    out = {}
+    for shard in (True, False):
+        strategy = strategy_for(rank, num_workers, port, shard)
+        trainer = Trainer(
+            strategy=strategy, optimizer=make_optimizer("adam"), loss="cross_entropy", metrics=[Boom(4)], seed=3
+        )
+        model = model_of()
+        try:
+            trainer.fit(model, data(), batch_size=24, epochs=1, verbose=0)
+        except RuntimeError as error:
+            out[shard, "error"] = str(error)
+        out[shard] = {k: v.clone() for k, v in model.state_dict().items()}
     return out

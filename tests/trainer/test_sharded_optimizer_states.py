@@ -52,6 +52,9 @@ CASES_2 = [
     ("sgd_momentum_later", {}),  # slots a hyper-parameter asks for after the build: made for the pieces
     ("adam", {"bytes_per_pack": 512, "min_bytes": 600}),  # buckets under 600 bytes stay whole, the others cut
     ("adam", {"bytes_per_pack": 512, "min_bytes": 600, "local": 2}),
+    ("adamw_global_clipnorm", {"bytes_per_pack": 512, "min_bytes": 600}),  # whole buckets' squares counted once
+    ("adamw_excluded", {"bytes_per_pack": 512, "min_bytes": 600}),
+    ("adam", {"bytes_per_pack": 512, "min_bytes": 1 << 30}),  # every bucket whole: not sharded at all
 ]
 CASES_3 = [*CASES_2[:6], ("adam", {"bytes_per_pack": 512})]
 
@@ -81,6 +84,9 @@ def test_sharded_runs_equal_the_unsharded_runs_and_every_worker_agrees_bit_for_b
         owned = [outcomes[rank][number]["sharded"]["owned"] for rank in range(workers)]
         kept = [outcomes[rank][number]["sharded"]["whole"] for rank in range(workers)]
         total = sum(v.numel() for v in whole["weights"].values())
+        if kwargs.get("min_bytes", 0) > 1 << 20:  # nothing cut: the unsharded run, the same collectives
+            assert owned == [None] * workers and sharded["operations"] == whole["operations"], what
+            continue
         assert sum(owned) + kept[0] == total and len(set(kept)) == 1, what  # every element: one owner, or all
         assert (kept[0] > 0) == ("min_bytes" in kwargs) and sum(owned) > 0, what
         assert max(owned) - min(owned) <= 3 * workers, what  # balanced, give or take a chunk's padding per segment
@@ -154,3 +160,13 @@ def test_moved_parameters_empty_parameters_and_the_refusals():
         assert _same_layout(sharded["state"], whole["state"], "empty parameters") <= TOLERANCE
         assert "would own no element" in outcome["tiny"] and "shard_optimizer_states=False" in outcome["tiny"]
         assert "elementwise_update = False" in outcome["adafactor"]
+
+
+@pytest.mark.timeout(120)
+def test_a_step_that_fails_after_its_update_leaves_every_worker_with_the_whole_update():
+    outcomes = results(run_workers(SCENARIOS, "failed_step", 2, timeout=100))
+    for outcome in outcomes:
+        assert outcome[True, "error"] == outcome[False, "error"] == "boom"
+        assert _largest(outcome[True], outcome[False]) <= TOLERANCE
+    for key, value in outcomes[0][True].items():
+        assert torch.equal(outcomes[1][True][key], value), key

@@ -22,6 +22,11 @@ class _Periodic(Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
 
+    @property
+    def leaves_variables_alone(self) -> bool:
+        """Saving at epochs' ends only, its batch hooks touch nothing (``Callback.leaves_variables_alone``)."""
+        return self.save_freq == "epoch"
+
     def on_train_batch_end(self, batch, logs=None):
         if self.save_freq != "epoch":
             self._steps += 1

@@ -69,6 +69,8 @@ class BackupAndRestore(_Periodic):
         trainer.fit(model, data, epochs=50, callbacks=[backup])   # rerun after a kill or a preemption
     """
 
+    leaves_variables_alone = _Periodic.leaves_variables_alone  # saves within epochs only with a step save_freq
+
     _decides_from_logs = True
     _saves_training_state = True  # saves after the other callbacks (callback_list.py)
 

@@ -94,7 +94,10 @@ def may_touch_variables_between_steps(callbacks) -> bool:
     such hooks run; otherwise the gather runs on through them."""
     hooks = ("on_train_batch_begin", "on_train_batch_end")
     return any(
-        not type(cb).__dict__.get("leaves_variables_alone", False)
-        and any(_overrides(cb, hook) or hook in vars(cb) for hook in hooks)
-        for cb in callbacks
+        not _says_it_leaves_them(cb) and any(_overrides(cb, h) or h in vars(cb) for h in hooks) for cb in callbacks
     )
+
+
+def _says_it_leaves_them(callback) -> bool:
+    own = type(callback).__dict__.get("leaves_variables_alone", False)  # the class's own word (a property: asked)
+    return bool(own.__get__(callback) if isinstance(own, property) else own)

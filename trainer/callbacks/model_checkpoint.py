@@ -24,6 +24,8 @@ class ModelCheckpoint(_AttributeState, _Periodic, MonitorCallback):
     best value, the steps counted towards ``save_freq``).
     """
 
+    leaves_variables_alone = _Periodic.leaves_variables_alone  # saves within epochs only with a step save_freq
+
     _STATE = ("best", "_steps")
     _decides_from_logs = True
     _monitor_owner = "ModelCheckpoint(save_best_only=True)"
