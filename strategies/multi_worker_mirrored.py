@@ -416,9 +416,11 @@ class MultiWorkerMirroredStrategy(Strategy):
         local worker).
       shard_optimizer_states: ``True``: each worker keeps the optimizer state (slots, moving averages)
         of its part of the variables only, about ``1/num_workers`` of it, balanced by bytes (ZeRO
-        stage 1, as torch's ``ZeroRedundancyOptimizer``). Gradients are reduce-scattered (the
-        buckets started during backward too), each worker updates its part once, and the updated
-        values are all-gathered into every worker's variables; every element-wise optimizer (the
+        stage 1, as torch's ``ZeroRedundancyOptimizer``). Each gradient bucket of at least
+        ``StateShards.min_bytes`` (1 MiB) is cut into one part per worker: reduced into parts
+        during backward (a reduce-scatter on NCCL; on gloo an all-reduce of which each worker keeps
+        its part), each worker updates its part once, and the updated values are gathered into
+        every worker's variables (smaller buckets stay whole); every element-wise optimizer (the
         built-ins, a ``build`` + ``update_step`` subclass, ``from_torch``) does this with no code of
         its own, and gives the unsharded run's results (within float rounding where clipping norms
         are summed from parts). Checkpoints hold the whole state in the unsharded layout. Variables
