@@ -161,6 +161,25 @@ def test_load_checkpoint_uses_the_last_model_and_needs_one(tmp_path):
         make_trainer().load_checkpoint(path)
 
 
+def test_a_checkpoint_replaces_an_optimizer_state_loaded_before_the_build(tmp_path):
+    """The optimizer is built for the model before the checkpoint's state is checked; a state loaded earlier and
+    still waiting for its variables is not applied first (it is replaced, and the file is not blamed for it)."""
+    path = tmp_path / "ckpt.pt"
+    trainer = make_trainer()
+    fit(trainer, make_model(), None, epochs=1)
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=True)["optimizer"]
+    other = make_trainer()
+    stale = {key: value for key, value in saved.items() if key != "slots"}
+    stale["slots"] = {0: {name: torch.zeros(3) for name in saved["slots"][0]}}  # no longer fits variable 0
+    other.optimizer.load_state_dict(stale)  # waits for the variables (not checked yet)
+    other.load_checkpoint(path, make_model())
+    loaded = other.optimizer.state_dict()
+    for position, slots in saved["slots"].items():
+        for name, value in slots.items():
+            assert torch.equal(loaded["slots"][position][name], value), (position, name)
+
+
 def test_checkpoint_restores_rng_state(tmp_path):
     path = tmp_path / "ckpt.pt"
     trainer = make_trainer()
