@@ -155,21 +155,25 @@ class ShardedStates:
         if self.clipvalue is not None or (self.clipnorm is None and self.global_clipnorm is None):
             return self._transform(grads, shards.piece_variables)
         with _no_grad():
-            count = len(shards.variables)
             device = shards.devices[0] if shards.devices else torch.device("cpu")
-            squares = torch.zeros(count, dtype=torch.float64, device=device)
+            squares = torch.zeros(len(shards.variables), dtype=torch.float64, device=device)
             whole = shards.plan.whole  # every worker holds these: worker 0 counts them, once
-            for grad, piece in zip(grads, shards.pieces):
-                if piece.segment not in whole or shards.worker == 0:
-                    squares[piece.variable] += torch.linalg.vector_norm(grad.to(torch.float64)).square()
+            counted = [i for i, p in enumerate(shards.pieces) if p.segment not in whole or shards.worker == 0]
+            if counted:  # one multi-tensor norm (float32 at least, as the unsharded norms), summed per variable
+                wide = [
+                    grads[i] if grads[i].dtype in (torch.float32, torch.float64) else grads[i].float() for i in counted
+                ]
+                parts = torch.stack([n.to(device, torch.float64) for n in torch._foreach_norm(wide)]).square()
+                where = torch.tensor([shards.pieces[i].variable for i in counted], device=device)
+                squares.index_add_(0, where, parts)
             if self.clipnorm is not None:
                 norms = shards.sum(squares, "clipnorm (the norms' parts)").sqrt()
-                limit = self.clipnorm
-                factors = limit / torch.clamp(norms, min=limit)
-                return [g * factors[p.variable].to(g.dtype) for g, p in zip(grads, shards.pieces)]
+                factors = self.clipnorm / torch.clamp(norms, min=self.clipnorm)
+                per_piece = factors[torch.tensor([p.variable for p in shards.pieces], device=device)]
+                return list(torch._foreach_mul(grads, list(per_piece.unbind()))) if grads else []
             norm = shards.sum(squares.sum().reshape(1), "global_clipnorm (the norm's parts)").sqrt()[0]
             scale = (self.global_clipnorm / torch.clamp(norm, min=self.global_clipnorm)).to(torch.float32)
-            return [g * scale.to(g.dtype) for g in grads]
+            return list(torch._foreach_mul(grads, scale)) if grads else []
 
     def _agreed(self, flag: bool, what: str) -> bool:
         """``flag`` on every worker during a sharded apply (each saw its own part), else ``flag``."""

@@ -255,24 +255,15 @@ class Collective:
             self.operations += 1
             return [part.to(tensor.device) for part in out.unbind(0)]
 
-    def reduce_scatter_flat(self, buffer: torch.Tensor, what: str) -> torch.Tensor:
-        """The SUM over workers of this worker's part of the flat ``buffer``: its elements are cut into
-        ``world_size`` equal parts (``buffer`` is padded with zeros to a multiple of ``world_size``
-        first) and worker ``w`` gets part ``w`` summed, ``ceil(len / world_size)`` elements. One
-        collective (``reduce_scatter_single``), on every backend of torch 2.11 and later."""
-        return self.start_reduce_scatter(buffer, None, what).result()[0]
-
-    def reduce_scatter_carrying(self, buffer: torch.Tensor, carried: torch.Tensor, what: str) -> tuple:
-        """``reduce_scatter_flat(buffer)`` that also sums ``carried`` (a few elements of ``buffer``'s dtype:
-        the step values, ``step_values.py``) across workers for every worker, in the same collective: each
-        part of the padded buffer is followed by a copy of ``carried``, so every worker's part ends with
-        their total. Returns ``(this worker's part, the total of carried)``."""
-        return self.start_reduce_scatter(buffer, carried, what).result()
-
     def start_reduce_scatter(self, buffer: torch.Tensor, carried, what: str, bucket: bool = False) -> _Started:
-        """Starts ``reduce_scatter_carrying(buffer, carried)`` (``carried`` may be ``None`` or empty: a plain
-        reduce-scatter, with no copy of ``buffer`` where its length is a multiple of ``world_size``); ``bucket``
-        puts it on the gradient buckets' group. Its ``result()`` waits and returns ``(part, carried total)``."""
+        """Starts the SUM over workers of this worker's part of the flat ``buffer``: its elements are cut into
+        ``world_size`` equal parts (``buffer`` padded with zeros to a multiple of ``world_size`` first) and worker
+        ``w`` gets part ``w`` summed, ``ceil(len / world_size)`` elements, in one collective
+        (``reduce_scatter_single``, on every backend of torch 2.11 and later). ``carried`` (``None``, or a few
+        elements: the step values, ``step_values.py``) is summed for every worker in the same collective: each
+        part of the padded buffer is followed by a copy of it, so every worker's part ends with their total.
+        ``bucket`` puts it on the gradient buckets' group. Its ``result()`` waits and returns ``(this worker's
+        part, the total of carried)``."""
         with self._guard(what):
             flat = buffer.detach().reshape(-1)
             extra = None if carried is None or not carried.numel() else carried.detach().reshape(-1)
@@ -341,22 +332,6 @@ class Collective:
             self.operations += 1
             return _Started(self, work, source, buffer.device, buffer.numel(), what, gathered=True, target=buffer)
 
-    def all_gather_flat(self, chunk: torch.Tensor, length: int, what: str) -> torch.Tensor:
-        """Every worker's ``chunk`` (the same size on all), put end to end and cut to ``length`` elements:
-        the inverse of ``reduce_scatter_flat``'s cut. One collective (``all_gather_single``)."""
-        return self.start_all_gather(chunk, length, what).result()
-
-    def start_all_gather(self, chunk: torch.Tensor, length: int, what: str) -> _Started:
-        """Starts ``all_gather_flat(chunk, length)``; its ``result()`` waits and returns the gathered elements."""
-        with self._guard(what):
-            source = chunk.detach().reshape(-1)
-            source = source.cpu() if self._staged else source.contiguous()
-            out = source.new_empty(source.numel() * self.world_size)
-            work = _all_gather_single(out, source, async_op=True)
-            self._pending.append(work)
-            self.operations += 1
-            return _Started(self, work, out, chunk.device, length, what, gathered=True)
-
     def broadcast(self, tensor: torch.Tensor, what: str) -> None:
         """Worker 0's ``tensor`` into ``tensor`` on every worker, in place."""
         with self._guard(what):
@@ -421,9 +396,9 @@ class Collective:
 
 
 class _Started:
-    """A collective in flight (``Collective.start_reduce_scatter``, ``start_all_gather``): ``result()`` waits
-    for it (bounded by the timeout, a lost worker a ``WorkerFailedError``) and returns its output on the
-    caller's device."""
+    """A collective in flight (``Collective.start_reduce_scatter`` and the in-place ones): ``result()`` waits for
+    it (bounded by the timeout, a lost worker a ``WorkerFailedError``) and returns its output on the caller's
+    device: ``(part, carried total)`` of a reduce-scatter, the buffer of a gather (``gathered``)."""
 
     __slots__ = ("collective", "work", "out", "device", "length", "what", "gathered", "target")
 
@@ -438,8 +413,6 @@ class _Started:
                 self.target.copy_(self.out)
             return self.target if self.gathered else (self.target, self.target.new_empty(0))
         out = self.out.to(self.device)
-        if self.gathered:
-            return out[: self.length]
         return out[: self.length], out[self.length :]
 
 

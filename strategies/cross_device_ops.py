@@ -433,6 +433,13 @@ class CollectiveAllReduce(CrossDeviceOps):
                 results[i] = _broadcast(piece.view(local[i].shape), pairs[i][1])
         return results
 
+    def local_sums(self, values: list, device: str, options) -> list:
+        """Each of ``values`` (``PerReplica``) summed over this worker's replicas, in replica order, onto
+        ``device``: the first stage of ``batch_reduce_implementation``, for a reduction that goes on otherwise
+        (sharded optimizer states reduce the sums into parts)."""
+        pairs = [(v.values if isinstance(v, DistributedValues) else (v,), (device,)) for v in values]
+        return self._local.batch_reduce_implementation(ReduceOp.SUM, pairs, options)
+
     def gather(self, per_replica_value, axis: int, destinations):
         devices = destination_devices(destinations)
         part = super().gather(per_replica_value, axis, devices[0])  # this worker's replicas, in order

@@ -249,12 +249,12 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             if carried is not None:
                 limbs = buckets.carried
         else:
-            local = [_local_sum(value, self._worker_devices[0]) for value in grads]
-            carried = None
+            values_to_sum = list(grads)
             if payload is not None and shards.carrier is not None:
-                limbs_per_replica = PerReplica(payload.as_dtype(shards.dtypes[shards.carrier]), self._worker_devices)
-                carried = _local_sum(limbs_per_replica, self._worker_devices[0])
-            chunks, buffers, limbs = shards.reduce(local, carried)
+                values_to_sum.append(PerReplica(payload.as_dtype(shards.dtypes[shards.carrier]), self._worker_devices))
+            local = self._cross_device_ops.local_sums(values_to_sum, self._worker_devices[0], self._options)
+            carried = local[len(grads)] if len(local) > len(grads) else None
+            chunks, buffers, limbs = shards.reduce(local[: len(grads)], carried)
         if payload is not None:
             if limbs is None:
                 limbs = self._reduce_step_values_alone(payload)
@@ -327,19 +327,6 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         return self._create_distributed_variable(spec, devices)
 
     _module_variable = StrategyExtended._replicated_module_variable
-
-
-def _local_sum(value, device) -> torch.Tensor:
-    """This worker's replicas of ``value`` summed in replica order on ``device`` (as the buckets sum them)."""
-    components = value.values if isinstance(value, DistributedValues) else (value,)
-    target = torch_device(device)
-    with torch.no_grad():
-        total = components[0].to(target)
-        if len(components) > 1:
-            total = total.clone()
-            for component in components[1:]:
-                total += component.to(target)
-    return total
 
 
 def _gpu_identities(devices) -> tuple:

@@ -463,8 +463,5 @@ class StateShards:
     def num_workers(self) -> int:
         return self._collective.world_size
 
-    def owned_bytes(self) -> int:
-        return owned_bytes(self.plan, self.dtypes, self.worker)
-
     def __repr__(self) -> str:
         return f"StateShards(worker {self.worker} of {self.num_workers}, {len(self.pieces)} pieces, {self.plan!r})"

@@ -233,24 +233,31 @@ def step_values(rank, num_workers, port, buckets=False, dtype="float32"):
 
 
 def sharded_reductions(rank, num_workers, port, length=11, dtype="float32"):
-    """``reduce_scatter_flat`` of an uneven buffer and ``all_gather_flat`` back, on gloo (warnings recorded)."""
+    """``start_reduce_scatter`` of an uneven buffer (padded to equal parts), then the doubled parts gathered back
+    in place with ``start_all_gather_in_place`` (NCCL's way, on gloo: ``prefer_scatter``), warnings recorded."""
     import warnings
 
+    from replicafit.strategies.collective import Collective
+
+    Collective.prefer_scatter = True  # the all-gather itself, not gloo's all-reduce of the parts
     strategy = strategy_for(rank, num_workers, port)
     collective = strategy.extended._collective
     kind = getattr(torch, dtype)
     buffer = torch.arange(length, dtype=kind) * (rank + 1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        chunk = collective.reduce_scatter_flat(buffer, "a test's reduce-scatter")
-        whole = collective.all_gather_flat(chunk * 2, length, "a test's all-gather")
+        chunk, _ = collective.start_reduce_scatter(buffer, None, "a test's reduce-scatter").result()
+        gathered = buffer.new_zeros(chunk.numel() * num_workers)
+        gathered[rank * chunk.numel() : (rank + 1) * chunk.numel()] = chunk * 2
+        whole = collective.start_all_gather_in_place(gathered, "a test's all-gather").result()[:length]
     return {"chunk": chunk, "whole": whole, "warnings": [str(w.message) for w in caught]}
 
 
 def sharded_with_step_values(rank, num_workers, port, length=10):
-    """``reduce_scatter_carrying``: each worker's part of the summed buffer, and the carried values' total."""
+    """``start_reduce_scatter`` carrying values: each worker's part of the summed buffer, and the carried values'
+    total."""
     strategy = strategy_for(rank, num_workers, port)
     collective = strategy.extended._collective
     buffer = torch.arange(length, dtype=torch.float32) + rank
     carried = torch.tensor([rank + 1.0, 2.0, 0.5])
-    return collective.reduce_scatter_carrying(buffer, carried, "a test's reduce-scatter with step values")
+    return collective.start_reduce_scatter(buffer, carried, "a test's reduce-scatter with step values").result()

@@ -1,5 +1,5 @@
 """The partition of sharded optimizer states (``strategies/state_sharding.py``) and the two collectives it
-rides on (``Collective.reduce_scatter_flat`` and ``all_gather_flat``), on 2 and 3 gloo workers."""
+rides on (``Collective.start_reduce_scatter`` and ``start_all_gather_in_place``), on 2 and 3 gloo workers."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def test_bad_plans_are_refused():
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("workers, length, dtype", [(2, 11, "float32"), (3, 11, "float64"), (3, 3, "float32")])
-def test_reduce_scatter_flat_and_all_gather_flat_on_gloo(workers, length, dtype):
+def test_reduce_scatter_and_all_gather_on_gloo(workers, length, dtype):
     got = results(
         run_workers(SCENARIOS, "sharded_reductions", workers, timeout=60, kwargs={"length": length, "dtype": dtype})
     )
