@@ -5,7 +5,7 @@ A tagger reads sentences of different lengths, padded to one length; the labels 
 of the batch, so a batch with long sentences weighs each token as much as a batch with short ones.
 ``fit`` keeps that exactly under two replicas (logical CPUs here; GPUs or workers the same way): each
 replica sums its tokens' losses and counts its real tokens, the counts ride with the gradient
-reduction, and the optimizer divides by the global count (``docs/losses.md``). The same model trained
+reduction, and the optimizer divides by the global count (``docs/guides/losses.md``). The same model trained
 by a plain torch loop on the same batches ends with the same weights.
 
 The data is made here: the tag of a token is a function of the token and the one before it, so the

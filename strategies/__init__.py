@@ -40,6 +40,7 @@ from .cluster_resolver import (
     SimpleClusterResolver,
     TFConfigClusterResolver,
     TorchrunClusterResolver,
+    resolve_cluster,
 )
 from .collective import WorkerFailedError
 from .context import (
@@ -133,6 +134,7 @@ __all__ = [
     "in_cross_replica_context",
     "list_logical_devices",
     "replica_seed",
+    "resolve_cluster",
     "seed_replicas",
     "set_logical_cpu_count",
     "set_logical_device_configuration",

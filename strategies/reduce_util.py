@@ -37,7 +37,7 @@ class VariableAggregation(_CaseInsensitiveEnum):
     """How the values written by several replicas to one variable are combined.
 
     ``NONE``: not combined (an error in replica context for mirrored variables here,
-    see ``docs/differences.md``); ``SUM``; ``MEAN``; ``ONLY_FIRST_REPLICA``: the
+    see ``docs/porting/tensorflow.md``); ``SUM``; ``MEAN``; ``ONLY_FIRST_REPLICA``: the
     value of replica 0 is taken.
     """
 

@@ -258,7 +258,7 @@ class TrainingState:
         ``on_train_begin`` (before the first step), on every worker alike; ``path`` names the file in errors.
 
         A backup that does not fit this model, optimizer or metrics, or that was written with another
-        global batch size, raises ``CheckpointError`` before anything is restored (docs/resume.md has
+        global batch size, raises ``CheckpointError`` before anything is restored (docs/guides/resume.md has
         the rules of a resume on another number of workers or replicas).
 
         Example::

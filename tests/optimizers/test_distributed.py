@@ -268,7 +268,7 @@ def test_default_strategy_run_matches_a_plain_torch_loop(name, clip):
 @pytest.mark.parametrize("strategy_name", ["mirrored2", "central_storage2"])
 def test_seed_pattern_sum_then_clip(strategy_name, clip, expected, per_variable):
     """reference 7.1: local grads [1,2] and [2,4], SGD lr=1 -> [-3,-6]; Keras 3 clips before
-    summing ([-0.894, -1.789]); we clip the sum ([-0.447, -0.894]), as docs/differences.md says."""
+    summing ([-0.894, -1.789]); we clip the sum ([-0.447, -0.894]), as docs/porting/tensorflow.md says."""
     strategy = make_strategy(strategy_name)
     with strategy.scope():
         variable = ds.Variable(torch.zeros(2))

@@ -1,7 +1,7 @@
 """Variables: creation under every strategy, TensorFlow's assignment rules, tensor behaviour.
 
 Reference: TensorFlow 2.21's observed behaviour for distributed variables, and the rows of
-docs/differences.md where we deliberately differ.
+docs/porting/tensorflow.md where we deliberately differ.
 """
 
 from __future__ import annotations
@@ -318,7 +318,7 @@ def test_replica_assignment_returns_variable_and_reads_back_inside_replica():
 
 @pytest.mark.parametrize("op", ["assign", "assign_add", "assign_sub"])
 def test_aggregation_none_in_replica_context_raises(multi_strategy, op):
-    # docs/differences.md: a deliberate difference from TF 2.21 (which lets the copies diverge)
+    # docs/porting/tensorflow.md: a deliberate difference from TF 2.21 (which lets the copies diverge)
     with multi_strategy.scope():
         v = ds.Variable(10.0)
     assert v.aggregation is Agg.NONE

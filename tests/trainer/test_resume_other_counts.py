@@ -352,7 +352,7 @@ def test_batch_norm_resumes_on_another_number_of_replicas_as_documented(tmp_path
     """``nn.SyncBatchNorm`` normalizes with the global batch's statistics: the resumed run equals the uninterrupted
     one up to rounding (normalization amplifies it: Mirrored(3) and the default strategy are ~6e-5 apart uninterrupted,
     the resumed run ~3e-5 from the saver's). Plain ``BatchNorm`` normalizes each replica's rows alone: on another
-    number of replicas the steps are others (docs/resume.md), as they would be uninterrupted."""
+    number of replicas the steps are others (docs/guides/resume.md), as they would be uninterrupted."""
     straight = _batch_norm_fit(scenarios.strategy_of("mirrored3"), str(tmp_path / "straight"), sync)
     backup = str(tmp_path / "backup")
     with pytest.raises(scenarios.Crash):

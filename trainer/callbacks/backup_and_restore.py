@@ -52,7 +52,7 @@ class BackupAndRestore(_Periodic):
     batches (from a source of global batches: arrays, a dataset with ``batch_size``, a
     ``DataLoader``; a source each worker reads apart, a ``DistributedSampler``'s, makes other
     global batches on another number of workers); what belongs to replicas carries over by rule
-    (``docs/resume.md``): an open accumulation window's sums go, added together, to global replica
+    (``docs/guides/resume.md``): an open accumulation window's sums go, added together, to global replica
     0 (the others start at zero);
     metric accumulators are shared equally among the replicas; replicas the saver had keep their
     random streams (by global replica id), and a replica that did not exist before (every replica

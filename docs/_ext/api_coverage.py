@@ -1,0 +1,108 @@
+"""A Sphinx extension that fails the build when a public name has no API reference entry.
+
+The public names are those of ``replicafit.__all__``, of the four packages' ``__all__`` and of
+the submodules those list (``replicafit.trainer.losses``, ``replicafit.optimizers.schedules``, ...).
+Every one must be documented by an autodoc entry of the reference (re-exports count once: the
+root's ``replicafit.Trainer`` is ``replicafit.trainer.Trainer``), with a docstring; so must every
+public method, property and class attribute a public class defines itself (an override that
+inherits its base's docstring counts, as autodoc shows it). autodoc leaves out a member without a
+docstring silently; this is what makes that loud. Each miss is one warning, which ``-W`` turns
+into a failed build.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import types
+
+from sphinx.util import logging
+
+logger = logging.getLogger(__name__)
+
+PACKAGES = ("replicafit", "replicafit.strategies", "replicafit.data", "replicafit.optimizers", "replicafit.trainer")
+
+
+def public_names() -> dict[str, object]:
+    """Every public name, under the module that exports it: ``{"replicafit.data.InputContext": obj}``."""
+    names: dict[str, object] = {}
+    modules = list(PACKAGES)
+    while modules:
+        module = importlib.import_module(modules.pop(0))
+        for name in module.__all__:
+            if name == "__version__":
+                continue
+            value = getattr(module, name)
+            if isinstance(value, types.ModuleType):
+                if value.__name__.startswith("replicafit.") and value.__name__ not in modules + list(names):
+                    modules.append(value.__name__)
+                    names[value.__name__] = value
+                continue
+            names[f"{module.__name__}.{name}"] = value
+    return names
+
+
+def _own_members(cls: type) -> list[str]:
+    """The public members ``cls`` defines itself (functions, properties, class/static methods)."""
+    found = []
+    for name, value in vars(cls).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, (property, classmethod, staticmethod, types.FunctionType)):
+            found.append(name)
+    return found
+
+
+def _documented(env) -> dict[str, object]:
+    """Every object the reference documents, by its full name."""
+    return {name: entry for name, entry in env.get_domain("py").objects.items()}
+
+
+def _resolve(name: str):
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            value = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for part in parts[cut:]:
+                value = getattr(value, part)
+        except AttributeError:
+            return None
+        return value
+    return None
+
+
+def check(app, env) -> None:
+    documented = _documented(env)
+    by_identity: dict[int, str] = {}
+    for name in documented:
+        value = _resolve(name)
+        if value is not None and not isinstance(value, (int, float, str, bool)):
+            by_identity.setdefault(id(value), name)
+    missing = []
+    for name, value in public_names().items():
+        if isinstance(value, types.ModuleType):
+            if name not in documented:
+                missing.append(f"{name} (module: add an automodule entry)")
+            continue
+        where = name if name in documented else by_identity.get(id(value))
+        if where is None:
+            missing.append(f"{name} (no reference entry)")
+            continue
+        if (inspect.isclass(value) or inspect.isroutine(value)) and not (inspect.getdoc(value) or "").strip():
+            missing.append(f"{name} (no docstring)")
+        if inspect.isclass(value) and value.__module__.startswith("replicafit."):
+            for member in _own_members(value):
+                if f"{where}.{member}" not in documented:
+                    missing.append(f"{where}.{member} (a public member without a docstring, or not documented)")
+    for entry in sorted(set(missing)):
+        logger.warning("API reference: %s", entry, type="api_coverage", subtype="missing")
+    if not missing:
+        logger.info("API reference: every public name documented")
+
+
+def setup(app):
+    app.connect("env-check-consistency", check)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
