@@ -85,6 +85,11 @@ class InputWorkers:
 
     @classmethod
     def of(cls, strategy) -> InputWorkers:
+        """This process's ``InputWorkers`` under ``strategy``.
+
+        Its devices are ``strategy.extended.worker_devices``; ``num_workers`` and ``worker_index`` come
+        from ``strategy.cluster``, which is kept as ``cluster`` when there are several workers.
+        """
         cluster = strategy.cluster
         workers = cls(strategy.extended.worker_devices, cluster.num_workers, cluster.worker_index)
         if cluster.num_workers > 1:
@@ -423,9 +428,11 @@ class DistributedDataset:
 
     @property
     def sharding(self) -> str:
-        """How this worker reads the source: ``"rows"`` (only its replicas' rows), ``"shards"`` (its
-        shard), ``"off"`` (the source as its own input) or ``"data"`` (every global batch, keeping its
-        rows; one process always)."""
+        """How this worker reads the source.
+
+        ``"rows"`` (only its replicas' rows), ``"shards"`` (its shard), ``"off"`` (the source as its own
+        input) or ``"data"`` (every global batch, keeping its rows; one process always).
+        """
         return self._plan.kind
 
     def __iter__(self) -> DistributedIterator:
@@ -433,8 +440,11 @@ class DistributedDataset:
 
     @property
     def steps(self) -> int | None:
-        """The number of steps of a pass where every worker knows it without asking: the source's length
-        (rows, data); ``None`` for per-worker inputs (shards, off), whose lengths may differ."""
+        """The number of steps of a pass, where every worker knows it without asking.
+
+        The source's length for the ``"rows"`` and ``"data"`` sharding (``None`` when it has no
+        ``len()``); ``None`` for per-worker inputs (``"shards"``, ``"off"``), whose lengths may differ.
+        """
         return _length_of(self._dataset) if self._plan.kind in ("rows", "data") else None
 
     def __len__(self) -> int:
@@ -722,4 +732,14 @@ class _V1Iterator:
 
 
 def make_v1_iterator(distributed) -> _V1Iterator:
+    """The TensorFlow 1 style iterator over a distributed dataset.
+
+    What ``make_dataset_iterator`` and ``make_input_fn_iterator`` return: ``get_next()`` (or
+    ``next(iterator)``) gives the next distributed batch, and ``initialize()`` restarts the iteration
+    from the beginning and returns an empty list (there are no initialization ops to run). It starts
+    iterating ``distributed`` (and its prefetching, if any) as soon as it is made.
+
+    Args:
+      distributed: a ``DistributedDataset`` or ``DistributedDatasetsFromFunction``.
+    """
     return _V1Iterator(distributed)

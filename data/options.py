@@ -135,14 +135,25 @@ class InputContext:
 
     @property
     def num_input_pipelines(self) -> int:
+        """How many input pipelines there are in all.
+
+        The number of workers with ``InputReplicationMode.PER_WORKER`` (the default), the number of
+        replicas of all workers with ``PER_REPLICA``.
+        """
         return self._num_input_pipelines
 
     @property
     def input_pipeline_id(self) -> int:
+        """This pipeline's index in ``[0, num_input_pipelines)``.
+
+        The worker's index with ``PER_WORKER``, the replica's global id with ``PER_REPLICA``: the
+        shard ``dataset_fn`` should read.
+        """
         return self._input_pipeline_id
 
     @property
     def num_replicas_in_sync(self) -> int:
+        """How many replicas of all workers train in sync (what a global batch is split across)."""
         return self._num_replicas_in_sync
 
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:

@@ -19,6 +19,7 @@ reads only those:
 
 Example::
 
+    >>> from replicafit.data import InputWorkers
     >>> workers = InputWorkers(["cpu:0"], num_workers=2, worker_index=1)
     >>> share_of(workers)(5)   # worker 1's rows of a global batch of 5: offset 3, 2 rows
     (3, 2)

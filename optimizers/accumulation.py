@@ -120,8 +120,10 @@ class GradientAccumulation:
 
     @property
     def step_weight(self) -> float:
-        """The weight of the next accumulated step: its gradients enter the window multiplied by it, and
-        a window's sums are divided by its steps' total weight.
+        """The weight of the next accumulated step.
+
+        Its gradients enter the window multiplied by it, and a window's sums are divided by its steps'
+        total weight.
 
         1 by default, every step alike (Keras' mean of the N gradients). ``Trainer.fit`` sets it to
         each step's global batch size while it accumulates (a window then equals one step on its
@@ -143,12 +145,13 @@ class GradientAccumulation:
 
     @property
     def gradient_denominator(self) -> GradientDenominator | None:
-        """Where an update's divisor comes from when it is not known before backward: ``None`` (default),
-        or a ``GradientDenominator(step_value, prescale)``. When set, each update divides the reduced
-        gradients (an accumulation window's weighted sums) by ``total / prescale`` instead of by the
-        window's weight, where ``total`` is the global total of the step value ``step_value``
-        (``strategy.cluster.add_to_step``) since the previous update: it rides with the update's own
-        gradient reduction, so it costs no collective. A total of 0 (nothing to learn from, e.g. every
+        """Where an update's divisor comes from when it is not known before backward.
+
+        ``None`` (default), or a ``GradientDenominator(step_value, prescale)``. When set, each update
+        divides the reduced gradients (an accumulation window's weighted sums) by ``total / prescale``
+        instead of by the window's weight, where ``total`` is the global total of the step value
+        ``step_value`` (``strategy.cluster.add_to_step``) since the previous update: it rides with the
+        update's own gradient reduction, so it costs no collective. A total of 0 (nothing to learn from, e.g. every
         token padding) leaves the gradients as they are, which are then zeros.
 
         ``Trainer.fit`` sets it for element-level losses (the count of real tokens or pixels of the

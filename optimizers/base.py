@@ -397,7 +397,7 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
 
     @property
     def variables(self) -> list:
-        """The optimizer's own variables: ``iterations`` and every slot."""
+        """The optimizer's own variables (``iterations`` and every slot), not the ones it updates."""
         return [self.iterations] + list(self._slots.values())
 
     # --- the pipeline (steps 1-5 of the module docstring) ------------------------------------
@@ -674,6 +674,11 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
 
     @classmethod
     def from_config(cls, config: dict):
+        """An optimizer of this class made from ``get_config()``'s output: ``cls(**config)``.
+
+        A ``learning_rate`` given as a dict is read with ``schedules.deserialize`` first. The new optimizer
+        has no state: load it with ``load_state_dict``.
+        """
         config = dict(config)
         if isinstance(config.get("learning_rate"), dict):
             config["learning_rate"] = schedules.deserialize(config["learning_rate"])

@@ -88,8 +88,10 @@ class MovingAverages:
 
     @property
     def averages_swapped_in(self) -> bool:
-        """Whether the variables hold their moving averages now: swapped in by ``swap_in_averages`` (or
-        ``averaged_weights``) and not swapped out or kept since.
+        """Whether the variables hold their moving averages now.
+
+        True when swapped in by ``swap_in_averages`` (or ``averaged_weights``) and not swapped out or
+        kept since.
 
         Example::
 

@@ -217,6 +217,7 @@ class LossScaleOptimizer(Optimizer):
 
     @property
     def variables(self) -> list:
+        """The inner optimizer's ``variables``; the loss scale is not a variable (it is in ``state_dict()``)."""
         return self.inner_optimizer.variables
 
     # --- state and configuration ------------------------------------------------------------
@@ -250,6 +251,8 @@ class LossScaleOptimizer(Optimizer):
         self._scale, self._step_counter = scale, counter
 
     def get_config(self) -> dict:
+        """``name``, ``initial_scale``, ``dynamic_growth_steps`` and the inner optimizer as
+        ``{"class_name": type name, "config": its get_config()}`` (not the current scale)."""
         inner = self.inner_optimizer
         return {
             "name": self.name,
@@ -260,6 +263,11 @@ class LossScaleOptimizer(Optimizer):
 
     @classmethod
     def from_config(cls, config: dict):
+        """A ``LossScaleOptimizer`` from ``get_config()``'s output, its inner optimizer made by ``optimizers.get``.
+
+        ``get`` knows the built-in classes and ``TorchOptimizer`` only: an inner optimizer of a class of
+        your own raises ``ValueError``; rebuild that one yourself and wrap it.
+        """
         from . import get
 
         config = dict(config)

@@ -36,10 +36,15 @@ class LearningRateSchedule:
         raise NotImplementedError
 
     def get_config(self) -> dict:
+        """The constructor arguments, as a dict: ``from_config`` makes an equal schedule from it.
+
+        A subclass of your own must define it (the base raises ``NotImplementedError``); ``repr()`` uses it.
+        """
         raise NotImplementedError
 
     @classmethod
     def from_config(cls, config: dict):
+        """The schedule ``cls(**config)``, from ``get_config()``'s output."""
         return cls(**config)
 
     def __repr__(self) -> str:

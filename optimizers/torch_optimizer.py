@@ -165,8 +165,9 @@ class TorchOptimizer(Optimizer):
 
     @property
     def torch_kwargs(self) -> dict:
-        """The keyword arguments the torch optimizers are made with (a copy: ``set_torch_hyperparameters``
-        changes them).
+        """The keyword arguments the torch optimizers are made with.
+
+        A copy: change them with ``set_torch_hyperparameters``.
 
         Example::
 
@@ -242,6 +243,12 @@ class TorchOptimizer(Optimizer):
         move_averages(averages, weights, ema)
 
     def get_config(self) -> dict:
+        """The torch class's dotted name as ``optimizer_class``, the wrapper's arguments, and ``torch_kwargs``.
+
+        ``torch_kwargs`` are as they are now (after ``set_torch_hyperparameters``). The learning rate is
+        there only as the ``lr`` given to ``from_torch``: unlike Keras', the config does not keep a rate
+        set later through ``learning_rate``.
+        """
         config = super().get_config()
         return {
             "optimizer_class": f"{self._torch_class.__module__}.{self._torch_class.__qualname__}",
@@ -257,6 +264,11 @@ class TorchOptimizer(Optimizer):
 
     @classmethod
     def from_config(cls, config: dict):
+        """A ``TorchOptimizer`` from ``get_config()``'s output.
+
+        Raises:
+          ValueError: ``optimizer_class`` names a class from outside ``torch.optim`` (classes are found by name there).
+        """
         config = dict(config)
         module, _, name = config.pop("optimizer_class").rpartition(".")
         optimizer_class = getattr(torch.optim, name) if module.startswith("torch.optim") else None

@@ -147,7 +147,7 @@ class ClusterResolver:
 
     @property
     def num_workers(self) -> int:
-        """How many worker processes take part (TF: ``chief`` plus ``worker`` tasks)."""
+        """How many worker processes take part (in TensorFlow's terms, the ``chief`` plus the ``worker`` tasks)."""
         return self._num_workers
 
     @property

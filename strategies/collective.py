@@ -289,8 +289,9 @@ class Collective:
 
     @property
     def lean_scatter(self) -> bool:
-        """Whether reduce-scatter and all-gather are the cheaper way to reduce into parts and gather them back: on
-        NCCL (in place, no memory of their own). Not on gloo, measured on 2 workers with 38 MB: its
+        """Whether reduce-scatter and all-gather are the cheaper way to reduce into parts and gather them back.
+
+        Yes on NCCL (in place, no memory of their own). Not on gloo, measured on 2 workers with 38 MB: its
         reduce-scatter took 60 ms and its all-gather 53 ms against 30-38 ms for an all-reduce, and each allocated
         the whole buffer again (38-47 MB), which is what sharded optimizer states exist to save; there the sharded
         reduction is an in-place all-reduce of which each worker keeps its part, and the gather an in-place

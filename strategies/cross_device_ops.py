@@ -208,6 +208,15 @@ class CrossDeviceOps:
         return _broadcast(gathered, devices)
 
     def batch_reduce_implementation(self, reduce_op: ReduceOp, pairs, options: CommunicationOptions) -> list:
+        """The reduction a subclass implements, called by ``reduce`` and ``batch_reduce``.
+
+        Unlike TensorFlow's, it gets normalized arguments: ``reduce_op`` a ``ReduceOp``, ``pairs`` a list
+        of ``(component tensors in replica order, canonical destination devices)`` whose tensors have one
+        shape (booleans made ``int64``), ``options`` a ``CommunicationOptions``.
+
+        Returns:
+          One result per pair, in order: a ``Mirrored`` on the destinations, or a tensor for one device.
+        """
         raise NotImplementedError
 
 

@@ -16,7 +16,7 @@ Example::
 
     >>> canonicalize("/job:localhost/replica:0/task:0/device:CPU:1")
     'cpu:1'
-    >>> canonicalize("GPU:0")          # doctest: +SKIP  (needs a GPU)
+    >>> canonicalize("GPU:0")  # doctest: +SKIP
     'cuda:0'
     >>> torch_device("cpu:3")
     device(type='cpu')

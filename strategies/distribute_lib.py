@@ -113,10 +113,15 @@ class ValueContext:
 
     @property
     def replica_id_in_sync_group(self) -> int:
+        """The replica the value is for, ``0 <= id < num_replicas_in_sync``.
+
+        Global across workers: a worker's ``value_fn`` is called with the ids of its own replicas only.
+        """
         return self._replica_id
 
     @property
     def num_replicas_in_sync(self) -> int:
+        """How many replicas the strategy has in all (those of every worker)."""
         return self._num_replicas
 
     def __str__(self) -> str:
@@ -176,18 +181,26 @@ class StrategyExtended:
 
     @property
     def experimental_require_static_shapes(self) -> bool:
+        """Whether inputs must have static shapes (TensorFlow's TPU strategies); always ``False`` here.
+
+        Replicas may get batches of different sizes, empty ones included (the split of a partial last batch).
+        """
         return False
 
     @property
     def should_checkpoint(self) -> bool:
-        """Whether this process writes checkpoints (TensorFlow's name): always, in one process;
-        the chief only, across workers."""
+        """Whether this process writes checkpoints (TensorFlow's name).
+
+        Always, in one process; the chief only, across workers.
+        """
         return True
 
     @property
     def should_save_summary(self) -> bool:
-        """Whether this process writes summaries such as TensorBoard's (TensorFlow's name): as
-        ``should_checkpoint``."""
+        """Whether this process writes summaries such as TensorBoard's (TensorFlow's name).
+
+        The same as ``should_checkpoint``.
+        """
         return self.should_checkpoint
 
     @property
@@ -210,8 +223,10 @@ class StrategyExtended:
 
     @property
     def cluster(self) -> Cluster:
-        """The cluster contract (``cluster.py``): what a layer above may ask about the workers.
-        One process here: a cluster of one, no communication."""
+        """The cluster contract (``cluster.py``), what a layer above may ask about the workers.
+
+        One process here: a cluster of one, no communication.
+        """
         cluster = self.__dict__.get("_cluster")
         if cluster is None:
             cluster = self.__dict__.setdefault("_cluster", Cluster(self._num_local_replicas, self._step_values))
@@ -261,9 +276,10 @@ class StrategyExtended:
 
     @property
     def replica_streams(self) -> ReplicaStreams | None:
-        """This worker's replicas' random streams (``rng.py``: seeded from a seed and the global
-        replica id, saved in checkpoints); None for the default strategy, whose one replica draws from
-        torch's global generator as plain torch code does.
+        """This worker's replicas' random streams (``rng.py``).
+
+        Seeded from a seed and the global replica id, and saved in checkpoints; ``None`` for the default
+        strategy, whose one replica draws from torch's global generator as plain torch code does.
 
         Example::
 
@@ -637,6 +653,7 @@ class Strategy:
     # --- basics ----------------------------------------------------------------------
     @property
     def extended(self) -> StrategyExtended:
+        """The strategy's ``StrategyExtended``, with devices, reductions and updates (the advanced API)."""
         return self._extended
 
     @property
@@ -646,11 +663,12 @@ class Strategy:
 
     @property
     def cluster(self) -> Cluster:
-        """The cluster contract: whether this worker is the chief, how many workers and which one
-        this is; broadcast from the chief, gather from every worker, agree on a flag or a sum, a
-        barrier (``cluster.py``). A cluster of one (no communication) except across the processes of
-        a ``MultiWorkerMirroredStrategy``. Not in TensorFlow, whose layers above read the cluster
-        resolver and the strategy's internals.
+        """The cluster contract (``cluster.py``), what a layer above may ask about the workers.
+
+        Whether this worker is the chief, how many workers and which one this is; broadcast from
+        the chief, gather from every worker, agree on a flag or a sum, a barrier. A cluster of one
+        (no communication) except across the processes of a ``MultiWorkerMirroredStrategy``. Not in
+        TensorFlow, whose layers above read the cluster resolver and the strategy's internals.
 
         Example::
 

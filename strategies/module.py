@@ -95,11 +95,12 @@ class DistributedModule:
     # --- access ----------------------------------------------------------------------
     @property
     def strategy(self):
+        """The strategy the module is replicated over."""
         return self._strategy
 
     @property
     def module(self) -> torch.nn.Module:
-        """Replica 0: the user's own module."""
+        """The user's own module, which is replica 0."""
         return self._replicas[0]
 
     @property
@@ -114,10 +115,12 @@ class DistributedModule:
 
     @property
     def trainable_variables(self) -> list:
+        """The variables of the parameters that required gradients when the module was distributed."""
         return [v for v in self._variables.values() if v.trainable]
 
     @property
     def non_trainable_variables(self) -> list:
+        """The buffers' variables and those of parameters that did not require gradients."""
         return [v for v in self._variables.values() if not v.trainable]
 
     def named_variables(self) -> OrderedDict:
@@ -162,15 +165,18 @@ class DistributedModule:
             replica.zero_grad(set_to_none=set_to_none)
 
     def train(self, mode: bool = True) -> DistributedModule:
+        """Sets every replica's training mode (``nn.Module.train``); returns ``self``."""
         for replica in self._replicas:
             replica.train(mode)
         return self
 
     def eval(self) -> DistributedModule:
+        """Puts every replica in evaluation mode: ``train(False)``."""
         return self.train(False)
 
     @property
     def training(self) -> bool:
+        """Replica 0's training mode, which is the user's module's; ``train``/``eval`` set every replica's."""
         return self._replicas[0].training
 
     # --- state -----------------------------------------------------------------------

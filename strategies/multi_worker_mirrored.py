@@ -98,7 +98,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
 
     @property
     def should_checkpoint(self) -> bool:
-        """Whether this worker writes files: the chief (worker 0) only."""
+        """Whether this worker writes files (checkpoints); only the chief (worker 0) does."""
         return self._worker_index == 0
 
     @property
@@ -278,8 +278,10 @@ class MultiWorkerMirroredExtended(StrategyExtended):
 
     @property
     def cluster(self) -> Cluster:
-        """The workers of this strategy: one collective each call (``cluster.py``), or a cluster of
-        one when this strategy is one worker."""
+        """The workers of this strategy (``cluster.py``).
+
+        One collective each call, or a cluster of one when this strategy is one worker.
+        """
         cluster = self.__dict__.get("_cluster")
         if cluster is None:
             local, values = len(self._worker_devices), self._step_values

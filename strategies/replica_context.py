@@ -64,6 +64,7 @@ class ReplicaContext:
 
     @property
     def num_replicas_in_sync(self) -> int:
+        """How many replicas take part in every reduction, those of all workers (the strategy's)."""
         return self._strategy.num_replicas_in_sync
 
     @property

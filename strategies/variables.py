@@ -190,26 +190,36 @@ class Variable(metaclass=_VariableMeta):
     # --- the public surface ---------------------------------------------------------
     @property
     def name(self) -> str:
+        """The name given at creation (``"Variable"`` by default; a parameter's or buffer's name in its module)."""
         return self._name
 
     @property
     def trainable(self) -> bool:
+        """Whether optimizers should update it; fixed at creation (by default ``False`` for ``ON_READ`` variables)."""
         return self._trainable
 
     @property
     def aggregation(self) -> VariableAggregation:
+        """How the replicas' values are combined.
+
+        For writes to a mirrored variable in replica context, and reads of an ``ON_READ`` variable in
+        cross-replica context.
+        """
         return self._aggregation
 
     @property
     def synchronization(self) -> VariableSynchronization:
+        """When the copies are kept in sync; a ``MirroredVariable`` made with ``AUTO`` has ``ON_WRITE``."""
         return self._synchronization
 
     @property
     def dtype(self) -> torch.dtype:
+        """The ``torch.dtype`` of the value."""
         return self._primary_tensor().dtype
 
     @property
     def shape(self) -> torch.Size:
+        """The ``torch.Size`` of the value (the same on every replica)."""
         return self._primary_tensor().shape
 
     @property
@@ -784,6 +794,7 @@ class CentralStorageVariable(Variable):
 
     @property
     def values(self) -> tuple:
+        """A tuple of the stored variable alone, one ``LocalVariable`` on the parameter device (not one per replica)."""
         return (self._primary,)
 
     def _local_results(self) -> tuple:

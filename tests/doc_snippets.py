@@ -16,11 +16,13 @@ What runs, and how:
   folder, with one intra-op thread;
 - ``bash``/``sh``/``console`` blocks run with ``bash -euo pipefail`` in that same folder, in
   their turn among the page's blocks (a ``$ `` prompt at the start of a line is dropped);
-- ``yaml`` blocks are recipes: each is written to a file and checked as ``replicafit
-  validate`` checks it (which never calls code outside replicafit).
+- ``yaml`` blocks are recipes, checked as ``replicafit validate`` checks one (which never calls
+  code outside replicafit); a block with some sections only (no ``model`` or no ``data``) is
+  checked in the place of those sections of the shipped ``digits_mlp`` recipe.
 
-Blocks inside MyST directives (a ``{tab-item}``, a ``{grid-item}``, an ``{admonition}``) count
-like any other; directives that are not code (``{autoclass}``, ``{toctree}``) are not blocks.
+Blocks inside MyST directives (a ``{tab-item}``, a ``{grid-item}``, an ``{admonition}``, fenced
+with more backticks than the blocks inside, or with colons: ``:::{grid-item}``) count like any
+other; directives that are not code (``{autoclass}``, ``{toctree}``) are not blocks.
 
 Run one page by hand: ``python tests/doc_snippets.py docs/fit.md`` (``--list`` shows how
 every block of every page is classified).
@@ -95,6 +97,7 @@ def blocks(path: str) -> list[Block]:
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
     found: list[Block] = []
+    containers: list[str] = []  # the fences of the directives whose Markdown body we are in
     i = 0
     while i < len(lines):
         match = _FENCE.match(lines[i])
@@ -102,9 +105,14 @@ def blocks(path: str) -> list[Block]:
             i += 1
             continue
         fence, info = match["fence"], match["info"].strip()
+        if not info and containers and fence[0] == containers[-1][0] and len(fence) >= len(containers[-1]):
+            containers.pop()  # the end of a container directive
+            i += 1
+            continue
         directive = re.match(r"^\{([\w-]+)\}\s*(.*)$", info)
         if directive and directive[1] in CONTAINERS:
-            i += 1  # its body is Markdown: keep scanning inside (the closing fence matches nothing)
+            containers.append(fence)  # its body is Markdown: keep scanning inside
+            i += 1
             continue
         end = i + 1
         while end < len(lines):
@@ -146,11 +154,22 @@ def problems(page_blocks: list[Block]) -> list[str]:
 
 
 def _validate_recipe(block: Block, folder: str) -> None:
+    import yaml
+
     from replicafit.trainer import recipes
 
+    text = block.code
+    sections = yaml.safe_load(text)
+    if not isinstance(sections, dict):
+        raise ValueError("a yaml block must be a recipe, or sections of one")
+    if not {"model", "data"} <= set(sections):  # sections of a recipe: checked in digits_mlp's place
+        with open(recipes.locate("digits_mlp"), encoding="utf-8") as f:
+            whole = yaml.safe_load(f)
+        whole.update(sections)
+        text = yaml.safe_dump(whole, sort_keys=False)
     path = os.path.join(folder, f"recipe_line{block.line}.yaml")
     with open(path, "w", encoding="utf-8") as f:
-        f.write(block.code)
+        f.write(text)
     recipes.validate(recipes.load(path))
 
 

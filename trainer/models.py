@@ -2,6 +2,7 @@
 
 Example::
 
+    >>> import torch
     >>> model = mlp(inputs=64, outputs=10, hidden=[32], dropout=0.1)
     >>> model(torch.zeros(2, 64)).shape
     torch.Size([2, 10])

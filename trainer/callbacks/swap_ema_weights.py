@@ -25,7 +25,7 @@ class SwapEMAWeights(Callback):
 
     Example::
 
-        trainer = Trainer(optimizer=optimizers.Adam(1e-3, use_ema=True), ...)
+        trainer = Trainer(optimizer=optimizers.Adam(1e-3, use_ema=True), metrics=["accuracy"])
         trainer.fit(model, data, validation_split=0.2, callbacks=[
             SwapEMAWeights(swap_on_epoch=True),
             ModelCheckpoint("best.pt", monitor="val_accuracy", save_best_only=True),
@@ -64,6 +64,8 @@ class SwapEMAWeights(Callback):
                 self._optimizer().swap_out_averages()
 
     def on_train_begin(self, logs=None):
+        """Checks that the optimizer keeps moving averages (``ValueError`` before the first epoch otherwise),
+        and puts back the trained values where a failed earlier ``fit`` left the averages swapped in."""
         optimizer = self._optimizer()  # a missing use_ema is an error before the first epoch, not after it
         if optimizer.averages_swapped_in:  # left swapped in by a fit that failed between epochs
             with _in_strategy(self.trainer):
@@ -71,25 +73,37 @@ class SwapEMAWeights(Callback):
         self._mine = None
 
     def on_epoch_begin(self, epoch, logs=None):
+        """Puts the trained values back where ``swap_on_epoch`` swapped the averages in at the last epoch's end:
+        training continues from them."""
         self._swap_out("epoch")
 
     def on_epoch_end(self, epoch, logs=None):
+        """With ``swap_on_epoch``, swaps the averages into the model until the next epoch's start, so the
+        callbacks after this one see them (validation has run already, with the averages)."""
         if self.swap_on_epoch:
             self._swap_in("epoch")
 
     def on_test_begin(self, logs=None):
+        """Swaps the averages into the model for the evaluation (``evaluate``, ``fit``'s validation), unless
+        they are in it already."""
         self._swap_in("test")
 
     def on_test_end(self, logs=None):
+        """Puts the trained values back, where ``on_test_begin`` swapped the averages in."""
         self._swap_out("test")
 
     def on_predict_begin(self, logs=None):
+        """As ``on_test_begin``, for a loop that calls the predict hooks (``Trainer.predict`` calls none: use
+        ``with optimizer.averaged_weights(): trainer.predict(...)`` there)."""
         self._swap_in("test")
 
     def on_predict_end(self, logs=None):
+        """As ``on_test_end``, for a loop that calls the predict hooks."""
         self._swap_out("test")
 
     def on_train_end(self, logs=None):
+        """Ends a swap of the last epoch's end without putting the trained values back: ``fit`` has written the
+        averages into the model by then (``finalize_variable_values``), and they stay."""
         if self._mine == "epoch":  # fit has written the averages into the model: they stay
             self._mine = None
             self.trainer.optimizer.keep_averages()
