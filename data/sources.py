@@ -65,6 +65,7 @@ class _Batched:
 
     @property
     def num_examples(self) -> int:
+        """How many examples (rows) the source holds; an epoch walks each once."""
         return self._size
 
     def set_epoch(self, epoch: int) -> None:

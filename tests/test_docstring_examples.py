@@ -19,7 +19,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "docs", "_ext"))
 
-from api_coverage import public_names  # noqa: E402 - the reference's own list of public names
+from api_coverage import members_to_document, public_names  # noqa: E402 - the reference's own list of public names
 
 # modules whose docstrings are known to hold >>> examples (so that losing them all is noticed)
 MODULES_WITH_EXAMPLES = [
@@ -101,13 +101,14 @@ def rendered_docstrings() -> list[tuple[str, str]]:
     """``(name, docstring)`` of everything the API reference renders: the public names, the
     members their classes define, and the modules it documents."""
     found = {}
-    for name, value in public_names().items():
+    names = public_names()
+    public = {id(value) for value in names.values()}
+    for name, value in names.items():
         doc = value.__doc__ if inspect.ismodule(value) else inspect.getdoc(value)
         found.setdefault(name, doc or "")
         if inspect.isclass(value) and value.__module__.startswith("replicafit."):
-            for member, attribute in vars(value).items():
-                if not member.startswith("_"):
-                    found.setdefault(f"{name}.{member}", inspect.getdoc(attribute) or "")
+            for member in members_to_document(value, public):
+                found.setdefault(f"{name}.{member}", inspect.getdoc(getattr(value, member)) or "")
     for module in ("replicafit", "replicafit.strategies", "replicafit.data", "replicafit.optimizers"):
         found.setdefault(module, importlib.import_module(module).__doc__ or "")
     return sorted(found.items())

@@ -12,19 +12,23 @@ workers and an accumulation window, so every strategy takes the same steps as on
   elements' weights: the count of real elements, or torch's sum of class weights. That is exactly
   the loss's own ``mean`` over the whole global batch.
 
-=======================================================  =============================================
-loss                                                      denominator of the global batch
-=======================================================  =============================================
-``nn.CrossEntropyLoss``, ``nn.NLLLoss`` (and ``F.``),     Σ ``weight[label]`` over labels that are not
-class-index targets, any rank: ``(N, C)``, ``(N, C, L)``  ``ignore_index`` (the count of real labels
-                                                          without ``weight``): element-level
-the same with probability targets                         the count of elements: element-level
-``SparseCategoricalCrossentropy(ignore_class=k)``         the count of labels that are not ``k``
-(classes last)                                            (Keras 3's rule): element-level
-a callable or ``Loss`` returning ``ElementLosses``        Σ of its ``weights``: element-level
-every other loss (``"mse"``, ``nn.BCEWithLogitsLoss``,    the global batch size (the per-example mean
-``"cross_entropy"`` without ``ignore_class``, ...)        of the element mean): per-example
-=======================================================  =============================================
++--------------------------------------------------------+----------------------------------------------+
+| loss                                                   | denominator of the global batch              |
++========================================================+==============================================+
+| ``nn.CrossEntropyLoss``, ``nn.NLLLoss`` (and ``F.``),  | Σ ``weight[label]`` over labels that are not |
+| class-index targets, any rank: ``(N, C)``,             | ``ignore_index`` (the count of real labels   |
+| ``(N, C, L)``                                          | without ``weight``): element-level           |
++--------------------------------------------------------+----------------------------------------------+
+| the same with probability targets                      | the count of elements: element-level         |
++--------------------------------------------------------+----------------------------------------------+
+| ``SparseCategoricalCrossentropy(ignore_class=k)``      | the count of labels that are not ``k``       |
+| (classes last)                                         | (Keras 3's rule): element-level              |
++--------------------------------------------------------+----------------------------------------------+
+| a callable or ``Loss`` returning ``ElementLosses``     | Σ of its ``weights``: element-level          |
++--------------------------------------------------------+----------------------------------------------+
+| every other loss (``"mse"``, ``nn.BCEWithLogitsLoss``, | the global batch size (the per-example mean  |
+| ``"cross_entropy"`` without ``ignore_class``, ...)     | of the element mean): per-example            |
++--------------------------------------------------------+----------------------------------------------+
 
 ``sample_weight`` multiplies the losses and never enters a denominator (Keras 3's
 ``sum_over_batch_size``). A global batch with no real element (every label ignored) contributes
@@ -193,12 +197,13 @@ class Loss:
 
     #: what "accuracy" means with this loss ("sparse_categorical", "categorical", "binary" or None)
     accuracy_kind: str | None = None
-    #: the dimension of the predictions that holds the classes (Keras': last; torch's losses: 1)
+    #: The dimension of the predictions that holds the classes (-1, Keras' layout; 1 for torch's losses).
     class_axis: int = -1
-    #: whether the loss's mean has a denominator of its own (``ElementLosses``); None: its first call says
+    #: Whether the loss's mean has a denominator of its own (``ElementLosses``), or None until its first call
+    #: tells.
     element_level: bool | None = None
-    #: whether that denominator is a sum of floating weights (class weights) rather than a count; None: its
-    #: first call says (a count of real elements is carried exactly as an integer)
+    #: Whether that denominator is a sum of floating weights (class weights) rather than a count (carried
+    #: exactly, as an integer), or None until its first call tells.
     count_floating: bool | None = None
 
     def __init__(self, name: str | None = None):
@@ -210,6 +215,12 @@ class Loss:
         return _example_means(values) if isinstance(values, ElementLosses) else _per_example(values)
 
     def call(self, y_true, y_pred):
+        """The losses of one replica's batch, for subclasses to implement (Keras' ``Loss.call``).
+
+        Returns one loss per example (shape ``(batch,)``), one per element (``(batch, ...)``: ``__call__`` and
+        ``terms`` average each example's elements), or ``ElementLosses(values, weights)`` for an
+        element-level loss. Not reduced over the batch: the trainer does that (the module docstring's rule).
+        """
         raise NotImplementedError
 
     def terms(self, y_true, y_pred, sample_weight=None, per_example: bool = False) -> LossTerms:
@@ -239,6 +250,8 @@ class Loss:
             self.count_floating = weights is not None and torch.as_tensor(weights).is_floating_point()
 
     def get_config(self) -> dict:
+        """``{"name": ...}``, which a subclass extends with its own arguments (Keras' ``get_config``; there is no
+        ``from_config``)."""
         return {"name": self.name}
 
     def __repr__(self) -> str:
@@ -283,6 +296,9 @@ class SparseCategoricalCrossentropy(Loss):
         self.count_floating = False
 
     def call(self, y_true, y_pred):
+        """Each element's cross entropy (labels ``(batch, ...)`` or ``(batch, ..., 1)``, scores with the classes
+        last); with ``ignore_class``, ``ElementLosses`` whose weights leave that label out. A label outside
+        ``0 ... classes - 1`` (other than ``ignore_class``) is a ``ValueError``."""
         target = y_true.long()
         if target.dim() == y_pred.dim():  # (batch, 1) labels, as Keras allows
             target = target.squeeze(-1)
@@ -301,6 +317,7 @@ class SparseCategoricalCrossentropy(Loss):
         return values if real is None else ElementLosses(values, real)
 
     def get_config(self) -> dict:
+        """``{"name", "from_logits", "ignore_class"}``."""
         return {**super().get_config(), "from_logits": self.from_logits, "ignore_class": self.ignore_class}
 
 
@@ -341,6 +358,8 @@ class CategoricalCrossentropy(Loss):
         self.label_smoothing = label_smoothing
 
     def call(self, y_true, y_pred):
+        """``-Σ y_true * log(p)`` over the last dimension (``p``: the softmax of the logits, or the clipped
+        probabilities), the labels smoothed towards uniform by ``label_smoothing``."""
         target = y_true.to(y_pred.dtype)
         if self.label_smoothing:
             classes = target.shape[-1]
@@ -359,6 +378,8 @@ class BinaryCrossentropy(Loss):
         self.from_logits = from_logits
 
     def call(self, y_true, y_pred):
+        """Each element's binary cross entropy, the labels reshaped to the predictions' shape (probabilities are
+        clipped to ``[1e-7, 1 - 1e-7]``)."""
         target = y_true.to(y_pred.dtype).reshape(y_pred.shape)
         if self.from_logits:
             return F.binary_cross_entropy_with_logits(y_pred, target, reduction="none")
@@ -374,6 +395,7 @@ class MeanSquaredError(Loss):
     """Mean of ``(y_pred - y_true) ** 2`` over each example's elements."""
 
     def call(self, y_true, y_pred):
+        """Each element's squared error (labels with as many elements as the predictions take their shape)."""
         return (y_pred - _as_prediction_shape(y_true, y_pred)) ** 2
 
 
@@ -381,6 +403,7 @@ class MeanAbsoluteError(Loss):
     """Mean of ``|y_pred - y_true|`` over each example's elements."""
 
     def call(self, y_true, y_pred):
+        """Each element's absolute error (labels with as many elements as the predictions take their shape)."""
         return (y_pred - _as_prediction_shape(y_true, y_pred)).abs()
 
 
@@ -392,6 +415,7 @@ class Huber(Loss):
         self.delta = delta
 
     def call(self, y_true, y_pred):
+        """Each element's Huber loss with ``delta`` (torch's ``F.huber_loss``, unreduced)."""
         return F.huber_loss(y_pred, _as_prediction_shape(y_true, y_pred), reduction="none", delta=self.delta)
 
 

@@ -70,9 +70,14 @@ class Metric:
             self.build_state()
 
     def build_state(self) -> None:
+        """Declares the accumulators with ``add_state``, for subclasses to implement. ``build`` calls it in the
+        strategy's scope (the first time the metric is used there)."""
         raise NotImplementedError
 
     def add_state(self, name: str, shape=(), dtype=None) -> None:
+        """Adds the accumulator ``name``: zeros of ``shape`` (and ``dtype``, else the metric's), a ``SyncOnRead``
+        variable with ``SUM`` aggregation named ``"<metric name>/<name>"``; a replica adds to its own copy.
+        Call it from ``build_state``."""
         self._states[name] = ds.Variable(
             torch.zeros(shape, dtype=dtype or self.dtype),
             trainable=False,
@@ -140,6 +145,8 @@ class Metric:
             return {name: v.read_value().detach().clone() for name, v in self._states.items()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restores a ``state_dict()`` (building the accumulators first where needed): each aggregated total is
+        divided among the replicas, so ``result()`` gives the saved value again, under any strategy."""
         if not self._states:
             self.build()
         with context.enter_or_assert_strategy(self._strategy):
@@ -148,12 +155,18 @@ class Metric:
 
     # --- the metric ----------------------------------------------------------------------
     def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        """Adds one batch to the accumulators, for subclasses to implement. Inside ``strategy.run`` (the
+        trainer's steps) each replica adds its slice to its own copy. ``sample_weight``: one weight per
+        example, or per element where the metric says so."""
         raise NotImplementedError
 
     def result(self) -> torch.Tensor:
+        """The metric's value from the accumulators, for subclasses to implement: inside a replica that
+        replica's own, outside (cross-replica context) the global one over every replica and worker."""
         raise NotImplementedError
 
     def get_config(self) -> dict:
+        """``{"name": ...}`` (Keras' ``get_config``; there is no ``from_config``)."""
         return {"name": self.name}
 
     def __repr__(self) -> str:
@@ -220,6 +233,8 @@ class Mean(_MeanOfValues):
     """The (weighted) mean of the values given to ``update_state(values, sample_weight=None)``."""
 
     def update_state(self, values, sample_weight=None) -> None:
+        """Adds ``values`` (a number or a tensor of any shape: every element counts), each weighted by
+        ``sample_weight`` (per example, or per element)."""
         self._update(torch.as_tensor(values), sample_weight)
 
 
@@ -227,14 +242,18 @@ class Sum(Metric):
     """The (weighted) sum of the values given to ``update_state(values, sample_weight=None)``."""
 
     def build_state(self) -> None:
+        """One accumulator, ``total``."""
         self.add_state("total")
 
     def update_state(self, values, sample_weight=None) -> None:
+        """Adds the sum of ``values`` (a number or a tensor, flattened), each times its ``sample_weight``
+        (which must broadcast to the flattened values)."""
         values = torch.as_tensor(values).detach().to(self.dtype).reshape(-1)
         weighted, _ = _weights(values, sample_weight)
         self._add("total", weighted.sum())
 
     def result(self) -> torch.Tensor:
+        """The weighted sum so far (a copy)."""
         return self._state("total").value().clone()
 
 
@@ -253,6 +272,8 @@ class Accuracy(_MeanOfValues):
     """
 
     def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        """Adds each example's fraction of elements where ``y_pred`` equals ``y_true`` (reshaped to it);
+        ``ValueError`` where their numbers of elements differ (scores against labels)."""
         if y_true.numel() != y_pred.numel():
             raise ValueError(
                 f"{self.name}: the exact-match accuracy compares predictions with labels element by element, but "
@@ -285,6 +306,8 @@ class SparseCategoricalAccuracy(_MeanOfValues):
         self.ignore_class = ignore_class
 
     def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        """Adds whether the arg-max over ``class_axis`` equals the label, for every element (every token of a
+        sequence counts), leaving out the elements labelled ``ignore_class``."""
         predicted = y_pred.argmax(dim=self.class_axis)
         labels = y_true.reshape(predicted.shape).long()
         mask = None if self.ignore_class is None else labels != self.ignore_class
@@ -295,6 +318,7 @@ class CategoricalAccuracy(_MeanOfValues):
     """How often the arg-max of ``y_pred`` equals the arg-max of one-hot ``y_true``."""
 
     def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        """Adds whether the arg-maxes over the last dimension agree, for every position before it."""
         self._update((y_pred.argmax(dim=-1) == y_true.argmax(dim=-1)).float(), sample_weight)
 
 
@@ -306,6 +330,7 @@ class BinaryAccuracy(_MeanOfValues):
         self.threshold = threshold
 
     def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        """Adds each example's fraction of elements where ``y_pred > threshold`` matches the label."""
         hits = ((y_pred > self.threshold).float() == y_true.reshape(y_pred.shape).float()).float()
         self._update(_rows(hits).mean(-1), sample_weight)
 
@@ -318,6 +343,8 @@ class TopKCategoricalAccuracy(_MeanOfValues):
         self.k = k
 
     def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        """Adds whether the true class is among the ``k`` highest scores; ``y_true`` one-hot, or integer labels
+        (of lower rank than ``y_pred``)."""
         labels = y_true.argmax(dim=-1) if y_true.dim() == y_pred.dim() else y_true.long()
         top = y_pred.topk(min(self.k, y_pred.shape[-1]), dim=-1).indices
         self._update((top == labels.unsqueeze(-1)).any(dim=-1).float(), sample_weight)
@@ -327,6 +354,7 @@ class MeanSquaredError(_MeanOfValues):
     """The mean over examples of each example's mean squared error."""
 
     def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        """Adds each example's mean squared error over its elements."""
         diff = (y_pred - y_true.to(y_pred.dtype).reshape(y_pred.shape)) ** 2
         self._update(_rows(diff).mean(-1), sample_weight)
 
@@ -335,6 +363,7 @@ class MeanAbsoluteError(_MeanOfValues):
     """The mean over examples of each example's mean absolute error."""
 
     def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        """Adds each example's mean absolute error over its elements."""
         diff = (y_pred - y_true.to(y_pred.dtype).reshape(y_pred.shape)).abs()
         self._update(_rows(diff).mean(-1), sample_weight)
 
@@ -358,10 +387,14 @@ class AUC(Metric):
         self.thresholds = torch.tensor([0.0 - epsilon] + inner + [1.0 + epsilon], dtype=torch.float32)
 
     def build_state(self) -> None:
+        """Four accumulators of shape ``(num_thresholds,)``: the true and false positives and negatives at
+        each threshold."""
         for name in ("true_positives", "false_positives", "true_negatives", "false_negatives"):
             self.add_state(name, (self.num_thresholds,))
 
     def update_state(self, y_true, y_pred, sample_weight=None) -> None:
+        """Adds the (weighted) confusion counts of every score (flattened; a sigmoid first with
+        ``from_logits``) against its 0/1 label at each threshold; ``sample_weight``: one weight per score."""
         scores = y_pred.detach().float().reshape(-1)
         if self.from_logits:
             scores = torch.sigmoid(scores)
@@ -382,6 +415,10 @@ class AUC(Metric):
         self._add("false_negatives", (~above * positive).sum(1))
 
     def result(self) -> torch.Tensor:
+        """The area by the trapezoidal rule between thresholds: under the ROC curve (recall against the false
+        positive rate) or the PR curve (precision against recall; precision 1 where nothing is predicted
+        positive). For PR, Keras' default interpolates the counts between thresholds instead (Davis &
+        Goadrich), so its values can differ slightly."""
         tp, fp = self._state("true_positives").value(), self._state("false_positives").value()
         tn, fn = self._state("true_negatives").value(), self._state("false_negatives").value()
         recall = tp / (tp + fn).clamp_min(1e-12)

@@ -62,6 +62,8 @@ class ModelSummary:
 
     @property
     def total_params(self) -> int:
+        """``trainable_params + non_trainable_params`` (``Total params`` in the table; the non-trainable ones
+        include frozen parameters and floating buffers such as BatchNorm's statistics)."""
         return self.trainable_params + self.non_trainable_params
 
     def __repr__(self) -> str:

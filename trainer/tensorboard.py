@@ -119,13 +119,16 @@ class TensorBoard(Callback):
 
     # --- hooks ------------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
+        """Notes that a ``fit`` runs: its validations' ``on_test_end`` then leaves the writers open."""
         self._fitting = True
 
     def on_train_end(self, logs=None):
+        """Closes the event files."""
         self._fitting = False
         self._close()
 
     def on_epoch_begin(self, epoch, logs=None):
+        """Starts the epoch's clock and notes ``optimizer.iterations`` (for ``steps_per_second``)."""
         self._epoch_start = time.perf_counter()
         self._epoch_iterations = self._iterations()
 
@@ -142,6 +145,10 @@ class TensorBoard(Callback):
         self._scalars("train", "batch_", logs, step)
 
     def on_epoch_end(self, epoch, logs=None):
+        """Writes the epoch's scalars at step ``epoch``: the training logs, the optimizer's current learning
+        rate (and ``steps_per_second``) as ``train/epoch_<name>``, the ``val_`` logs as
+        ``validation/epoch_<name>``; weight and floating buffer histograms every ``histogram_freq`` epochs
+        (epoch 0 included); then flushes the files."""
         logs = logs or {}
         train = {k: v for k, v in logs.items() if not k.startswith("val_")}
         train["learning_rate"] = float(self.trainer.optimizer.learning_rate)
@@ -158,6 +165,9 @@ class TensorBoard(Callback):
             writer.flush()
 
     def on_test_end(self, logs=None):
+        """Writes the evaluation's logs as ``validation/evaluation_<name>_vs_iterations`` at step
+        ``optimizer.iterations`` (after ``fit``'s validations and ``evaluate``); a standalone ``evaluate``
+        then closes the files."""
         self._scalars("validation", "evaluation_", logs or {}, self._iterations(), suffix="_vs_iterations")
         if not self._fitting:  # a standalone evaluate(): nothing more will come
             self._close()

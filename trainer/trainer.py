@@ -173,6 +173,9 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         return self._distributed.state_dict() if self._distributed is not None else self._module.state_dict()
 
     def load_model_state_dict(self, state: dict) -> None:
+        """Loads ``state`` (a ``model_state_dict()``: strategy-independent) into every replica of the model the
+        trainer last ran (``fit``, ``evaluate``, ``predict``), the user's module included. The keys must match
+        (torch's strict loading). ``EarlyStopping(restore_best_weights=True)`` restores with it."""
         if self._distributed is not None:
             self._distributed.load_state_dict(state)
         else:

@@ -105,9 +105,14 @@ class BackupAndRestore(_Periodic):
 
     @property
     def path(self) -> str:
+        """The backup file, ``backup_dir/backup.pt``."""
         return os.path.join(self.backup_dir, "backup.pt")
 
     def on_train_begin(self, logs=None):
+        """Resumes from the backup where ``path`` exists (as the chief sees it, for every worker): the model,
+        the optimizer, the history, the RNG and the data position are restored, and ``fit`` goes on from
+        the saved epoch and step; the other callbacks' saved states follow once every ``on_train_begin`` ran.
+        Raises ``CheckpointError`` for a backup that does not fit (another global batch size, say)."""
         self._steps = 0
         self._saved_at = None
         # The chief decides whether to resume, for every worker (file systems may disagree on exists()).
@@ -132,6 +137,8 @@ class BackupAndRestore(_Periodic):
         return self.path
 
     def on_train_end(self, logs=None):
+        """Deletes the backup (on the chief) with ``delete_checkpoint``: ``fit`` completed, so a rerun starts
+        afresh. A ``fit`` that raises, or exits with ``Preempted``, keeps it."""
         if self.delete_checkpoint:
             self.trainer.write_on_chief("BackupAndRestore (delete)", self._delete)
 

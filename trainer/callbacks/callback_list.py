@@ -65,6 +65,15 @@ class CallbackList:
         return iter(self.callbacks)
 
     def call(self, hook: str, *args) -> None:
+        """Calls ``hook`` (``"on_epoch_end"``...) with ``args`` on every callback, in order; at
+        ``on_train_batch_end`` and ``on_epoch_end`` the callbacks that save the training state
+        (``BackupAndRestore``) come after the others, just before ``History``. Every callback gets the same
+        ``logs`` dict, so what one adds the later ones see.
+
+        Example::
+
+            callback_list.call("on_epoch_end", epoch, logs)
+        """
         for cb in self._saving_last if hook in _SAVING_HOOKS else self.callbacks:
             getattr(cb, hook)(*args)
 

@@ -27,6 +27,8 @@ class CSVLogger(Callback):
         self._offset = 0  # the file's size where this fit began
 
     def on_train_begin(self, logs=None):
+        """Starts this fit's rows: the chief deletes an existing file unless ``append`` (then it notes the
+        file's size, where a resumed run cuts it back to)."""
         self._keys, self._rows, self._offset = None, [], 0
         if self._is_chief and not self.append and os.path.exists(self.filename):
             os.unlink(self.filename)
@@ -34,6 +36,8 @@ class CSVLogger(Callback):
             self._offset = os.path.getsize(self.filename)  # (append: what earlier runs wrote stays)
 
     def state_dict(self) -> dict:
+        """``{"keys", "rows", "offset"}``: the columns, the rows this fit wrote so far and the file's size where
+        this fit began (what ``load_state_dict`` rewrites the file from)."""
         return {"keys": self._keys, "rows": [dict(row) for row in self._rows], "offset": self._offset}
 
     def load_state_dict(self, state: dict) -> None:
@@ -50,6 +54,9 @@ class CSVLogger(Callback):
             self._write(row)
 
     def on_epoch_end(self, epoch, logs=None):
+        """Appends the row ``epoch`` (from 0, as Keras writes it) and the epoch's logs (the chief writes the
+        file). The columns are the first epoch's log keys, sorted (Keras' rule): a key missing later is
+        written ``NA``, a key that appears later is left out."""
         logs = logs or {}
         if self._keys is None:
             self._keys = sorted(logs)

@@ -44,6 +44,8 @@ class EarlyStopping(_AttributeState, MonitorCallback):
         )
 
     def on_train_begin(self, logs=None):
+        """Resets the count of epochs without improvement, the best value, epoch and weights (a checkpoint's
+        or backup's state is loaded over them afterwards) and the once-per-fit missing-monitor warning."""
         super().on_train_begin(logs)
         self.wait = 0
         self.stopped_epoch = 0
@@ -52,6 +54,10 @@ class EarlyStopping(_AttributeState, MonitorCallback):
         self.best_epoch = 0
 
     def on_epoch_end(self, epoch, logs=None):
+        """Compares ``logs[monitor]`` with the best value (from ``start_from_epoch`` on; nothing while it is
+        missing) and sets ``trainer.stop_training`` once ``patience`` epochs passed without an improvement
+        by ``min_delta`` (or without beating ``baseline``), never at epoch 0. With
+        ``restore_best_weights`` it keeps a copy of the best epoch's model state."""
         current = self._monitor_value(logs)
         if current is None:
             return
@@ -75,6 +81,8 @@ class EarlyStopping(_AttributeState, MonitorCallback):
     _STATE = ("wait", "stopped_epoch", "best", "best_epoch", "best_weights")
 
     def on_train_end(self, logs=None):
+        """Says at which epoch training stopped (``verbose``), and with ``restore_best_weights`` loads the best
+        epoch's weights into the model, whether or not training stopped early (as Keras 3 does)."""
         if self.stopped_epoch > 0 and self.verbose:
             self._print(f"Epoch {self.stopped_epoch + 1}: early stopping")
         if self.restore_best_weights and self.best_weights is not None:

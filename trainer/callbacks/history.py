@@ -16,6 +16,8 @@ class History(Callback):
         self.epoch: list = []
 
     def on_epoch_end(self, epoch, logs=None):
+        """Appends ``epoch`` to ``self.epoch`` and each log value to ``self.history[key]`` (a key that first
+        appears in a later epoch gets a shorter list)."""
         self.epoch.append(epoch)
         for key, value in (logs or {}).items():
             self.history.setdefault(key, []).append(value)

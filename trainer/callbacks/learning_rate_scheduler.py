@@ -18,6 +18,9 @@ class LearningRateScheduler(Callback):
         self.schedule, self.verbose = schedule, verbose
 
     def on_epoch_begin(self, epoch, logs=None):
+        """Sets the optimizer's learning rate to ``schedule(epoch, current rate)``, or ``schedule(epoch)`` where
+        that call raises ``TypeError``; ``epoch`` counts from 0. A result that is not a number is a
+        ``ValueError``."""
         optimizer = self.trainer.optimizer
         try:
             rate = self.schedule(epoch, float(optimizer.learning_rate))
@@ -30,5 +33,6 @@ class LearningRateScheduler(Callback):
             self._print(f"Epoch {epoch + 1}: LearningRateScheduler setting learning rate to {rate}.")
 
     def on_epoch_end(self, epoch, logs=None):
+        """Adds the epoch's learning rate to the logs as ``learning_rate`` (as Keras 3 does)."""
         if logs is not None:
             logs["learning_rate"] = float(self.trainer.optimizer.learning_rate)

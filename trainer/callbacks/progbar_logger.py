@@ -100,6 +100,8 @@ class ProgbarLogger(Callback):
         return time.perf_counter() - self._drawn >= self._REDRAW_SECONDS or seen == total
 
     def on_epoch_begin(self, epoch, logs=None):
+        """Starts the epoch's clock; with ``verbose=1`` prints ``Epoch i/N`` and, on a terminal, opens the
+        epoch's bar (the chief only)."""
         self._start = time.perf_counter()
         self._seen = 0
         self._drawn = float("-inf")  # each epoch's bar is drawn at its first step, as Keras' Progbar is
@@ -121,6 +123,9 @@ class ProgbarLogger(Callback):
                 )
 
     def on_train_batch_end(self, batch, logs=None):
+        """Counts the step; with a bar (``verbose=1`` on a terminal) redraws it with the batch logs when a redraw
+        is due (at most every 0.1 s, and at the epoch's last step): only then does it ask for the logs
+        (``wants_logs_now``)."""
         self._seen += 1
         bar = self._bar
         if bar is None:
@@ -181,6 +186,8 @@ class ProgbarLogger(Callback):
         return further
 
     def on_epoch_end(self, epoch, logs=None):
+        """Prints the epoch's final line with every value of the epoch's logs, the validation ones included
+        (``verbose=1``: the bar's last draw; ``verbose=2``: one line with the epoch's time)."""
         elapsed = time.perf_counter() - self._start
         if self.verbose == 1 and self._is_chief:
             further = self._draw(_log_items(logs), final=True)
@@ -198,6 +205,7 @@ class ProgbarLogger(Callback):
             )
 
     def on_train_end(self, logs=None):
+        """Closes the bar if one is still open."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None

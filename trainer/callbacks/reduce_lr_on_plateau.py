@@ -41,6 +41,8 @@ class ReduceLROnPlateau(_AttributeState, MonitorCallback):
         self.min_delta, self.cooldown, self.min_lr = min_delta, cooldown, min_lr
 
     def on_train_begin(self, logs=None):
+        """Resets the count of epochs without improvement, the cooldown and the best value (a checkpoint's or
+        backup's state is loaded over them afterwards) and the once-per-fit missing-monitor warning."""
         super().on_train_begin(logs)
         self.wait = 0
         self.cooldown_counter = 0
@@ -50,6 +52,9 @@ class ReduceLROnPlateau(_AttributeState, MonitorCallback):
         return current < best - self.min_delta if self.mode == "min" else current > best + self.min_delta
 
     def on_epoch_end(self, epoch, logs=None):
+        """Logs the epoch's rate as ``learning_rate`` (before reading ``monitor``, which may name it), then,
+        after ``patience`` epochs without an improvement of ``logs[monitor]`` by ``min_delta`` outside the
+        cooldown, multiplies the rate by ``factor`` (not below ``min_lr``) for the epochs to come."""
         logs = logs if logs is not None else {}
         optimizer = self.trainer.optimizer
         logs["learning_rate"] = float(optimizer.learning_rate)

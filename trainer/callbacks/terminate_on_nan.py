@@ -15,6 +15,8 @@ class TerminateOnNaN(Callback):
     _decides_from_logs = True
 
     def on_train_batch_end(self, batch, logs=None):
+        """Sets ``trainer.stop_training`` when the batch logs' ``loss`` (the epoch's mean so far) is NaN or
+        infinite. It makes the trainer read the logs at every step."""
         loss = (logs or {}).get("loss")
         if loss is not None and not math.isfinite(loss):
             self._print(f"Batch {batch}: invalid loss {loss}, terminating training")

@@ -155,6 +155,10 @@ class TorchLRScheduler(MonitorCallback):
         return isinstance(self.factory, tuple) and issubclass(self.factory[0], _Plateau)
 
     def on_train_begin(self, logs=None):
+        """Builds the scheduler on a torch optimizer standing for the trainer's (its first learning rate is
+        written into the optimizer), resets the once-per-fit missing-monitor warning, and restores a state
+        loaded before the scheduler existed. ``ValueError`` where the optimizer's ``learning_rate`` is a
+        schedule already."""
         self._make()
         self._updates = None
         super().on_train_begin(logs)  # a missing monitor is said once per fit
@@ -166,10 +170,14 @@ class TorchLRScheduler(MonitorCallback):
         return self.interval == "step" and bool(getattr(self._optimizer(), "gradient_accumulation_steps", None))
 
     def on_train_batch_begin(self, batch, logs=None):
+        """With ``interval="step"`` and gradient accumulation, notes the optimizer's update count, to tell
+        whether the step completes a window."""
         if self._accumulating():  # only a step that completes a window is an update
             self._updates = _updates(self._optimizer())
 
     def on_train_batch_end(self, batch, logs=None):
+        """With ``interval="step"``, steps the scheduler after every update (with gradient accumulation, only
+        after a step that applied one); a ``ReduceLROnPlateau`` reads ``logs[monitor]`` from the batch logs."""
         if self.interval != "step":
             return
         optimizer = self._optimizer()
@@ -182,6 +190,9 @@ class TorchLRScheduler(MonitorCallback):
         self._step(logs)
 
     def on_epoch_end(self, epoch, logs=None):
+        """With ``interval="epoch"``, steps the scheduler (a ``ReduceLROnPlateau`` with the epoch's
+        ``logs[monitor]``); with ``"step"`` and gradient accumulation, steps it once more where the epoch's
+        partial window was applied at its end. Logs ``learning_rate``: the rate the epoch's last step used."""
         optimizer = self._optimizer()
         if self.interval == "epoch":
             self._used = float(optimizer.learning_rate)
