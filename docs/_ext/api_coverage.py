@@ -126,6 +126,27 @@ def check(app, env) -> None:
         logger.info("API reference: every public name documented")
 
 
+def public_bases(app, name, obj, options, bases: list) -> None:
+    """``Bases:`` names public classes only: an internal base (``FitLoop`` under ``Trainer``) is
+    replaced by its own bases, recursively (its members are shown under the class itself)."""
+    public = {id(value) for value in public_names().values()}
+    shown: list = []
+
+    def add(base) -> None:
+        if base.__module__.startswith("replicafit.") and id(base) not in public:
+            for above in base.__bases__:
+                add(above)
+        elif base not in shown:
+            shown.append(base)
+
+    for base in list(bases):
+        add(base)
+    if len(shown) > 1 and object in shown:
+        shown.remove(object)
+    bases[:] = shown or [object]
+
+
 def setup(app):
     app.connect("env-check-consistency", check)
+    app.connect("autodoc-process-bases", public_bases)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
