@@ -49,9 +49,18 @@ html_static_path = []
 nitpicky = True
 # names outside replicafit that signatures mention; there is no network at build time for intersphinx
 nitpick_ignore_regex = [
-    (r"py:.*", r"(torch|numpy|np|collections|typing|types|os|pathlib|enum|abc|threading|contextlib|datetime)(\..*)?"),
+    (
+        r"py:.*",
+        r"(torch|numpy|np|collections|typing|types|os|pathlib|enum|abc|threading|contextlib|datetime)(\..*)?",
+    ),
     (r"py:.*", r"replicafit\.[\w.]*\._\w+"),  # private bases of public classes
     # internal bases and return types, named by their module path (public names resolve as replicafit.<package>.Name)
-    (r"py:.*", r"replicafit\.(strategies|data|optimizers|trainer)\.[a-z_]+(\.[a-z_]+)*\.[A-Z]\w*"),
-    (r"py:.*", r"(Any|Callable|Iterable|Iterator|Mapping|Sequence|Optional|Union|Tensor|Module)"),
+    (
+        r"py:.*",
+        r"replicafit\.(strategies|data|optimizers|trainer)\.[a-z_]+(\.[a-z_]+)*\.[A-Z]\w*",
+    ),
+    (
+        r"py:.*",
+        r"(Any|Callable|Iterable|Iterator|Mapping|Sequence|Optional|Union|Tensor|Module)",
+    ),
 ]

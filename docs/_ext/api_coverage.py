@@ -21,7 +21,13 @@ from sphinx.util import logging
 
 logger = logging.getLogger(__name__)
 
-PACKAGES = ("replicafit", "replicafit.strategies", "replicafit.data", "replicafit.optimizers", "replicafit.trainer")
+PACKAGES = (
+    "replicafit",
+    "replicafit.strategies",
+    "replicafit.data",
+    "replicafit.optimizers",
+    "replicafit.trainer",
+)
 
 
 def public_names() -> dict[str, object]:
@@ -35,7 +41,9 @@ def public_names() -> dict[str, object]:
                 continue
             value = getattr(module, name)
             if isinstance(value, types.ModuleType):
-                if value.__name__.startswith("replicafit.") and value.__name__ not in modules + list(names):
+                if value.__name__.startswith(
+                    "replicafit."
+                ) and value.__name__ not in modules + list(names):
                     modules.append(value.__name__)
                     names[value.__name__] = value
                 continue
@@ -114,14 +122,20 @@ def check(app, env) -> None:
         if where is None:
             missing.append(f"{name} (no reference entry)")
             continue
-        if (inspect.isclass(value) or inspect.isroutine(value)) and not (inspect.getdoc(value) or "").strip():
+        if (inspect.isclass(value) or inspect.isroutine(value)) and not (
+            inspect.getdoc(value) or ""
+        ).strip():
             missing.append(f"{name} (no docstring)")
         if inspect.isclass(value) and value.__module__.startswith("replicafit."):
             for member in members_to_document(value, public):
                 if f"{where}.{member}" not in documented:
-                    missing.append(f"{where}.{member} (a public member without a docstring, or not documented)")
+                    missing.append(
+                        f"{where}.{member} (a public member without a docstring, or not documented)"
+                    )
     for entry in sorted(set(missing)):
-        logger.warning("API reference: %s", entry, type="api_coverage", subtype="missing")
+        logger.warning(
+            "API reference: %s", entry, type="api_coverage", subtype="missing"
+        )
     if not missing:
         logger.info("API reference: every public name documented")
 
