@@ -249,6 +249,32 @@ def test_with_gradient_accumulation_the_step_interval_counts_updates():
     assert recorder.rates == [0.1] * 4 + [0.05] * 2 + [0.025] * 4 + [0.0125] * 2
 
 
+class RatesAtBatchEnd(Callback):
+    """The learning rate each step ran with, read at the step's end (listed before the scheduler), so the
+    trainer calls no ``on_train_batch_begin`` for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.rates = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.rates.append(self.trainer.optimizer.learning_rate)
+
+
+def test_with_gradient_accumulation_the_step_interval_counts_updates_with_no_other_callback():
+    """Regression: the scheduler's own batch-begin hook notes the update count; the trainer calls that hook
+    only where a callback asks for it, and the scheduler did not ask, so it stepped one update early."""
+    optimizer = optimizers.SGD(0.1, gradient_accumulation_steps=4)  # 6 steps an epoch: windows of 4 and 2
+    trainer = Trainer(strategy=make_strategy("mirrored2"), optimizer=optimizer, seed=0)
+    rates = RatesAtBatchEnd()
+    scheduler = TorchLRScheduler(functools.partial(L.StepLR, step_size=1, gamma=0.5), interval="step")
+    trainer.fit(
+        torch.nn.Linear(6, 2), (X[:96], Y[:96]), batch_size=BATCH, epochs=2, verbose=0, callbacks=[rates, scheduler]
+    )
+    assert rates.rates == [0.1] * 4 + [0.05] * 2 + [0.025] * 4 + [0.0125] * 2
+    assert scheduler.scheduler.last_epoch == 4  # one step per update
+
+
 @pytest.mark.parametrize("name", list(SCHEDULERS))
 def test_a_resumed_run_continues_the_schedule_exactly(tmp_path, name):
     factory, interval = SCHEDULERS[name]

@@ -146,6 +146,10 @@ class TorchLRScheduler(MonitorCallback):
     _open_kwargs = True  # recipes: the keyword arguments are the scheduler's
 
     def _wants_logs(self, hook: str) -> bool:
+        # The batch-begin hook (whose logs are always empty: nothing is read) notes the update count under
+        # gradient accumulation; the trainer calls it only where a callback asks.
+        if hook == "on_train_batch_begin":
+            return self.interval == "step"
         # Per-step logs (a read of every metric) only where a per-step ReduceLROnPlateau needs them; which
         # scheduler a callable factory makes is known once fit has started (then asked again).
         if hook != "on_train_batch_end" or self.interval != "step":
