@@ -128,11 +128,21 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """Entry point of ``replicafit``; returns the exit status."""
+    if argv is None:  # the command line, not a call from Python
+        _import_from_the_working_directory()
     try:
         return _main(argv)
     except KeyboardInterrupt:  # Ctrl-C, even while torch is still importing: the user knows why it stopped
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _import_from_the_working_directory() -> None:
+    """A recipe's ``module:attr`` finds the user's modules in the working directory under the ``replicafit``
+    command as under ``python -m replicafit`` and ``torchrun -m replicafit``, which put it on ``sys.path``
+    (a console script puts its own folder there instead)."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
 
 
 def _main(argv) -> int:

@@ -537,3 +537,22 @@ def test_sigint_during_fit_prints_interrupted_and_exits_130(tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait(timeout=30)
+
+
+def test_the_replicafit_command_finds_the_users_modules_in_the_working_directory(tmp_path):
+    """Regression: ``python -m replicafit`` and ``torchrun -m replicafit`` put the working directory on
+    ``sys.path``; the console script ``replicafit`` did not, so a recipe naming ``my_models:small_mlp``
+    next to it failed with "No module named 'my_models'" under the command the docs show first."""
+    import shutil
+
+    command = shutil.which("replicafit") or os.path.join(os.path.dirname(sys.executable), "replicafit")
+    assert os.path.exists(command), "the package's console script is not installed"
+    (tmp_path / "my_models.py").write_text(
+        "from torch import nn\n\n\ndef small_mlp(inputs, outputs):\n    return nn.Linear(inputs, outputs)\n"
+    )
+    recipe = yaml.safe_load((RECIPES / "digits_mlp.yaml").read_text())
+    recipe["model"] = {"type": "my_models:small_mlp"}
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(recipe))
+    done = subprocess.run([command, "validate", "mine.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "mine.yaml: ok" in done.stdout
