@@ -188,6 +188,9 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
         )
         self.name = name or type(self).__name__.lower()
         self._learning_rate = self._check_learning_rate(learning_rate)
+        #: How many updates were applied (a mirrored ``int64`` variable, saved with the optimizer): one per
+        #: ``apply_gradients``, not one per replica; with gradient accumulation one per window. Schedules
+        #: read it.
         self.iterations = ds.Variable(
             0,
             dtype=torch.int64,
