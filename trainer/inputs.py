@@ -10,6 +10,8 @@ Example::
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 import replicafit.data as data_layer
@@ -96,8 +98,9 @@ def batchable(dataset) -> bool:
 
 
 def _split_point(n: int, validation_split: float) -> int:
-    """Where ``validation_split`` cuts ``n`` examples; both parts must hold one at least (as in Keras)."""
-    cut = n - int(n * validation_split)
+    """Where ``validation_split`` cuts ``n`` examples: Keras 3's point, ``floor(n * (1 - split))`` rows for
+    training and the rest (the last rows) for validation; both parts must hold one at least (as in Keras)."""
+    cut = math.floor(n * (1.0 - validation_split))
     if cut == 0 or cut == n:
         raise ValueError(
             f"validation_split={validation_split} of {n} examples leaves {cut} for training and {n - cut} for "

@@ -249,8 +249,8 @@ def test_digits_mlp_reaches_95_percent_validation_accuracy_under_mirrored():
     assert len(val_accuracy) == 20
     assert max(val_accuracy) >= 0.95, val_accuracy
     assert history.history["loss"][-1] < history.history["loss"][0]
-    # the last epoch's val_accuracy is the model's accuracy on the last 20% of the data
-    cut = len(x) - int(len(x) * 0.2)
+    # the last epoch's val_accuracy is the model's accuracy on the last 20% of the data (Keras' cut: 1,437 + 360)
+    cut = int(math.floor(len(x) * (1 - 0.2)))
     with torch.no_grad():
         predicted = model(torch.from_numpy(x[cut:])).argmax(-1).numpy()
     assert val_accuracy[-1] == pytest.approx(float((predicted == y[cut:]).mean()), abs=1e-6)
@@ -743,15 +743,32 @@ def test_fit_with_empty_validation_data_raises_before_training(strategy, kind):
 
 
 @pytest.mark.parametrize("as_dataset", [False, True], ids=["arrays", "dataset"])
-def test_a_validation_split_that_leaves_no_validation_example_raises(as_dataset):
+def test_a_validation_split_that_leaves_no_training_example_raises(as_dataset):
     x, y = tiny_data(n=3)
     data = torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y)) if as_dataset else (x, y)
     log = HookLog()
-    with pytest.raises(ValueError, match=r"validation_split=0.2 of 3 examples leaves 3 for training and 0 for valid"):
-        Trainer(seed=0).fit(mlp(), data, batch_size=4, validation_split=0.2, callbacks=[log], verbose=0)
+    with pytest.raises(ValueError, match=r"validation_split=0.7 of 3 examples leaves 0 for training and 3 for valid"):
+        Trainer(seed=0).fit(mlp(), data, batch_size=4, validation_split=0.7, callbacks=[log], verbose=0)
     assert log.calls == []
-    history = Trainer(seed=0).fit(mlp(), data, batch_size=4, validation_split=0.34, verbose=0)  # one example
+    history = Trainer(seed=0).fit(mlp(), data, batch_size=4, validation_split=0.2, verbose=0)  # Keras: 2 and 1
     assert len(history.history["val_loss"]) == 1
+
+
+@pytest.mark.parametrize("n", [3, 10, 64, 1797])
+@pytest.mark.parametrize("split", [0.1, 0.2, 0.25, 0.3, 1 / 3, 0.5])
+def test_validation_split_cuts_where_keras_does(n, split):
+    """Keras 3 (``train_validation_split``) trains on the first ``floor(n * (1 - split))`` rows and validates on
+    the rest: 1,437 and 360 of the 1,797 digits at 0.2 (regression: this took 359 for validation)."""
+    from replicafit.trainer.inputs import _split_point
+
+    keras = int(math.floor(n * (1.0 - split)))
+    if keras == 0:
+        with pytest.raises(ValueError, match="leaves 0 for training"):
+            _split_point(n, split)
+    else:
+        assert _split_point(n, split) == keras
+    if (n, split) == (1797, 0.2):
+        assert n - _split_point(n, split) == 360
 
 
 def test_a_generator_trains_and_evaluates_like_a_list_of_its_batches(strategy):
