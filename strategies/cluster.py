@@ -49,12 +49,9 @@ class Cluster:
       num_local_replicas: the replicas of this worker (``len(strategy.extended.worker_devices)``).
 
     Attributes:
-      is_chief: whether this worker is the chief (worker 0): the one that writes files.
       num_workers: how many workers (processes) the strategy spans.
       worker_index: this worker's index, ``0 ... num_workers - 1``.
       num_local_replicas: the replicas of this worker.
-      first_replica_id: the global id (``replica_id_in_sync_group``) of this worker's first
-        replica: ``worker_index * num_local_replicas``.
 
     Every method that communicates takes ``what``: the operation's name in the
     ``WorkerFailedError`` raised when a worker dies or stops arriving.
@@ -78,10 +75,12 @@ class Cluster:
 
     @property
     def is_chief(self) -> bool:
+        """Whether this worker is the chief (worker 0), the one that writes files."""
         return self.worker_index == 0
 
     @property
     def first_replica_id(self) -> int:
+        """The global id of this worker's first replica (``worker_index * num_local_replicas``)."""
         return self.worker_index * self.num_local_replicas
 
     def broadcast(self, obj, what: str = "broadcasting the chief's value"):

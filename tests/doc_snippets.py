@@ -14,17 +14,21 @@ What runs, and how:
 - ``python`` blocks run in order, in one namespace per page (a later block uses what an
   earlier one defined), in a fresh process whose working directory is an empty temporary
   folder, with one intra-op thread;
-- ``bash``/``sh``/``console`` blocks run with ``bash -euo pipefail`` in that same folder, in
-  their turn among the page's blocks (a ``$ `` prompt at the start of a line is dropped);
+- ``bash``/``sh`` blocks run with ``bash -euo pipefail`` in that same folder, in
+  their turn among the page's blocks (a ``$ `` prompt at the start of a line is dropped;
+  a ``console`` block, which mixes commands and output, needs a ``not-run`` reason);
 - ``yaml`` blocks are recipes, checked as ``replicafit validate`` checks one (which never calls
   code outside replicafit); a block with some sections only (no ``model`` or no ``data``) is
   checked in the place of those sections of the shipped ``digits_mlp`` recipe.
 
 Blocks inside MyST directives (a ``{tab-item}``, a ``{grid-item}``, an ``{admonition}``, fenced
 with more backticks than the blocks inside, or with colons: ``:::{grid-item}``) count like any
-other; directives that are not code (``{autoclass}``, ``{toctree}``) are not blocks.
+other; directives that are not code (``{autoclass}``, ``{toctree}``) are not blocks, and a
+directive this file does not know is an error (so that no code hides in one). Indented code
+blocks are switched off in ``docs/conf.py`` (``myst_disable_syntax``): every block is fenced.
+Every Python block compiles, marked or not.
 
-Run one page by hand: ``python tests/doc_snippets.py docs/fit.md`` (``--list`` shows how
+Run one page by hand: ``python tests/doc_snippets.py docs/guides/fit.md`` (``--list`` shows how
 every block of every page is classified).
 """
 
@@ -40,8 +44,8 @@ import textwrap
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNNABLE = {"python": "python", "py": "python", "bash": "shell", "sh": "shell", "console": "shell", "yaml": "yaml"}
-# directives whose body is Markdown that may hold code blocks; every other directive is not a block
+RUNNABLE = {"python": "python", "py": "python", "bash": "shell", "sh": "shell", "yaml": "yaml"}
+# directives whose body is Markdown that may hold code blocks
 CONTAINERS = {
     "admonition",
     "note",
@@ -51,6 +55,8 @@ CONTAINERS = {
     "seealso",
     "attention",
     "caution",
+    "danger",
+    "error",
     "hint",
     "grid",
     "grid-item",
@@ -60,7 +66,11 @@ CONTAINERS = {
     "card",
     "dropdown",
 }
-_FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<info>.*)$")
+CODE = {"code-block", "code", "sourcecode"}  # directives that are code blocks
+# directives that hold no code block of a page (the reference's autodoc entries are checked elsewhere)
+NOT_CODE = {"eval-rst", "toctree", "automodule", "autoclass", "autofunction", "autodata", "autoexception", "math"}
+_FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,}|:{3,})\s*(?P<info>.*)$")
+_QUOTED_FENCE = re.compile(r"^\s*>.*(```|~~~)")
 _NOT_RUN = re.compile(r"^\s*<!--\s*not-run:\s*(?P<reason>.*?)\s*-->\s*$")
 
 
@@ -93,13 +103,16 @@ def pages() -> list[str]:
 
 
 def blocks(path: str) -> list[Block]:
-    """Every code block of the page at ``path``, in order; raises ``ValueError`` on an unclosed fence."""
+    """Every code block of the page at ``path``, in order; ``ValueError`` for what it cannot read
+    for sure (an unclosed fence, an unknown directive, a fence inside a blockquote)."""
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
     found: list[Block] = []
     containers: list[str] = []  # the fences of the directives whose Markdown body we are in
     i = 0
     while i < len(lines):
+        if _QUOTED_FENCE.match(lines[i]):
+            raise ValueError(f"{path}:{i + 1}: a code fence inside a blockquote is not read here: unquote it")
         match = _FENCE.match(lines[i])
         if not match:
             i += 1
@@ -110,10 +123,17 @@ def blocks(path: str) -> list[Block]:
             i += 1
             continue
         directive = re.match(r"^\{([\w-]+)\}\s*(.*)$", info)
+        if fence[0] == ":" and not directive:
+            raise ValueError(f"{path}:{i + 1}: a colon fence opens a directive: '{fence}{{name}}'")
         if directive and directive[1] in CONTAINERS:
             containers.append(fence)  # its body is Markdown: keep scanning inside
             i += 1
             continue
+        if directive and directive[1] not in CODE | NOT_CODE:
+            raise ValueError(
+                f"{path}:{i + 1}: the directive {{{directive[1]}}} is unknown to tests/doc_snippets.py: add it to "
+                "CONTAINERS (its body is Markdown), CODE or NOT_CODE"
+            )
         end = i + 1
         while end < len(lines):
             closing = _FENCE.match(lines[end])
@@ -123,10 +143,11 @@ def blocks(path: str) -> list[Block]:
             end += 1
         if end == len(lines):
             raise ValueError(f"{path}:{i + 1}: a code fence is never closed")
-        if directive and directive[1] not in ("code-block", "code"):
-            i = end + 1  # a directive that is not code ({autoclass}, {toctree}, ...)
+        if directive and directive[1] in NOT_CODE:
+            i = end + 1
             continue
-        language = (directive[2] if directive else info).split()[0].lower() if (directive or info) else ""
+        words = (directive[2] if directive else info).split()
+        language = words[0].lower() if words else ""
         body = lines[i + 1 : end]
         if directive:  # a {code-block} may start with :option: lines
             while body and body[0].strip().startswith(":"):
@@ -142,6 +163,11 @@ def problems(page_blocks: list[Block]) -> list[str]:
     """What is wrong with a page's blocks: a block that neither runs nor says why, an empty reason."""
     wrong = []
     for block in page_blocks:
+        if RUNNABLE.get(block.language) == "python":  # marked or not, Python must at least compile
+            try:
+                compile(block.code, block.where(), "exec")
+            except SyntaxError as error:
+                wrong.append(f"{block.where()}: does not compile: {error.msg} (line {error.lineno} of the block)")
         if block.not_run is not None and not block.not_run:
             wrong.append(f"{block.where()}: 'not-run:' needs a reason")
         elif block.not_run is None and block.kind is None:

@@ -77,6 +77,64 @@ def test_the_block_finder_reads_markers_directives_and_nesting(tmp_path):
     assert len(wrong) == 1 and "a text block neither runs nor is marked" in wrong[0]
 
 
+def test_what_the_finder_cannot_read_for_sure_is_an_error(tmp_path):
+    """A directive it does not know could hold code that neither runs nor says why: it must be told."""
+    with pytest.raises(ValueError, match=r"the directive \{sidebar\} is unknown"):
+        blocks(write(tmp_path, "```{sidebar}\n```python\nx = 1\n```\n```\n"))
+    with pytest.raises(ValueError, match="inside a blockquote"):
+        blocks(write(tmp_path, "> ```python\n> x = 1\n> ```\n"))
+    page = write(tmp_path, ":::{code-block} python\nx = 1\n:::\n\n```{code-block}\nplain\n```\n")
+    assert [(b.language, b.code) for b in blocks(page)] == [("python", "x = 1\n"), ("", "plain\n")]
+
+
+def test_every_python_block_compiles_even_one_marked_not_run():
+    broken = Block("p.md", 3, "python", "strategy = rf.MirroredStrategy(\n", "needs GPUs")
+    assert problems([broken]) == ["p.md:3: does not compile: '(' was never closed (line 1 of the block)"]
+
+
+def test_indented_code_blocks_are_switched_off_on_the_site():
+    """The finder reads fenced blocks only; an indented block would render as code and never run."""
+    with open(os.path.join(ROOT, "docs", "conf.py"), encoding="utf-8") as f:
+        assert 'myst_disable_syntax = ["code"]' in f.read()
+
+
+def test_the_api_pages_have_an_entry_for_every_public_name():
+    """Without Sphinx: the autodoc entries of docs/api/*.md name every public name (by identity, so
+    that a re-export counts once), and the build's own check (docs/_ext/api_coverage.py) does the rest."""
+    import importlib
+    import re
+
+    sys.path.insert(0, os.path.join(ROOT, "docs", "_ext"))
+    from api_coverage import public_names
+
+    targets = []
+    for name in sorted(os.listdir(os.path.join(ROOT, "docs", "api"))):
+        with open(os.path.join(ROOT, "docs", "api", name), encoding="utf-8") as f:
+            targets += re.findall(r"^\.\. auto(?:class|function|data|exception|module):: (\S+)", f.read(), re.M)
+
+    def resolve(target):
+        module, _, attribute = target.rpartition(".")
+        try:
+            return importlib.import_module(target)
+        except ImportError:
+            return getattr(importlib.import_module(module), attribute)
+
+    documented = {id(resolve(target)) for target in targets}
+    missing = [name for name, value in public_names().items() if id(value) not in documented]
+    assert missing == [], f"no autodoc entry in docs/api/*.md for {missing}"
+
+
+def test_the_snippets_are_formatted_to_the_sites_width():
+    """docs/ruff.toml formats the pages' Python blocks to 88 columns, what the site shows without a scroll."""
+    import shutil
+
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed (it comes with the test extra)")
+    done = subprocess.run([ruff, "format", "--check", "README.md", "docs"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_an_empty_reason_and_an_unclosed_fence_are_errors(tmp_path):
     assert problems([Block("p.md", 3, "bash", "ls\n", "")]) == ["p.md:3: 'not-run:' needs a reason"]
     with pytest.raises(ValueError, match="never closed"):

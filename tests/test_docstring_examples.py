@@ -66,7 +66,8 @@ def test_every_module_is_walked():
     assert set(MODULES_WITH_EXAMPLES) <= set(found) and len(found) > 90
 
 
-_CODE_BLOCK = re.compile(r"^\s*\.\. code-block::\s*(\w*)\s*$")
+_CODE_BLOCK = re.compile(r"^\s*\.\. (?:code-block|code|sourcecode)::\s*(\w*)\s*$")
+PYTHON = {"python", "py", "python3", "pycon"}
 
 
 def literal_blocks(doc: str) -> list[tuple[int, str, str]]:
@@ -109,7 +110,13 @@ def rendered_docstrings() -> list[tuple[str, str]]:
         if inspect.isclass(value) and value.__module__.startswith("replicafit."):
             for member in members_to_document(value, public):
                 found.setdefault(f"{name}.{member}", inspect.getdoc(getattr(value, member)) or "")
-    for module in ("replicafit", "replicafit.strategies", "replicafit.data", "replicafit.optimizers"):
+    for module in (
+        "replicafit",
+        "replicafit.strategies",
+        "replicafit.data",
+        "replicafit.optimizers",
+        "replicafit.trainer",
+    ):
         found.setdefault(module, importlib.import_module(module).__doc__ or "")
     return sorted(found.items())
 
@@ -118,7 +125,7 @@ def test_every_rendered_example_compiles():
     broken, compiled = [], 0
     for name, doc in rendered_docstrings():
         for line, language, code in literal_blocks(doc):
-            if language != "python" or ">>>" in code:
+            if language not in PYTHON or ">>>" in code:
                 continue  # the >>> ones run above
             try:
                 compile(code, f"{name} (docstring line {line})", "exec")

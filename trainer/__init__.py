@@ -18,6 +18,7 @@ per-fit plan), ``training_state.py`` (what checkpoints and backups keep), ``argu
 """
 
 from . import callbacks, checkpoint, losses, metrics
+from . import preemption as _preemption
 from .callbacks import (
     BackupAndRestore,
     Callback,
@@ -36,9 +37,15 @@ from .callbacks import (
 )
 from .checkpoint import CheckpointError
 from .model_summary import ModelSummary, summary
-from .preemption import PREEMPTED_EXIT_STATUS, Preempted
+from .preemption import Preempted
 from .tensorboard import TensorBoard
 from .trainer import Trainer
+
+#: The exit status of a run that saved its backup and stopped on a preemption signal
+#: (``BackupAndRestore(save_before_preemption=...)``): 75, ``EX_TEMPFAIL`` ("try again"). ``fit``
+#: raises ``Preempted`` with it; the command and the ``--workers`` launcher exit with it, and a
+#: batch script requeues the job on it.
+PREEMPTED_EXIT_STATUS = _preemption.PREEMPTED_EXIT_STATUS
 
 __all__ = [
     "PREEMPTED_EXIT_STATUS",
