@@ -313,10 +313,11 @@ class DistributedIterator:
     does exhausting or dropping the iterator.
     """
 
-    # Rows of the last step's global batch over every worker (where the steps carry it, else None).
+    #: How many rows the last step's global batch had, over every worker (where the steps carry it,
+    #: else ``None``): the denominator of a per-example loss in a loop of one's own.
     global_batch_size = None
-    # The first step's host batch: this worker's part of the first global batch, before the split
-    # (where the steps carry it, else None); what fit's and evaluate's entry checks read.
+    #: This worker's part of the first global batch, before the split (where the steps carry it,
+    #: else ``None``); what fit's and evaluate's entry checks read.
     first_host_batch = None
 
     def __init__(self, produce, buffer_size: int = 1):

@@ -12,7 +12,7 @@ One ``Collective`` per process owns the process groups of a ``MultiWorkerMirrore
   never interleave collectives on one group (gloo pairs messages by order).
 
 Every call is bounded by the process-group timeout (``CommunicationOptions.timeout_seconds``;
-``None``: torch's default, 30 minutes). A worker whose process is gone is an error at once
+``None``: torch's default, 30 minutes on gloo and 10 on NCCL). A worker whose process is gone is an error at once
 on gloo; one that stops arriving, after the timeout. Either way every other worker raises
 ``WorkerFailedError`` naming the operation, and the collective refuses further work: a
 group that lost a member cannot be used again (restart every worker; ``BackupAndRestore``

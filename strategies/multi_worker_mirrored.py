@@ -396,7 +396,7 @@ class MultiWorkerMirroredStrategy(Strategy):
       communication_options: a ``CommunicationOptions``: ``bytes_per_pack`` for the packs
         that cross processes, ``timeout_seconds`` for every wait (local rendezvous and the
         process group: a worker that stops arriving is a ``WorkerFailedError`` after it;
-        ``None``: torch's default, 30 minutes), ``implementation`` (``AUTO``: gloo for CPU
+        ``None``: torch's default, 30 minutes on gloo and 10 on NCCL), ``implementation`` (``AUTO``: gloo for CPU
         devices, NCCL for CUDA devices; ``RING`` means gloo, for CUDA devices too, which is how
         several worker processes share one GPU (NCCL refuses two ranks on one device);
         ``NCCL`` needs CUDA devices).

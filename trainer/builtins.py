@@ -61,7 +61,7 @@ def multi_worker_mirrored(
 
     The cluster comes from the environment that the launcher or torchrun sets; ``timeout_seconds``
     bounds every wait for the other workers (a worker that dies or stops arriving fails the run
-    after it; ``None``: torch's default, 30 minutes), ``bytes_per_pack`` sizes the buffers that
+    after it; ``None``: torch's default, 30 minutes on gloo and 10 on NCCL), ``bytes_per_pack`` sizes the buffers that
     cross processes (``CommunicationOptions``) and ``shard_optimizer_states`` splits the optimizer's
     state across the workers. Example recipe entry::
 

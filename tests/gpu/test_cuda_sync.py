@@ -1,5 +1,6 @@
 """No host synchronisation per step on the GPU: 20 steady-state steps of ``fit(verbose=0)`` under
-``torch.cuda.set_sync_debug_mode("error")`` raise nothing, except what the docs list (README "GPUs"):
+``torch.cuda.set_sync_debug_mode("error")`` raise nothing, except what the docs list
+(``docs/guides/distribution.md``, "A step never waits for the GPU"):
 
 * ``"16-mixed"``: the finite check of each update (loss scaling decides on the host whether to
   apply the update or skip it, as ``torch.amp.GradScaler.step`` does);
