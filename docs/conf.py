@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "_ext"))
 
 import replicafit  # noqa: E402
 
-_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if not os.path.abspath(replicafit.__file__).startswith(os.path.join(_CHECKOUT, "")):
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+if not os.path.realpath(replicafit.__file__).startswith(os.path.join(_CHECKOUT, "")):
     raise RuntimeError(
         f"the documentation of {_CHECKOUT} would be built from the replicafit installed at "
         f'{os.path.dirname(replicafit.__file__)}: run `pip install -e ".[docs]"` in {_CHECKOUT} first'

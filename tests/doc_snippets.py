@@ -42,6 +42,7 @@ import sys
 import tempfile
 import textwrap
 import traceback
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNABLE = {"python": "python", "py": "python", "bash": "shell", "sh": "shell", "yaml": "yaml"}
@@ -207,7 +208,12 @@ def _run_shell(block: Block, folder: str) -> None:
         capture_output=True,
         text=True,
         timeout=240,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        # this interpreter's replicafit and python, not whatever comes first on PATH
+        env=dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
+        ),
     )
     if done.returncode:
         raise RuntimeError(f"exit status {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -219,7 +225,11 @@ def run_page(path: str) -> tuple[int, int]:
     wrong = problems(page_blocks)
     if wrong:
         raise SystemExit("\n".join(wrong))
-    namespace: dict = {"__name__": "__main__"}
+    # the blocks run as the __main__ module, as a script's code does, so that pickle finds a class or
+    # function a block defines (by reference: __main__.Name)
+    main = types.ModuleType("__main__")
+    sys.modules["__main__"] = main
+    namespace = main.__dict__
     ran = 0
     with tempfile.TemporaryDirectory(prefix="replicafit-docs-") as folder:
         os.chdir(folder)

@@ -120,18 +120,30 @@ def test_the_api_pages_have_an_entry_for_every_public_name():
             return getattr(importlib.import_module(module), attribute)
 
     documented = {id(resolve(target)) for target in targets}
-    missing = [name for name, value in public_names().items() if id(value) not in documented]
+    # a constant (a small int is one shared object) by its name; the rest by identity: a re-export counts once
+    missing = [
+        name
+        for name, value in public_names().items()
+        if (name not in targets if isinstance(value, (int, float, str)) else id(value) not in documented)
+    ]
     assert missing == [], f"no autodoc entry in docs/api/*.md for {missing}"
 
 
 def test_the_snippets_are_formatted_to_the_sites_width():
     """docs/ruff.toml formats the pages' Python blocks to 88 columns, what the site shows without a scroll."""
-    import shutil
-
-    ruff = shutil.which("ruff")
-    if ruff is None:
-        pytest.skip("ruff is not installed (it comes with the test extra)")
-    done = subprocess.run([ruff, "format", "--check", "README.md", "docs"], cwd=ROOT, capture_output=True, text=True)
+    try:
+        version = subprocess.run([sys.executable, "-m", "ruff", "--version"], capture_output=True, text=True).stdout
+    except OSError:
+        version = ""
+    numbers = tuple(int(part) for part in version.split()[-1].split(".")[:2]) if version else ()
+    if numbers < (0, 16):  # ruff formats the code blocks of Markdown from 0.16 on
+        pytest.skip(f"needs ruff >= 0.16 (the test extra's), found {version.strip() or 'none'}")
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "README.md", "docs"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
