@@ -141,8 +141,14 @@ def _import_from_the_working_directory() -> None:
     """A recipe's ``module:attr`` finds the user's modules in the working directory under the ``replicafit``
     command as under ``python -m replicafit`` and ``torchrun -m replicafit``, which put it on ``sys.path``
     (a console script puts its own folder there instead)."""
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    if getattr(sys.flags, "safe_path", False):  # python -P / PYTHONSAFEPATH: the user asked for no such entry
+        return
+    try:
+        here = os.getcwd()
+    except OSError:  # the working directory is gone: nothing to import from it
+        return
+    if "" not in sys.path and here not in sys.path:
+        sys.path.insert(0, here)
 
 
 def _main(argv) -> int:

@@ -543,9 +543,10 @@ def test_the_replicafit_command_finds_the_users_modules_in_the_working_directory
     """Regression: ``python -m replicafit`` and ``torchrun -m replicafit`` put the working directory on
     ``sys.path``; the console script ``replicafit`` did not, so a recipe naming ``my_models:small_mlp``
     next to it failed with "No module named 'my_models'" under the command the docs show first."""
-    import shutil
+    import sysconfig
 
-    command = shutil.which("replicafit") or os.path.join(os.path.dirname(sys.executable), "replicafit")
+    # this interpreter's own console script (a shim first on PATH could run another installation)
+    command = os.path.join(sysconfig.get_path("scripts"), "replicafit")
     assert os.path.exists(command), "the package's console script is not installed"
     (tmp_path / "my_models.py").write_text(
         "from torch import nn\n\n\ndef small_mlp(inputs, outputs):\n    return nn.Linear(inputs, outputs)\n"
@@ -553,6 +554,21 @@ def test_the_replicafit_command_finds_the_users_modules_in_the_working_directory
     recipe = yaml.safe_load((RECIPES / "digits_mlp.yaml").read_text())
     recipe["model"] = {"type": "my_models:small_mlp"}
     (tmp_path / "mine.yaml").write_text(yaml.safe_dump(recipe))
-    done = subprocess.run([command, "validate", "mine.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    done = subprocess.run(
+        [command, "validate", "mine.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env
+    )
     assert done.returncode == 0, done.stderr
     assert "mine.yaml: ok" in done.stdout
+    if sys.version_info < (3, 11):
+        return  # PYTHONSAFEPATH is Python 3.11's
+    # python -P (PYTHONSAFEPATH) asks for no working directory on sys.path: the command respects it
+    done = subprocess.run(
+        [command, "validate", "mine.yaml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(env, PYTHONSAFEPATH="1"),
+    )
+    assert done.returncode == 2 and "No module named 'my_models'" in done.stderr
