@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from difflib import get_close_matches
 
 __all__ = [
@@ -128,8 +129,17 @@ def resolve(kind: str, name: str):
             raise ImportError(
                 f"replicafit's packages live under the `replicafit` import root: write {moved!r} instead of {name!r}"
             )
-        module = importlib.import_module(module_name)
-        return getattr(module, attribute)
+        try:
+            module = importlib.import_module(module_name)
+            return getattr(module, attribute)
+        except (ImportError, AttributeError) as error:
+            # a folder of one's own named data/ (or trainer/, ...) shadows the old spelling: say it if ours has it
+            moved = _ours_has(module_name, attribute)
+            if moved:
+                raise ImportError(
+                    f"{error}; replicafit's packages live under the `replicafit` import root: did you mean {moved!r}?"
+                ) from error
+            raise
     raise KeyError(f"unknown {kind} {name!r}{registry.suggestion(name)}; `replicafit list {kind}` shows the names")
 
 
@@ -151,6 +161,27 @@ def _moved_spelling(module_name: str, attribute: str):
     except (ImportError, ValueError):
         spec = None
     ours = importlib.import_module(f"replicafit.{top}")
-    if spec is not None and spec.origin != ours.__file__:
+    if spec is not None and not _same_file(spec.origin, ours.__file__):
         return None
     return f"replicafit.{module_name}:{attribute}"
+
+
+def _same_file(a, b) -> bool:
+    return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
+def _ours_has(module_name: str, attribute: str):
+    """``"replicafit.data.sources:X"`` where ``module_name`` failed to give ``attribute`` because its top level
+    is a folder without ``__init__.py`` (a namespace package: a project's ``data/`` of files, say) and our
+    module of that name has it; else None. A module of one's own of that name keeps its own errors."""
+    top = module_name.partition(".")[0]
+    if top not in _MOVED_PACKAGES:
+        return None
+    try:
+        spec = importlib.util.find_spec(top)
+        if spec is None or spec.origin is not None:
+            return None
+        ours = importlib.import_module(f"replicafit.{module_name}")
+    except (ImportError, ValueError):
+        return None
+    return f"replicafit.{module_name}:{attribute}" if hasattr(ours, attribute) else None

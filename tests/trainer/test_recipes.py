@@ -7,6 +7,7 @@ test_cli.py runs the command end to end.
 
 from __future__ import annotations
 
+import pathlib
 import re
 import sys
 import textwrap
@@ -1423,6 +1424,29 @@ def test_resolve_old_spelling_and_a_users_own_module_of_that_name(tmp_path, monk
             resolve("model", "trainer:Trainer")
     finally:
         sys.modules.pop("trainer", None)
+
+
+def test_a_folder_of_ones_own_named_data_does_not_hide_the_old_spelling_hint(tmp_path, monkeypatch):
+    """Regression: with the working directory on sys.path (the replicafit command puts it there), a
+    project's data/ folder of files (no __init__.py: a namespace package) took the name, and the old
+    spelling failed with a bare ModuleNotFoundError or AttributeError, without the hint."""
+    from replicafit.trainer.registry import resolve
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.csv").write_text("x,y\n")
+    checkouts = {"", str(pathlib.Path.cwd()), str(pathlib.Path(__file__).resolve().parents[2])}
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in checkouts])  # no data/ of ours
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "data", raising=False)
+    try:
+        with pytest.raises(ImportError, match="did you mean 'replicafit.data.datasets:load_digits'"):
+            resolve("dataset", "data.datasets:load_digits")
+        with pytest.raises(ImportError, match="did you mean 'replicafit.data:as_global_batches'"):
+            resolve("dataset", "data:as_global_batches")
+        with pytest.raises(AttributeError):  # ours has no such name either: no hint
+            resolve("dataset", "data:no_such_name")
+    finally:
+        sys.modules.pop("data", None)
 
 
 # --- built-in npz and csv datasets ------------------------------------------------------------
