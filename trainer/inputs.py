@@ -104,8 +104,8 @@ def _split_point(n: int, validation_split: float) -> int:
     if cut == 0 or cut == n:
         raise ValueError(
             f"validation_split={validation_split} of {n} examples leaves {cut} for training and {n - cut} for "
-            "validation, and each needs at least one: pass more data or another validation_split (or "
-            "validation_data)."
+            f"validation (floor({n} * (1 - {validation_split})) = {cut} rows train, in floating point, as in "
+            "Keras), and each needs at least one: pass more data or another validation_split (or validation_data)."
         )
     return cut
 

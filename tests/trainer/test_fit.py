@@ -754,21 +754,33 @@ def test_a_validation_split_that_leaves_no_training_example_raises(as_dataset):
     assert len(history.history["val_loss"]) == 1
 
 
-@pytest.mark.parametrize("n", [3, 10, 64, 1797])
-@pytest.mark.parametrize("split", [0.1, 0.2, 0.25, 0.3, 1 / 3, 0.5])
+# (n, split) -> rows that train, as Keras 3's train_validation_split computes them: floor(n * (1 - split)) in
+# floating point (90 * 0.7 is 62.99999999999999, so 62), or None where no row would train
+KERAS_CUTS = {
+    (1797, 0.2): 1437,
+    (3, 0.2): 2,
+    (10, 0.3): 7,
+    (256, 0.2): 204,
+    (90, 0.3): 62,
+    (64, 0.25): 48,
+    (3, 1 / 3): 2,
+    (10, 0.9): None,
+    (3, 0.7): None,
+}
+
+
+@pytest.mark.parametrize(("n", "split"), list(KERAS_CUTS))
 def test_validation_split_cuts_where_keras_does(n, split):
-    """Keras 3 (``train_validation_split``) trains on the first ``floor(n * (1 - split))`` rows and validates on
-    the rest: 1,437 and 360 of the 1,797 digits at 0.2 (regression: this took 359 for validation)."""
+    """Regression: this kept int(n * split) rows for validation, 359 of the 1,797 digits at 0.2 where Keras
+    validates on 360."""
     from replicafit.trainer.inputs import _split_point
 
-    keras = int(math.floor(n * (1.0 - split)))
-    if keras == 0:
+    expected = KERAS_CUTS[n, split]
+    if expected is None:
         with pytest.raises(ValueError, match="leaves 0 for training"):
             _split_point(n, split)
     else:
-        assert _split_point(n, split) == keras
-    if (n, split) == (1797, 0.2):
-        assert n - _split_point(n, split) == 360
+        assert _split_point(n, split) == expected
 
 
 def test_a_generator_trains_and_evaluates_like_a_list_of_its_batches(strategy):
