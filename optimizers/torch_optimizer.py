@@ -271,8 +271,9 @@ class TorchOptimizer(Optimizer):
         """
         config = dict(config)
         module, _, name = config.pop("optimizer_class").rpartition(".")
-        optimizer_class = getattr(torch.optim, name) if module.startswith("torch.optim") else None
-        if optimizer_class is None:
+        inside = module == "torch.optim" or module.startswith("torch.optim.")
+        optimizer_class = getattr(torch.optim, name, None) if inside else None
+        if not isinstance(optimizer_class, type):
             raise ValueError(f"Cannot rebuild a TorchOptimizer for {module}.{name}: only torch.optim classes.")
         return cls(optimizer_class, **config)
 

@@ -95,6 +95,17 @@ def test_get_config_from_config_round_trip(cls, kwargs):
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize(
+    "name", ["torch.optim.NoSuchOptimizer", "torch.optimx.Adam", "torch.optim.lr_scheduler.StepLR"]
+)
+def test_a_torch_optimizer_config_naming_no_torch_optim_class_is_a_value_error(name):
+    """Regression: a name under torch.optim that is not an optimizer class raised AttributeError (or rebuilt
+    whatever ``torch.optim.<name>`` was), a module merely starting with "torch.optim" was searched there."""
+    config = optimizers.from_torch(torch.optim.SGD, lr=0.1).get_config()
+    with pytest.raises(ValueError, match="only torch.optim classes"):
+        optimizers.TorchOptimizer.from_config(dict(config, optimizer_class=name))
+
+
 def test_builtin_defaults_in_config():
     assert optimizers.SGD().get_config() | {"name": None} == {
         "name": None,

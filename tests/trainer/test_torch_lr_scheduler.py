@@ -250,8 +250,8 @@ def test_with_gradient_accumulation_the_step_interval_counts_updates():
 
 
 class RatesAtBatchEnd(Callback):
-    """The learning rate each step ran with, read at the step's end (listed before the scheduler), so the
-    trainer calls no ``on_train_batch_begin`` for it."""
+    """The learning rate each step ran with, read at the step's end (listed before the scheduler): no
+    ``on_train_batch_begin`` of its own, so only the scheduler asks the trainer for that hook."""
 
     def __init__(self):
         super().__init__()

@@ -126,7 +126,8 @@ class Callback:
 
     def on_epoch_begin(self, epoch, logs=None):
         """Called at the start of every epoch of ``fit``, after the metrics were reset and before its first
-        step (also for the epoch a backup resumes in the middle); ``logs`` is ``{}``.
+        step (also for the epoch a backup resumes in the middle, whose metrics then hold the backup's totals
+        of the steps before it); ``logs`` is ``{}``.
 
         Args:
           epoch: the epoch's index, from 0, counting from the start of training (``initial_epoch`` and
