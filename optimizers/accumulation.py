@@ -23,15 +23,11 @@ import threading
 import torch
 
 import replicafit.strategies as ds
-from replicafit.strategies import context
+from replicafit.strategies import context, foreach
 from replicafit.strategies.devices import torch_device
 from replicafit.strategies.step_values import wide_float
 
 from .tensors import _first_tensor, _no_grad
-
-# torch's privates used here, and why: ``torch._foreach_*`` (``GradientWindow.add``): torch has no public
-# multi-tensor operations; these are the kernels torch.optim's own foreach implementations run, one kernel per list
-# of tensors.
 
 __all__ = ["GradientAccumulation", "GradientDenominator", "GradientWindow", "check_accumulation_steps"]
 
@@ -80,9 +76,9 @@ class GradientWindow:
         with torch.no_grad():
             sums = self.sums.get(replica)
             if sums is None:  # a new list: the window's sums are never the caller's tensors
-                self.sums[replica] = torch._foreach_mul(grads, weight)
+                self.sums[replica] = foreach.mul(grads, weight)
             else:
-                torch._foreach_add_(sums, grads, alpha=weight)
+                foreach.add_(sums, grads, alpha=weight)
         self.counts[replica] = self.counts.get(replica, 0) + 1
         self.weights[replica] = self.weights.get(replica, 0.0) + weight
         return self.counts[replica]

@@ -6,10 +6,9 @@ import math
 
 import torch
 
-from .base import Optimizer
+from replicafit.strategies import foreach
 
-# torch's privates used here, and why: ``torch._foreach_*`` (``_update_many``): torch has no public multi-tensor
-# operations; these are the kernels torch.optim's own foreach implementations run, one kernel per list of tensors.
+from .base import Optimizer
 
 __all__ = ["Adam", "AdamW"]
 
@@ -75,14 +74,14 @@ class Adam(Optimizer):
     def _update_many(self, params, grads, slots, learning_rate) -> None:
         # The same elementwise operations as update_step, one kernel per list.
         m, v = slots["momentum"], slots["velocity"]
-        torch._foreach_lerp_(m, grads, 1 - self.beta_1)
-        torch._foreach_lerp_(v, torch._foreach_mul(grads, grads), 1 - self.beta_2)
+        foreach.lerp_(m, grads, 1 - self.beta_1)
+        foreach.lerp_(v, foreach.mul(grads, grads), 1 - self.beta_2)
         if self.amsgrad:
-            torch._foreach_maximum_(slots["velocity_hat"], v)
+            foreach.maximum_(slots["velocity_hat"], v)
             v = slots["velocity_hat"]
-        denominator = torch._foreach_sqrt(v)
-        torch._foreach_add_(denominator, self.epsilon)
-        torch._foreach_addcdiv_(params, m, denominator, value=-self._alpha)
+        denominator = foreach.sqrt(v)
+        foreach.add_(denominator, self.epsilon)
+        foreach.addcdiv_(params, m, denominator, value=-self._alpha)
 
     def get_config(self) -> dict:
         return super().get_config() | {

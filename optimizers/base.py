@@ -83,7 +83,7 @@ import operator
 import torch
 
 import replicafit.strategies as ds
-from replicafit.strategies import context
+from replicafit.strategies import context, foreach
 from replicafit.strategies.devices import canonicalize
 from replicafit.strategies.values import local_results, value_container
 
@@ -94,11 +94,6 @@ from .ema import MovingAverages, _with_average, check_ema, move_averages
 from .multi_tensor import MultiTensorUpdates
 from .sharded import ShardedSlot, ShardedStates
 from .tensors import _first_tensor, _no_grad
-
-# torch's privates used here, and why: ``Tensor._version`` (``_counter_key``), the in-place write counter autograd
-# keeps, tells the host copy of ``iterations`` that nothing else wrote the counter without reading it back from the
-# device; ``torch._foreach_div`` (``_prepared``): torch has no public multi-tensor operations; these are the kernels
-# torch.optim's own foreach implementations run, one kernel per list of tensors.
 
 __all__ = ["Optimizer"]
 
@@ -505,12 +500,12 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
                 scaled = list(grads)
                 for device, indices in by_device.items():
                     on_device = factor.to(device)
-                    for index, value in zip(indices, torch._foreach_mul([grads[i] for i in indices], on_device)):
+                    for index, value in zip(indices, foreach.mul([grads[i] for i in indices], on_device)):
                         scaled[index] = value
                 grads = scaled
         elif divisor is not None and divisor != 1:
             with _no_grad():
-                grads = torch._foreach_div(grads, float(divisor))
+                grads = foreach.div(grads, float(divisor))
         for stage in self._gradient_stages.values():
             if (grads := stage(grads)) is None:
                 return None
@@ -839,7 +834,7 @@ def _counter_key(iterations) -> tuple:
     """``(tensors, (id, version) of each)``: changes with any write to the counter's tensors (and holding
     them keeps their ids from being reused)."""
     tensors = iterations.copy_tensors()
-    return tensors, tuple((id(t), t._version) for t in tensors)
+    return tensors, tuple((id(t), t._version) for t in tensors)  # private: autograd's in-place write counter
 
 
 def _count_update(iterations) -> None:

@@ -15,15 +15,10 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
-
-from replicafit.strategies import context
+from replicafit.strategies import context, foreach
 from replicafit.strategies.values import local_results, value_container
 
 from .tensors import _first_tensor, _no_grad, _tensor_of
-
-# torch's privates used here, and why: ``torch._foreach_*`` (``move_averages``): torch has no public multi-tensor
-# operations; these are the kernels torch.optim's own foreach implementations run, one kernel per list of tensors.
 
 __all__ = ["MovingAverages", "check_ema", "move_averages"]
 
@@ -204,10 +199,10 @@ def move_averages(averages: list, weights: list, ema: tuple) -> None:
     tensors, then, on an overwrite update, ``weight = average``. ``ema`` is ``(momentum, overwrite)``
     (``MovingAverages._ema_step``). Call it with grad mode off."""
     momentum, overwrite = ema
-    torch._foreach_mul_(averages, momentum)
-    torch._foreach_add_(averages, weights, alpha=1.0 - momentum)
+    foreach.mul_(averages, momentum)
+    foreach.add_(averages, weights, alpha=1.0 - momentum)
     if overwrite:
-        torch._foreach_copy_(weights, averages)
+        foreach.copy_(weights, averages)
 
 
 def _take_saved(component, values) -> None:

@@ -48,12 +48,10 @@ import math
 
 import torch
 
+from replicafit.strategies import foreach
+
 from .base import Optimizer
 from .tensors import _no_grad
-
-# torch's privates used here, and why: ``torch._foreach_div`` and ``torch._foreach_norm`` (``_unscale_or_skip``):
-# torch has no public multi-tensor operations; these are the kernels torch.optim's own foreach implementations run,
-# one kernel per list of tensors.
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -138,12 +136,12 @@ class LossScaleOptimizer(Optimizer):
         """The scaler's stage: the reduced (still scaled) gradients unscaled, or ``None`` (and the scale
         halved) when any value is infinite or NaN. Runs once per update, in cross-replica context."""
         with _no_grad():
-            unscaled = torch._foreach_div(grads, self._scale)
+            unscaled = foreach.div(grads, self._scale)
             # An infinity or NaN anywhere makes its tensor's L2 norm non-finite (one fused kernel,
             # 6x faster here than the max-norm); so does a norm beyond float32's range, an update no
             # one wants applied either.
             wide = [g if g.dtype in (torch.float32, torch.float64) else g.float() for g in unscaled]
-            norms = torch._foreach_norm(wide, ord=2)
+            norms = foreach.norm(wide, ord=2)
             finite = all(bool(torch.isfinite(torch.stack(group)).all()) for group in _by_device(norms))
             # With sharded optimizer states each worker holds a part of the gradients: every worker must agree.
             finite = self.inner_optimizer._agreed(finite, "the loss scaler's finite check")

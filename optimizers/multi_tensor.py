@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import torch
 
+from replicafit.strategies import foreach
 from replicafit.strategies.values import local_results
 
 from .ema import move_averages
 from .tensors import _no_grad, _tensor_of
-
-# torch's privates used here, and why: ``torch._foreach_*``: torch has no public multi-tensor operations; these are
-# the kernels torch.optim's own foreach implementations run, one kernel per list of tensors (the point of this
-# path).
 
 __all__ = ["MultiTensorUpdates"]
 
@@ -56,9 +53,7 @@ class MultiTensorUpdates:
                     for g, copy in ((grads[var_index], copy) for var_index, copy in positions)
                 ]
                 if self.weight_decay and decayed:
-                    torch._foreach_sub_(
-                        group_params, torch._foreach_mul(group_params, self.weight_decay * learning_rate)
-                    )
+                    foreach.sub_(group_params, foreach.mul(group_params, self.weight_decay * learning_rate))
                 self._update_many(group_params, group_grads, group_slots, learning_rate)
                 if ema is not None:
                     move_averages(group_slots["average"], group_params, ema)

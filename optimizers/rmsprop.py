@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import torch
+from replicafit.strategies import foreach
 
 from .base import Optimizer
-
-# torch's privates used here, and why: ``torch._foreach_*`` (``_update_many``): torch has no public multi-tensor
-# operations; these are the kernels torch.optim's own foreach implementations run, one kernel per list of tensors.
 
 __all__ = ["RMSprop", "Adagrad"]
 
@@ -94,25 +91,25 @@ class RMSprop(Optimizer):
 
     def _update_many(self, params, grads, slots, learning_rate) -> None:
         v = slots["velocity"]
-        torch._foreach_mul_(v, self.rho)
-        torch._foreach_add_(v, torch._foreach_mul(torch._foreach_mul(grads, grads), 1 - self.rho))
+        foreach.mul_(v, self.rho)
+        foreach.add_(v, foreach.mul(foreach.mul(grads, grads), 1 - self.rho))
         if self.centered:
             a = slots["average_gradient"]
-            torch._foreach_mul_(a, self.rho)
-            torch._foreach_add_(a, torch._foreach_mul(grads, 1 - self.rho))
-            denominator = torch._foreach_sub(v, torch._foreach_mul(a, a))
-            torch._foreach_add_(denominator, self.epsilon)
+            foreach.mul_(a, self.rho)
+            foreach.add_(a, foreach.mul(grads, 1 - self.rho))
+            denominator = foreach.sub(v, foreach.mul(a, a))
+            foreach.add_(denominator, self.epsilon)
         else:
-            denominator = torch._foreach_add(v, self.epsilon)
-        increment = torch._foreach_mul(grads, learning_rate)
-        torch._foreach_div_(increment, torch._foreach_sqrt(denominator))
+            denominator = foreach.add(v, self.epsilon)
+        increment = foreach.mul(grads, learning_rate)
+        foreach.div_(increment, foreach.sqrt(denominator))
         if self.momentum > 0:
             mom = slots["momentum"]
-            torch._foreach_mul_(mom, self.momentum)
-            torch._foreach_add_(mom, increment)
-            torch._foreach_sub_(params, mom)
+            foreach.mul_(mom, self.momentum)
+            foreach.add_(mom, increment)
+            foreach.sub_(params, mom)
         else:
-            torch._foreach_sub_(params, increment)
+            foreach.sub_(params, increment)
 
     def get_config(self) -> dict:
         return super().get_config() | {
@@ -157,10 +154,10 @@ class Adagrad(Optimizer):
 
     def _update_many(self, params, grads, slots, learning_rate) -> None:
         acc = slots["accumulator"]
-        torch._foreach_add_(acc, torch._foreach_mul(grads, grads))
-        update = torch._foreach_mul(grads, learning_rate)
-        torch._foreach_div_(update, torch._foreach_sqrt(torch._foreach_add(acc, self.epsilon)))
-        torch._foreach_sub_(params, update)
+        foreach.add_(acc, foreach.mul(grads, grads))
+        update = foreach.mul(grads, learning_rate)
+        foreach.div_(update, foreach.sqrt(foreach.add(acc, self.epsilon)))
+        foreach.sub_(params, update)
 
     def get_config(self) -> dict:
         return super().get_config() | {

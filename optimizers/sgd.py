@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import torch
+from replicafit.strategies import foreach
 
 from .base import Optimizer
-
-# torch's privates used here, and why: ``torch._foreach_*`` (``_update_many``): torch has no public multi-tensor
-# operations; these are the kernels torch.optim's own foreach implementations run, one kernel per list of tensors.
 
 __all__ = ["SGD"]
 
@@ -81,16 +78,16 @@ class SGD(Optimizer):
     def _update_many(self, params, grads, slots, learning_rate) -> None:
         # The same elementwise operations as update_step, one kernel per list.
         if not self.momentum:
-            torch._foreach_sub_(params, grads, alpha=learning_rate)
+            foreach.sub_(params, grads, alpha=learning_rate)
             return
         m = slots["momentum"]
-        torch._foreach_mul_(m, self.momentum)
-        torch._foreach_sub_(m, grads, alpha=learning_rate)
+        foreach.mul_(m, self.momentum)
+        foreach.sub_(m, grads, alpha=learning_rate)
         if self.nesterov:
-            torch._foreach_add_(params, m, alpha=self.momentum)
-            torch._foreach_sub_(params, grads, alpha=learning_rate)
+            foreach.add_(params, m, alpha=self.momentum)
+            foreach.sub_(params, grads, alpha=learning_rate)
         else:
-            torch._foreach_add_(params, m)
+            foreach.add_(params, m)
 
     def get_config(self) -> dict:
         return super().get_config() | {"momentum": self.momentum, "nesterov": self.nesterov}

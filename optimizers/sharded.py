@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from replicafit.strategies import context
+from replicafit.strategies import context, foreach
 from replicafit.strategies.values import local_results
 
 from .tensors import _no_grad
@@ -163,17 +163,17 @@ class ShardedStates:
                 wide = [
                     grads[i] if grads[i].dtype in (torch.float32, torch.float64) else grads[i].float() for i in counted
                 ]
-                parts = torch.stack([n.to(device, torch.float64) for n in torch._foreach_norm(wide)]).square()
+                parts = torch.stack([n.to(device, torch.float64) for n in foreach.norm(wide)]).square()
                 where = torch.tensor([shards.pieces[i].variable for i in counted], device=device)
                 squares.index_add_(0, where, parts)
             if self.clipnorm is not None:
                 norms = shards.sum(squares, "clipnorm (the norms' parts)").sqrt()
                 factors = self.clipnorm / torch.clamp(norms, min=self.clipnorm)
                 per_piece = factors[torch.tensor([p.variable for p in shards.pieces], device=device)]
-                return list(torch._foreach_mul(grads, list(per_piece.unbind()))) if grads else []
+                return list(foreach.mul(grads, list(per_piece.unbind()))) if grads else []
             norm = shards.sum(squares.sum().reshape(1), "global_clipnorm (the norm's parts)").sqrt()[0]
             scale = (self.global_clipnorm / torch.clamp(norm, min=self.global_clipnorm)).to(torch.float32)
-            return list(torch._foreach_mul(grads, scale)) if grads else []
+            return list(foreach.mul(grads, scale)) if grads else []
 
     def _agreed(self, flag: bool, what: str) -> bool:
         """``flag`` on every worker during a sharded apply (each saw its own part), else ``flag``."""

@@ -23,10 +23,10 @@ class _no_grad:  # noqa: N801 - torch.no_grad without its decorator machinery (a
 
     def __enter__(self):
         self.previous = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
+        torch._C._set_grad_enabled(False)  # private: the switch torch.no_grad flips (docstring above)
 
     def __exit__(self, *exc):
-        torch._C._set_grad_enabled(self.previous)
+        torch._C._set_grad_enabled(self.previous)  # private: the switch torch.no_grad flips
 
 
 def _tensor_of(component) -> torch.Tensor:

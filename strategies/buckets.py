@@ -47,12 +47,9 @@ import threading
 
 import torch
 
+from . import foreach
 from .step_values import CARRIERS, SLOTS
 from .values import local_results
-
-# torch's privates used here: ``torch._foreach_*`` (one multi-tensor kernel fills or adds a whole
-# bucket; torch has no public equivalent) and ``Tensor._version`` (the in-place version counter:
-# the only way to see that a gradient was changed in place after its hook recorded it).
 
 __all__ = ["GradientBuckets", "bucket_layout"]
 
@@ -230,7 +227,7 @@ class GradientBuckets:
                 if not self._armed or self._grads[replica][index] is not None:
                     return None  # a second backward pass in one step: reduce() sees other values
                 self._grads[replica][index] = grad
-                self._versions[replica][index] = grad._version
+                self._versions[replica][index] = grad._version  # private: the in-place write counter
                 bucket = self._buckets[number]
                 bucket.remaining -= 1
                 if bucket.remaining == 0:
@@ -282,9 +279,9 @@ class GradientBuckets:
         views = bucket.views
         with torch.no_grad():
             first = [g.to(bucket.device) if g.device != bucket.device else g for g in per_replica[0]]
-            torch._foreach_copy_(views, first)
+            foreach.copy_(views, first)
             for grads in per_replica[1:]:
-                torch._foreach_add_(views, [g.to(bucket.device) for g in grads])
+                foreach.add_(views, [g.to(bucket.device) for g in grads])
 
     def reduce(self, values: list, carried: list | None = None) -> list:
         """The summed gradients of every worker and replica, one tensor per variable (a view of
@@ -302,7 +299,8 @@ class GradientBuckets:
                 for index in bucket.members:
                     for replica in range(self._count):
                         g = given[index][replica]
-                        if g is not self._grads[replica][index] or g._version != self._versions[replica][index]:
+                        changed = g._version != self._versions[replica][index]  # private: written in place since?
+                        if g is not self._grads[replica][index] or changed:
                             transformed = 1
             agreed = None
             if self._flag == "host":

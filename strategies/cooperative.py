@@ -166,7 +166,7 @@ class _CoopState(_RunState):
 _DONE = object()  # what a replica greenlet hands back when its task has ended
 # torch's private ``_current_graph_task_id`` says whether this thread is inside autograd's engine (a
 # backward pass), which no public call tells; where a torch lacks it, never inside.
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # private: see the comment above
 
 
 def _switch_to(replica, state, task=None) -> None:

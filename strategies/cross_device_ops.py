@@ -27,13 +27,11 @@ import functools
 
 import torch
 
+from . import foreach
 from .devices import canonicalize, canonicalize_list, torch_device
 from .reduce_util import CommunicationOptions, ReduceOp, as_reduce_op
 from .values import DistributedValues, Mirrored, PerReplica, local_results
 from .variables import Variable
-
-# torch's privates used here: ``torch._foreach_*``, the multi-tensor kernels ``torch.optim`` itself
-# uses (one launch per pack instead of one per tensor; torch has no public equivalent).
 
 __all__ = ["CrossDeviceOps", "ReductionToOneDevice", "NcclAllReduce", "group_by_size", "destination_devices"]
 
@@ -285,12 +283,12 @@ class ReductionToOneDevice(CrossDeviceOps):
 def _sum_packed_foreach(per_replica: list, reduce_op: ReduceOp, count: int) -> list:
     if count == 1:
         return list(per_replica[0])  # one replica: its values are the sum and the mean
-    total = torch._foreach_add(per_replica[0], per_replica[1])
+    total = foreach.add(per_replica[0], per_replica[1])
     for tensors in per_replica[2:]:
-        torch._foreach_add_(total, tensors)
+        foreach.add_(total, tensors)
     if reduce_op is ReduceOp.MEAN:
         if total[0].is_floating_point() or total[0].is_complex():
-            torch._foreach_div_(total, count)
+            foreach.div_(total, count)
         else:
             total = [_mean(t, count) for t in total]
     return total

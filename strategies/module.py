@@ -228,7 +228,7 @@ class DistributedModule:
         if extra:
             for replica in self._replicas:
                 replica.load_state_dict(extra, strict=False)
-        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)  # private: what torch returns too
 
     def __repr__(self) -> str:
         return f"DistributedModule({type(self._replicas[0]).__name__}, strategy={self._strategy!r})"

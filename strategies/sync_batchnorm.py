@@ -57,6 +57,9 @@ from .reduce_util import ReduceOp
 from .replica_context import prepare_backward_collective
 from .step_values import wide_float
 
+# Autograd functions here run the math on plain tensors: a variable's __torch_function__ must not dispatch them.
+_no_torch_function = torch._C.DisableTorchFunction  # private: torch has no public switch for __torch_function__
+
 __all__ = ["SyncBatchNorm"]
 
 _WHAT = "A SyncBatchNorm layer (its backward pass is a collective)"
@@ -101,7 +104,7 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         # Pickles (torch.save(model), copy.deepcopy) as torch's class: a saved model needs no replicafit.
         # (copyreg's own reconstructor: pickle refuses ``__newobj__`` of another class than the object's.)
         reduced = super().__reduce_ex__(protocol)
-        return (copyreg._reconstructor, (nn.SyncBatchNorm, object, None), *reduced[2:])
+        return (copyreg._reconstructor, (nn.SyncBatchNorm, object, None), *reduced[2:])  # private: what pickle uses
 
 
 def synchronize_batchnorm(module: nn.Module) -> list:
@@ -165,7 +168,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         dims, _ = _channels(x)
         rows = x.numel() // channels
         wide = wide_float(x.device)
-        with torch._C.DisableTorchFunction():
+        with _no_torch_function():
             compute = x if x.dtype in (torch.float32, torch.float64) else x.float()
             # Every replica's (row count, mean, sum of squared deviations about that mean) in its own row of
             # a table of zeros, summed across replicas and workers: a gather by one all-reduce, exact.
@@ -180,7 +183,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 torch.add(pivot.view(channels).to(wide), shift, out=mine[1 : 1 + channels])
                 torch.addcmul(moments[1], moments[0], shift, value=-1, out=mine[1 + channels :])
         table = _all_reduce(replica, table)
-        with torch._C.DisableTorchFunction():
+        with _no_torch_function():
             counts = table[:, :1]
             n = counts.sum()
             if not reading_back_waits(x.device) and n.item() <= 1:  # (on an accelerator the host would wait)
@@ -216,7 +219,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         channels = x.shape[1]
         _, shape = _channels(x)
         weight_dtype, bias_dtype = ctx.dtypes
-        with torch._C.DisableTorchFunction():
+        with _no_torch_function():
             if x.numel():
                 # (ones without a weight: the kernel's gradient of the weight is sum(dy * xhat) either way)
                 ones = torch.ones(channels, dtype=mean.dtype, device=x.device) if weight is None else weight
@@ -227,10 +230,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 sum_dy_xhat = sum_dy = torch.zeros(channels, dtype=mean.dtype, device=x.device)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            with torch._C.DisableTorchFunction():
+            with _no_torch_function():
                 packed = torch.cat([sum_dy, sum_dy_xhat]).to(n.dtype)
             total = _all_reduce(ctx.replica, packed)
-            with torch._C.DisableTorchFunction():
+            with _no_torch_function():
                 means = (total / n).to(mean.dtype).view(2, channels)  # mean(dy), mean(dy * xhat), global
                 scale = invstd if weight is None else invstd * weight
                 # dx = weight * invstd * (dy - mean(dy) - xhat * mean(dy * xhat)), xhat = (x - mean) * invstd

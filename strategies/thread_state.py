@@ -101,7 +101,7 @@ def _close_autocast_regions(depth: int) -> None:
 # --- switching replicas on one thread ---------------------------------------------------
 
 
-_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)  # private: one call for every autocast flag
 
 
 def _snapshot() -> tuple:
@@ -111,8 +111,8 @@ def _snapshot() -> tuple:
     autocast = None
     if _any_autocast is None or _any_autocast():
         autocast = tuple((d, _autocast_enabled(d), _autocast_dtype(d)) for d in ("cpu", "cuda"))
-    depth = torch._C._len_torch_function_stack()
-    modes = tuple(torch._C._get_function_stack_at(i) for i in range(depth)) if depth else ()
+    depth = torch._C._len_torch_function_stack()  # private: the function-mode stack has no public reader
+    modes = tuple(torch._C._get_function_stack_at(i) for i in range(depth)) if depth else ()  # private: as above
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, modes)
 
 
@@ -121,10 +121,10 @@ def _put_in_force(wanted: tuple, current: tuple):
     exit when the replica is switched out (or None)."""
     guard = None
     if wanted[1] != current[1]:
-        guard = torch._C._InferenceMode(wanted[1])
+        guard = torch._C._InferenceMode(wanted[1])  # private: the guard torch.inference_mode enters
         guard.__enter__()
     if wanted[0] != torch.is_grad_enabled():
-        torch._C._set_grad_enabled(wanted[0])
+        torch._C._set_grad_enabled(wanted[0])  # private: the switch torch.no_grad flips, without its wrapper
     if wanted[2] != current[2]:
         for device_type, enabled, dtype in wanted[2] or (("cpu", False, None), ("cuda", False, None)):
             with contextlib.suppress(RuntimeError, TypeError):  # a device type this build lacks
@@ -132,8 +132,9 @@ def _put_in_force(wanted: tuple, current: tuple):
                     torch.set_autocast_dtype(device_type, dtype)
                 torch.set_autocast_enabled(device_type, enabled)
     if wanted[3] != current[3]:
-        for _ in range(torch._C._len_torch_function_stack()):
-            torch._C._pop_torch_function_stack()
+        # private: torch has no public way to swap a thread's function-mode stack (the default device is a mode)
+        for _ in range(torch._C._len_torch_function_stack()):  # private: as the line above says
+            torch._C._pop_torch_function_stack()  # private: as above
         for mode in wanted[3]:
-            torch._C._push_on_torch_function_stack(mode)
+            torch._C._push_on_torch_function_stack(mode)  # private: as above
     return guard
