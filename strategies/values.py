@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from . import context, nest
 from .devices import canonicalize
+from .operators import BINARY, CONVERSIONS, UNARY
 
 __all__ = [
     "DistributedValues",
@@ -101,24 +102,7 @@ class _Container(DistributedValues):
         return NotImplemented
 
 
-for _name in (
-    "__add__",
-    "__radd__",
-    "__sub__",
-    "__rsub__",
-    "__mul__",
-    "__rmul__",
-    "__truediv__",
-    "__rtruediv__",
-    "__matmul__",
-    "__rmatmul__",
-    "__pow__",
-    "__neg__",
-    "__float__",
-    "__int__",
-    "__bool__",
-    "__getitem__",
-):
+for _name in (*BINARY, *UNARY, *CONVERSIONS):  # the one operator table (operators.py)
     setattr(_Container, _name, _not_a_tensor)
 _Container.__hash__ = object.__hash__
 

@@ -36,6 +36,7 @@ import torch
 
 from . import context
 from .devices import torch_device
+from .operators import BINARY, EQUALITY, UNARY
 from .reduce_util import ReduceOp, VariableAggregation, VariableSynchronization
 from .values import DistributedValues, PerReplica, local_results
 
@@ -373,39 +374,10 @@ class Variable(metaclass=_VariableMeta):
         )
 
 
-for _name in (
-    "__add__",
-    "__radd__",
-    "__sub__",
-    "__rsub__",
-    "__mul__",
-    "__rmul__",
-    "__truediv__",
-    "__rtruediv__",
-    "__floordiv__",
-    "__rfloordiv__",
-    "__mod__",
-    "__rmod__",
-    "__pow__",
-    "__rpow__",
-    "__matmul__",
-    "__rmatmul__",
-    "__and__",
-    "__rand__",
-    "__or__",
-    "__ror__",
-    "__xor__",
-    "__rxor__",
-    "__lt__",
-    "__le__",
-    "__gt__",
-    "__ge__",
-    "__eq__",
-    "__ne__",
-):
+for _name in (*BINARY, *EQUALITY):  # the one operator table (operators.py)
     if hasattr(torch.Tensor, _name):
         setattr(Variable, _name, _binary(_name))
-for _name in ("__neg__", "__pos__", "__abs__", "__invert__"):
+for _name in UNARY:
     setattr(Variable, _name, _unary(_name))
 Variable.__hash__ = object.__hash__
 

@@ -19,6 +19,7 @@ import torch
 from conftest import make_strategy
 
 import replicafit.strategies as ds
+from replicafit.strategies import operators
 
 DEFAULT = ds.get_strategy()
 MERGE_MISMATCH = "Some replicas made a different number of replica_context().merge_call() calls."
@@ -1007,6 +1008,7 @@ def test_stall_warning_off_and_bad_thresholds(stall_after, caplog):
 INTERRUPTED_SCRIPT = """
 import sys, threading, time, torch
 import replicafit.strategies as ds
+from replicafit.strategies import operators
 
 ds.set_replica_execution("threads")
 strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
@@ -1823,3 +1825,31 @@ def test_default_device_is_in_force_in_every_replica():
     assert strategy.experimental_local_results(out) == ("meta", "meta")
     out = strategy.run(lambda: torch.empty(2).device.type)
     assert strategy.experimental_local_results(out) == ("cpu", "cpu")
+
+
+@pytest.mark.parametrize("name", [*operators.BINARY, *operators.UNARY, *operators.CONVERSIONS])
+def test_every_tensor_operator_of_a_container_says_what_to_do(name):
+    # One operator table for variables and containers: `per_replica // 2` once fell through to Python's bare
+    # "unsupported operand" error because the containers' list had drifted from the variables'.
+    pr = ds.PerReplica((torch.tensor(1.0), torch.tensor(2.0)))
+    operator_ = getattr(pr, name)
+    with pytest.raises(TypeError, match="holds one value per replica and is not a tensor"):
+        operator_(2) if name not in operators.UNARY and name not in operators.CONVERSIONS[:3] else operator_()
+
+
+def test_floor_division_of_a_per_replica_value_says_what_to_do():
+    pr = ds.PerReplica((torch.tensor(1.0), torch.tensor(2.0)))
+    with pytest.raises(TypeError, match="strategy.run"):
+        pr // 2
+    with pytest.raises(TypeError, match="strategy.run"):
+        2 ** ds.Mirrored((torch.tensor(1.0), torch.tensor(1.0)))
+
+
+@pytest.mark.parametrize("name", [*operators.BINARY, *operators.EQUALITY, *operators.UNARY])
+def test_every_tensor_operator_of_a_variable_is_the_tensor_operation(name):
+    if not hasattr(torch.Tensor, name):
+        pytest.skip(f"torch.Tensor has no {name}")
+    v = ds.Variable(torch.tensor([3, 4]))
+    tensor = torch.tensor([3, 4])
+    other = () if name in operators.UNARY else (torch.tensor([2, 5]),)
+    assert torch.equal(getattr(v, name)(*other), getattr(tensor, name)(*other))
