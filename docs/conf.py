@@ -65,6 +65,7 @@ nitpick_ignore = [
         "torch.Tensor",
         "torch.dtype",
         "torch.Size",
+        "torch.device",
         "torch.nn.modules.module.Module",
         "torch.utils.data.dataset.Dataset",
         "numpy.ndarray",
@@ -72,6 +73,7 @@ nitpick_ignore = [
         "collections.OrderedDict",
         "enum.Enum",
         "replicafit.strategies.rng.ReplicaStreams",
+        "replicafit.strategies.variables.VariableSpec",
         "replicafit.data.input_lib._V1Iterator",
         "replicafit.data.input_lib._Placer",
     )

@@ -33,6 +33,9 @@ reductions (``cross_device_ops.py``, ``buckets.py``, ``step_values.py``); across
 (``devices.py``, ``rng.py``); and helpers (``nest.py``, ``describe.py``, ``reduce_util.py``).
 """
 
+from . import default_strategy as _default_strategy  # noqa: F401 - registers the strategy in force outside any scope
+from . import variable_factory
+from .capabilities import StrategyCapabilities
 from .central_storage import CentralStorageStrategy
 from .cluster import Cluster, CollectiveCluster
 from .cluster_resolver import (
@@ -76,6 +79,7 @@ from .replica_context import ReplicaContext
 from .rng import replica_seed, seed_replicas
 from .runner import get_replica_execution, set_replica_execution
 from .slurm import SlurmClusterResolver
+from .state_layout import ReducedGradients, StateLayout, WholeVariables
 from .values import DistributedValues, Mirrored, PerReplica
 from .variables import (
     CentralStorageVariable,
@@ -109,8 +113,11 @@ __all__ = [
     "PerReplica",
     "ReduceOp",
     "ReductionToOneDevice",
+    "ReducedGradients",
     "ReplicaContext",
+    "StateLayout",
     "Strategy",
+    "StrategyCapabilities",
     "StrategyExtended",
     "SimpleClusterResolver",
     "SlurmClusterResolver",
@@ -121,6 +128,7 @@ __all__ = [
     "Variable",
     "VariableAggregation",
     "VariableSynchronization",
+    "WholeVariables",
     "WorkerFailedError",
     "experimental_set_strategy",
     "get_cross_replica_context",
@@ -140,4 +148,5 @@ __all__ = [
     "set_logical_device_configuration",
     "set_replica_execution",
     "set_stall_warning_seconds",
+    "variable_factory",
 ]

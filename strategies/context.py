@@ -62,12 +62,17 @@ _defaults: dict = {}
 
 
 def set_default_strategy(strategy, replica_context) -> None:
-    """Registers the default strategy (called once by ``distribute_lib``)."""
+    """Registers the default strategy (called once by ``default_strategy.py``)."""
     _defaults["mode"] = Mode(strategy, replica_context, None)
 
 
 def default_strategy():
     return _defaults["mode"].strategy
+
+
+def default_replica_context():
+    """The default strategy's one replica context (in force outside any scope)."""
+    return _defaults["mode"].replica_context
 
 
 def current_mode() -> Mode:

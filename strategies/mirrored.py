@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from .cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice, destination_devices
+from . import variable_factory
+from .cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice
 from .devices import canonicalize_list, list_logical_devices, torch_device
-from .distribute_lib import Strategy, StrategyExtended
+from .distribute_lib import Strategy
+from .extended import StrategyExtended
 
 __all__ = ["MirroredStrategy"]
 
@@ -35,11 +37,13 @@ class MirroredExtended(StrategyExtended):
     """Variables are mirrored: one copy per replica device, equal after every write."""
 
     def _create_variable(self, spec):
-        colocated = self._colocated_with()
-        devices = destination_devices(colocated) if colocated is not None else self._worker_devices
-        return self._create_distributed_variable(spec, devices)
+        devices = self._colocated_devices() or self._worker_devices
+        return variable_factory.distributed_variable(self._strategy, spec, devices)
 
-    _module_variable = StrategyExtended._replicated_module_variable
+    def _module_variable(self, name, tensors, trainable, synchronization, aggregation):
+        return variable_factory.replicated_module_variable(
+            self._strategy, name, tensors, self._worker_devices, trainable, synchronization, aggregation
+        )
 
 
 class MirroredStrategy(Strategy):

@@ -27,15 +27,19 @@ import pickle
 
 import torch
 
+from . import variable_factory
 from .buckets import GradientBuckets
+from .capabilities import StrategyCapabilities
 from .cluster import Cluster, CollectiveCluster
 from .cluster_resolver import ClusterResolver, resolve_cluster
 from .collective import Collective, WorkerFailedError
 from .cross_device_ops import CollectiveAllReduce, _broadcast, destination_devices
 from .devices import canonicalize_list, torch_device
-from .distribute_lib import Strategy, StrategyExtended, _tensor_of
+from .distribute_lib import Strategy
+from .extended import StrategyExtended, tensor_of
 from .mirrored import _default_cross_device_ops
 from .reduce_util import CommunicationOptions, ReduceOp
+from .state_layout import StateLayout, WholeVariables
 from .state_sharding import StateShards
 from .values import DistributedValues, PerReplica
 
@@ -95,15 +99,6 @@ class MultiWorkerMirroredExtended(StrategyExtended):
     @property
     def _num_replicas_in_sync(self) -> int:
         return len(self._worker_devices) * self._num_workers
-
-    @property
-    def should_checkpoint(self) -> bool:
-        """Whether this worker writes files (checkpoints); only the chief (worker 0) does."""
-        return self._worker_index == 0
-
-    @property
-    def should_save_summary(self) -> bool:
-        return self._worker_index == 0
 
     @property
     def experimental_between_graph(self) -> bool:
@@ -214,6 +209,21 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         return super()._batch_reduce_to(op, pairs, options)
 
     # --- sharded optimizer states ----------------------------------------------------------
+    @property
+    def capabilities(self) -> StrategyCapabilities:
+        """Whole state on every worker, unless the optimizer states are sharded: then each worker keeps its
+        part of them, and an update's gather may run on past its step (``settle_updates``)."""
+        sharded = self.shard_optimizer_states and self._collective is not None
+        return StrategyCapabilities(
+            whole_state_on_every_worker=not sharded, shards_optimizer_states=sharded, defers_updates=sharded
+        )
+
+    def state_layout(self, variables) -> StateLayout:
+        """``state_shards(variables)`` where they are cut (each worker keeps the optimizer state of its pieces),
+        else whole variables and slots on every worker (``WholeVariables``)."""
+        shards = self.state_shards(variables)
+        return shards if shards is not None else WholeVariables(self._strategy)
+
     def state_shards(self, variables):
         """The ``StateShards`` of ``variables`` when this strategy shards optimizer states across several
         workers (``shard_optimizer_states=True``) and at least one of their buckets reaches
@@ -224,7 +234,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         self.settle_updates()
         shards = self._shards
         if shards is None or not shards.matches(variables):
-            shards = self._shards = StateShards(self._collective, variables, self._options.bytes_per_pack or 0)
+            shards = self._shards = StateShards(self._collective, variables, self._options.bytes_per_pack or 0, self)
         if len(shards.plan.whole) == len(shards.plan.segments):  # every bucket under StateShards.min_bytes
             return None  # nothing to cut: the optimizer keeps its whole state, as unsharded
         return shards
@@ -254,7 +264,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
                 values_to_sum.append(PerReplica(payload.as_dtype(shards.dtypes[shards.carrier]), self._worker_devices))
             local = self._cross_device_ops.local_sums(values_to_sum, self._worker_devices[0], self._options)
             carried = local[len(grads)] if len(local) > len(grads) else None
-            chunks, buffers, limbs = shards.reduce(local[: len(grads)], carried)
+            chunks, buffers, limbs = shards.reduce_scatter(local[: len(grads)], carried)
         if payload is not None:
             if limbs is None:
                 limbs = self._reduce_step_values_alone(payload)
@@ -266,7 +276,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             return value
         # Across workers a plain value is this worker's value (each local replica's), as in TensorFlow:
         # with one replica per worker, what strategy.run returned on this worker.
-        tensor = _tensor_of(value)
+        tensor = tensor_of(value)
         return PerReplica((tensor,) * len(self._worker_devices), self._worker_devices)
 
     # --- collectives across workers ---------------------------------------------------
@@ -318,17 +328,19 @@ class MultiWorkerMirroredExtended(StrategyExtended):
 
     # --- variables ---------------------------------------------------------------------
     def _create_variable(self, spec):
-        colocated = self._colocated_with()
-        devices = destination_devices(colocated) if colocated is not None else self._worker_devices
+        devices = self._colocated_devices() or self._worker_devices
         if self._collective is not None:
             value = torch.as_tensor(spec.initial_value)
             _check_same(self._collective, (spec.name, tuple(value.shape), str(value.dtype)), "a variable")
             value = value.detach().clone().contiguous()
             _broadcast_in_place(self._collective, [value], f"broadcasting the initial value of {spec.name!r}")
             spec.initial_value = value
-        return self._create_distributed_variable(spec, devices)
+        return variable_factory.distributed_variable(self._strategy, spec, devices)
 
-    _module_variable = StrategyExtended._replicated_module_variable
+    def _module_variable(self, name, tensors, trainable, synchronization, aggregation):
+        return variable_factory.replicated_module_variable(
+            self._strategy, name, tensors, self._worker_devices, trainable, synchronization, aggregation
+        )
 
 
 def _gpu_identities(devices) -> tuple:

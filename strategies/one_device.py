@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from .devices import canonicalize
-from .distribute_lib import Strategy, StrategyExtended
+from .distribute_lib import Strategy
+from .extended import StrategyExtended
 
 __all__ = ["OneDeviceStrategy"]
 

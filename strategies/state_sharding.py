@@ -33,7 +33,9 @@ import math
 
 import torch
 
+from . import foreach
 from .buckets import bucket_layout
+from .state_layout import ReducedGradients, StateLayout
 from .step_values import CARRIERS
 from .values import local_results
 from .variables import LocalVariable
@@ -150,9 +152,10 @@ def owned_bytes(plan: ShardPlan, dtypes, worker: int) -> int:
     return sum(piece.size * dtypes[piece.segment].itemsize for piece in plan.owned(worker))
 
 
-class StateShards:
+class StateShards(StateLayout):
     """This worker's part of the optimizer state of one list of variables, and the collectives that serve it
-    (``MultiWorkerMirroredStrategy(shard_optimizer_states=True)``; made by ``extended.state_shards``).
+    (``MultiWorkerMirroredStrategy(shard_optimizer_states=True)``; ``extended.state_layout`` returns it): the
+    ``StateLayout`` whose targets are the piece variables (``slices_variables``).
 
     The segments are the gradient buckets of these variables (``buckets.bucket_layout``: the same
     layout the buckets started during backward use), so a bucket's reduce-scatter hands this worker exactly
@@ -185,10 +188,15 @@ class StateShards:
     #: whole is a few MiB at most. 0 cuts every bucket.
     min_bytes: int = 1 << 20
 
-    def __init__(self, collective, variables, bucket_bytes: int = 0):
+    slices_variables = True
+
+    def __init__(self, collective, variables, bucket_bytes: int = 0, extended=None):
+        super().__init__(extended._strategy if extended is not None else None)
+        self._extended = extended  # the strategy's: the reductions of a step (its gradient buckets) are its
         self._collective = collective
         self.variables = list(variables)
-        copies = [[component._read() for component in local_results(v)] for v in self.variables]
+        self._registered = False
+        copies = [[component.value() for component in local_results(v)] for v in self.variables]
         layout = bucket_layout(copies, bucket_bytes)
         # One segment per bucket (a bucket of empty variables only is an empty segment: indices stay aligned).
         segments = [[(i, 0, copies[i][0].numel()) for i in members if copies[i][0].numel()] for members, _, _ in layout]
@@ -212,10 +220,11 @@ class StateShards:
         for piece in self.pieces:
             source = self.variables[piece.variable]
             view = self._view(piece)
-            device = local_results(source)[0]._device_name()
+            device = local_results(source)[0].device
             name = f"{source.name}[{piece.start}:{piece.stop}]"
             self.piece_variables.append(LocalVariable(view, name=name, device=device, trainable=False))
         self._ids = [id(v) for v in self.variables]
+        self._position_of = {id(v): piece.variable for piece, v in zip(self.pieces, self.piece_variables)}
         self._pending = None  # the gathers a deferred publish started
         #: Whether ``publish`` only starts the gathers (``settle`` finishes them): set by the strategy.
         self.defer = False
@@ -225,7 +234,7 @@ class StateShards:
         self.carrier = fits[-1] if fits else None
 
     def _view(self, piece: Piece) -> torch.Tensor:
-        tensor = local_results(self.variables[piece.variable])[0]._read()
+        tensor = local_results(self.variables[piece.variable])[0].value()
         if not tensor.is_contiguous():
             raise ValueError(
                 f"Sharded optimizer states update the variables in place, and {self.variables[piece.variable].name!r} "
@@ -240,7 +249,7 @@ class StateShards:
         variable whose shape or dtype changed since is a ``ValueError``: the partition was cut for the old one."""
         changed = False
         for piece, variable in zip(self.pieces, self.piece_variables):
-            tensor = local_results(self.variables[piece.variable])[0]._read()
+            tensor = local_results(self.variables[piece.variable])[0].value()
             now, then = _where(tensor), self._storage[piece.variable]
             if now == then:
                 continue
@@ -277,7 +286,7 @@ class StateShards:
             for k, (dtype, device) in enumerate(zip(self.dtypes, self.devices))
         ]
 
-    def reduce(self, local_sums: list, carried=None) -> tuple:
+    def reduce_scatter(self, local_sums: list, carried=None) -> tuple:
         """``(this worker's chunk of each segment summed over every worker, the segments' buffers, the total of
         carried)``: ``local_sums`` holds one tensor per variable (this worker's replicas summed); ``carried``: the
         step values' limbs (of segment ``carrier``'s dtype, not ``None`` only where there is one), which ride
@@ -342,7 +351,7 @@ class StateShards:
                 if piece.segment not in whole:
                     at = rank * self.plan.chunk_lengths[piece.segment] + piece.offset
                     destinations.append(buffers[piece.segment][at : at + piece.size])
-                    sources.append(variable._read())
+                    sources.append(variable.value())
             lean = self._collective.lean_scatter
             for k, buffer in enumerate(buffers):  # the padding of this worker's chunk: zeros (all but it, on gloo)
                 if k in whole:
@@ -354,7 +363,7 @@ class StateShards:
                     buffer[: rank * chunk].zero_()
                     buffer[(rank + 1) * chunk :].zero_()
             if destinations:
-                torch._foreach_copy_(destinations, sources)
+                foreach.copy_(destinations, sources)
         self._pending = [
             self._collective.start_all_gather_in_place(buffer, f"all_gather (updated values, segment {k})")
             if buffer.numel() and k not in whole
@@ -395,13 +404,13 @@ class StateShards:
         destinations, sources = [], []
         for index, start, stop in self.plan.segments[k]:
             components = local_results(self.variables[index])
-            first = components[0]._read().detach().view(-1)[start:stop]
+            first = components[0].value().detach().view(-1)[start:stop]
             for component in components[1:]:
-                tensor = component._read()
+                tensor = component.value()
                 destinations.append(tensor.detach().view(-1)[start:stop])
                 sources.append(first if first.device == tensor.device else first.to(tensor.device))
         if destinations:
-            torch._foreach_copy_(destinations, sources)
+            foreach.copy_(destinations, sources)
 
     def _scatter(self, k: int, full: torch.Tensor) -> None:
         destinations, sources, position = [], [], 0
@@ -409,10 +418,10 @@ class StateShards:
             part = full[position : position + stop - start]
             position += stop - start
             for component in local_results(self.variables[index]):
-                tensor = component._read()
+                tensor = component.value()
                 destinations.append(tensor.detach().view(-1)[start:stop])
                 sources.append(part if part.device == tensor.device else part.to(tensor.device))
-        torch._foreach_copy_(destinations, sources)
+        foreach.copy_(destinations, sources)
 
     def gather(self, per_piece: list, what: str) -> list:
         """Whole tensors from pieces: ``per_piece`` holds a 1-D tensor (or ``None``: zeros) per piece of this
@@ -437,13 +446,13 @@ class StateShards:
             position = 0
             for index, start, stop in segment:
                 if whole[index] is None:
-                    first = local_results(self.variables[index])[0]._read()
+                    first = local_results(self.variables[index])[0].value()
                     whole[index] = first.new_zeros(first.numel())
                 whole[index][start:stop] = full[position : position + stop - start]
                 position += stop - start
         for index, variable in enumerate(self.variables):
             if whole[index] is None:  # no elements (an empty variable)
-                whole[index] = local_results(variable)[0]._read().new_zeros(0)
+                whole[index] = local_results(variable)[0].value().new_zeros(0)
         return whole
 
     def sum(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
@@ -456,12 +465,89 @@ class StateShards:
         """Whether ``flag`` holds on every worker."""
         return self._collective.sum_ints([0 if flag else 1], what)[0] == 0
 
-    def gather_objects(self, obj, what: str) -> list:
-        return self._collective.all_gather_object(obj, what)
-
     @property
     def num_workers(self) -> int:
         return self._collective.world_size
+
+    # --- the StateLayout an optimizer talks to ----------------------------------------------------
+    def extend(self, variables) -> list:
+        """The piece variables, the first time the optimizer registers this layout's variables (every one of
+        them: the pieces were cut for exactly these); nothing for variables registered already."""
+        variables = list(variables)
+        if not variables or (self._registered and all(id(v) in self._ids for v in variables)):
+            return []
+        if not self.matches(variables):
+            raise ValueError(
+                f"These sharded optimizer states were cut for {len(self.variables)} variables, and this update gave "
+                f"{len(variables)} other ones: with shard_optimizer_states an optimizer updates one list of variables "
+                "(use one optimizer per list)."
+            )
+        self._registered = True
+        return list(self.piece_variables)
+
+    def targets_of(self, variables) -> list:
+        return list(self.piece_variables)
+
+    def position_of(self, target) -> int:
+        return self._position_of[id(target)]
+
+    def reduce(self, grads: list, variables: list) -> ReducedGradients:
+        chunks, buffers = self._extended.reduce_scatter_gradients(self, grads)
+        views = self.piece_views(chunks)
+        return ReducedGradients(views, views, buffers)
+
+    def take(self, grads: list, variables: list) -> ReducedGradients:
+        whole = [g if type(g) is torch.Tensor else local_results(g)[0] for g in grads]
+        parts = self.slices(whole)
+        return ReducedGradients(parts, parts)
+
+    def sum_over_workers(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        return self.sum(tensor, what)
+
+    def all_agree(self, flag: bool, what: str) -> bool:
+        return self.all_workers_agree(flag, what)
+
+    def counts(self, index: int) -> bool:
+        # Every worker holds the pieces of a whole segment: worker 0 counts them, once.
+        return self.pieces[index].segment not in self.plan.whole or self.worker == 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.devices[0] if self.devices else torch.device("cpu")
+
+    def make_slot(self, target, name: str, value: torch.Tensor) -> LocalVariable:
+        """A slot of a piece variable: on this worker only (no collective, unlike a variable's slot)."""
+        tensor = value.to(target.value().device)
+        return LocalVariable(tensor, name=f"{target.name}/{name}", device=target.device, trainable=False)
+
+    def update(self, target, fn, args: tuple) -> None:
+        fn(target, *args)
+
+    def finish(self, reduced: ReducedGradients, variables: list, direct: bool) -> None:
+        self.publish(reduced.buffers)
+        self._extended.after_direct_update(self.variables)
+
+    def whole(self, per_target: list, what: str) -> list:
+        gathered = self.gather([None if t is None else t.detach() for t in per_target], what)
+        return [flat.view(local_results(v)[0].value().shape).clone() for flat, v in zip(gathered, self.variables)]
+
+    def cut(self, position: int, value: torch.Tensor) -> list:
+        flat = value.detach().reshape(-1)
+        return [(variable, flat[piece.start : piece.stop]) for piece, variable in self.pieces_of(position)]
+
+    def copy_from_slots(self, variables: list, slot_of) -> None:
+        self.settle()  # the last update's values first (a gather the trainer's step may defer)
+        wholes = self.whole([slot_of(t).value() for t in self.piece_variables], "the moving averages")
+        positions = {id(v): i for i, v in enumerate(self.variables)}
+        with torch.no_grad():
+            for variable in variables:
+                value = wholes[positions[id(variable)]]
+                for component in local_results(variable):
+                    tensor = component.value()
+                    tensor.detach().view(-1).copy_(value.reshape(-1).to(tensor.device))
+
+    def gather_objects(self, obj, what: str) -> list:
+        return self._collective.all_gather_object(obj, what)
 
     def __repr__(self) -> str:
         return f"StateShards(worker {self.worker} of {self.num_workers}, {len(self.pieces)} pieces, {self.plan!r})"

@@ -88,6 +88,29 @@ __all__ = [
 ]
 
 
+# The layers, from the bottom: strategies; data and optimizers on them (neither on the other); trainer; recipes;
+# cli. A module imports its own layer and those below only (tests/test_layering.py). One call goes up: a
+# strategy's dataset methods (experimental_distribute_dataset, ...) hand the dataset to the data layer, which is
+# built on the strategies. The strategies ask for the role and the root, above every layer, names its module.
+_ROLES = {"input layer": f"{__name__}.data.input_layer"}
+
+
+def layer_provider(role: str):
+    """The module that plays ``role`` for a lower layer, imported on first use: the one way a layer reaches a
+    higher one (the strategies' dataset methods reach the data layer as ``"input layer"``).
+
+    Example::
+
+        >>> import replicafit
+        >>> replicafit.layer_provider("input layer").__name__
+        'replicafit.data.input_layer'
+    """
+    try:
+        return importlib.import_module(_ROLES[role])
+    except KeyError:
+        raise LookupError(f"No layer of replicafit plays {role!r}; the roles are {sorted(_ROLES)}.") from None
+
+
 def __getattr__(name: str):
     if name in _SUBPACKAGES:
         module = importlib.import_module(f"{__name__}.{name}")
