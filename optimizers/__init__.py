@@ -9,11 +9,14 @@ Example::
     optimizer = optimizers.Adam(1e-3, gradient_accumulation_steps=4)    # one update per 4 steps
     optimizer = optimizers.LossScaleOptimizer(optimizers.SGD(0.1))       # float16 loss scaling
 
-Rooms: ``base.py`` (the pipeline every optimizer runs), ``accumulation.py`` (the gradient
-accumulation window), ``ema.py`` (moving averages), ``multi_tensor.py`` (the grouped
-``torch._foreach_*`` fast path), ``loss_scale.py`` (loss scaling, a stage of the pipeline),
-``state.py`` (the saved state's format), the update rules (``sgd.py``, ``adam.py``,
-``rmsprop.py``), ``schedules.py`` and ``torch_optimizer.py`` (``from_torch``).
+Rooms: ``base.py`` (``Optimizer``: the pipeline's stages in their order, the API subclasses write
+against), the stages (``accumulation.py``: the gradient accumulation window; ``stages.py``: dividing,
+clipping, weight decay; ``loss_scale.py``: loss scaling, a stage of the pipeline; ``ema.py``: the
+moving averages), ``multi_tensor.py`` (the built-ins' grouped ``foreach`` fast path), ``slots.py`` (slot
+variables, made through the state layout the strategy provides), ``resolve.py`` (what
+``apply_gradients`` is given, as variables), ``state.py`` (the saved state: its format, gathered and
+restored), the update rules (``sgd.py``, ``adam.py``, ``rmsprop.py``), ``schedules.py`` and
+``torch_optimizer.py`` (``from_torch``).
 """
 
 from difflib import get_close_matches

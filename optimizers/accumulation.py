@@ -10,9 +10,10 @@ summed over the window, divided by ``sum(B_k)``, is the mean over every example 
 window. A step of one's own (a custom loop) weighs 1, which gives Keras 3's rule, the mean
 of the N gradients.
 
-``GradientWindow`` holds one window's sums; ``GradientAccumulation``, a mixin of ``Optimizer``,
-opens and fills windows, hands a full one to the pipeline, and keeps an open one in the
-optimizer's state (saved, loaded, and restored once its variables are built).
+``GradientWindow`` holds one window's sums; ``GradientAccumulation``, the optimizer's accumulation
+stage, opens and fills windows, hands a full one on, and keeps an open one in the optimizer's
+state (saved, loaded, and restored once its variables are built). ``GradientDenominator`` says where
+an update's divisor comes from when it is known only after the reduction (an element-level loss).
 """
 
 from __future__ import annotations
@@ -22,14 +23,19 @@ import threading
 
 import torch
 
-import replicafit.strategies as ds
 from replicafit.strategies import context, foreach
 from replicafit.strategies.devices import torch_device
-from replicafit.strategies.step_values import wide_float
 
 from .tensors import _first_tensor, _no_grad
 
-__all__ = ["GradientAccumulation", "GradientDenominator", "GradientWindow", "check_accumulation_steps"]
+__all__ = [
+    "GradientAccumulation",
+    "GradientDenominator",
+    "GradientWindow",
+    "check_accumulation_steps",
+    "checked_window_state",
+    "window_state",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,139 +103,64 @@ class GradientWindow:
 
 
 class GradientAccumulation:
-    """The accumulation windows of ``Optimizer`` (a mixin): a step's gradients into the open window, the
-    window's last step into the optimizer's pipeline, and the open window in the optimizer's state.
+    """The accumulation stage of the pipeline (optax's ``MultiSteps``): a step's gradients into the open window,
+    the window handed on when its last step arrives, and an open window in the optimizer's state.
 
-    Uses the optimizer's ``gradient_accumulation_steps``, ``iterations``, built variables
-    (``_variables``), ``_strategy_of`` and its pipeline past the window: ``_reduce_and_apply``
-    (per-replica sums) and ``_apply_aggregated`` (sums reduced already). Keeps ``_window`` (the
-    open window), ``_pending_window`` (a loaded one, for variables not built yet) and the weight
-    of the next step.
+    Args:
+      steps: ``gradient_accumulation_steps`` (an int >= 2).
+      owner: the optimizer, as errors name it (``"SGD 'sgd'"``).
+
+    Holds the open window, a loaded one waiting for its variables (``pending``), and ``step_weight``, the
+    weight of the next step.
+
+    Example::
+
+        accumulation = GradientAccumulation(4, "SGD 'sgd'")
+        window = accumulation.add(None, grads, variables)   # None until the 4th step: then the full window
     """
 
-    def _init_accumulation(self) -> None:
-        self._window: GradientWindow | None = None  # the open accumulation window
-        self._window_lock = threading.Lock()  # replicas on threads open a window once
-        self._pending_window: dict | None = None  # a loaded window, for variables not built yet
-        self._step_weight = 1.0  # the weight of the next accumulated step (the trainer's: its examples)
-        self._gradient_denominator: GradientDenominator | None = None
+    def __init__(self, steps: int, owner: str):
+        self.steps = steps
+        self.owner = owner
+        self.window: GradientWindow | None = None  # the open window
+        self._lock = threading.Lock()  # replicas on threads open a window once
+        self.pending: dict | None = None  # a loaded window, for variables not built yet
+        self.step_weight = 1.0  # the weight of the next accumulated step (the trainer's: its examples)
 
     @property
-    def step_weight(self) -> float:
-        """The weight of the next accumulated step.
-
-        Its gradients enter the window multiplied by it, and a window's sums are divided by its steps'
-        total weight.
-
-        1 by default, every step alike (Keras' mean of the N gradients). ``Trainer.fit`` sets it to
-        each step's global batch size while it accumulates (a window then equals one step on its
-        batches together, partial batches included), and back to 1 at its end.
-
-        Example::
-
-            optimizer = optimizers.SGD(0.1, gradient_accumulation_steps=4)
-            for x, y in batches:
-                optimizer.step_weight = float(len(x))   # each step weighs its examples
-                strategy.run(step, args=(x, y))
-            optimizer.apply_accumulated_gradients()
-        """
-        return self._step_weight
-
-    @step_weight.setter
-    def step_weight(self, value: float) -> None:
-        self._step_weight = value
-
-    @property
-    def gradient_denominator(self) -> GradientDenominator | None:
-        """Where an update's divisor comes from when it is not known before backward.
-
-        ``None`` (default), or a ``GradientDenominator(step_value, prescale)``. When set, each update
-        divides the reduced gradients (an accumulation window's weighted sums) by ``total / prescale``
-        instead of by the window's weight, where ``total`` is the global total of the step value
-        ``step_value`` (``strategy.cluster.add_to_step``) since the previous update: it rides with the
-        update's own gradient reduction, so it costs no collective. A total of 0 (nothing to learn from, e.g. every
-        token padding) leaves the gradients as they are, which are then zeros.
-
-        ``Trainer.fit`` sets it for element-level losses (the count of real tokens or pixels of the
-        global batch, known only after every worker has seen its rows) and clears it at the end.
-
-        Every worker must add the step value at every step, of one kind (here integer counts; ``0`` where a
-        replica has no rows). Example (a loop of one's own: the mean over real tokens of the global batch)::
-
-            optimizer.gradient_denominator = optimizers.GradientDenominator("tokens", prescale=1.0)
-
-            def step(x, y):
-                losses = F.cross_entropy(model(x).transpose(1, 2), y, reduction="none")  # 0 where y == -100
-                strategy.cluster.add_to_step("tokens", (y != -100).sum())
-                grads = torch.autograd.grad(losses.sum(), params)  # the sum: divided after the reduction
-                optimizer.apply_gradients(zip(grads, params))
-
-            strategy.run(step, args=(x, y))
-        """
-        return self._gradient_denominator
-
-    @gradient_denominator.setter
-    def gradient_denominator(self, value) -> None:
-        if value is not None and not isinstance(value, GradientDenominator):
-            raise TypeError(
-                f"gradient_denominator must be None or a GradientDenominator(step_value, prescale), got {value!r}."
-            )
-        self._gradient_denominator = value
-
-    @property
-    def accumulated_steps(self) -> int:
-        """Steps in the open accumulation window, not applied yet (0 without one).
-
-        Example::
-
-            optimizer = SGD(0.1, gradient_accumulation_steps=4)
-            ...                                   # 6 steps: one update, then 2 steps
-            optimizer.accumulated_steps           # 2
-        """
-        window = self._window
-        if window is None and self._pending_window is not None:
-            return int(self._pending_window["count"])
+    def count(self) -> int:
+        """Steps in the open window (or in a loaded one not stepped since), not applied yet."""
+        window = self.window
+        if window is None and self.pending is not None:
+            return int(self.pending["count"])
         return window.count if window is not None else 0
 
-    def _divisor(self, strategy, window_weight):
-        """What an update divides the reduced gradients by: the window's weight (None: a lone step), or
-        ``total / prescale`` of the gradient denominator (a tensor: no read back to the host)."""
-        denominator = self._gradient_denominator
-        if denominator is None:
-            return window_weight
-        total = strategy.cluster.step_total(denominator.step_value)
-        # Nothing real in the window: its gradients are zeros, which a finite divisor keeps at zero (not NaN).
-        total = total.to(wide_float(total.device))
-        return total.clamp_min(denominator.prescale * 1e-30) / denominator.prescale
-
-    def _accumulate(self, ctx, grads, variables):
-        """Adds this step's gradients to the window; its last step applies the window."""
-        window = self._open_window(variables, aggregated=ctx is None)
+    def add(self, ctx, grads, variables, strategy_of, positions):
+        """Adds this step's gradients (``ctx``: the replica context; ``None`` in cross-replica context, where the
+        gradients are reduced already) to the open window, opening one if needed. Returns ``(window, this
+        replica's sums)`` when the step is the window's last, else ``None``."""
+        window = self.open(variables, ctx is None, strategy_of, positions)
         if ctx is None:  # cross-replica context: the gradients are reduced already, one value each
             grads, replica = [_first_tensor(g) for g in grads], 0
         else:
             replica = ctx.replica_id_in_sync_group - ctx.strategy.cluster.first_replica_id  # this worker's
-        if window.add(replica, grads, self._step_weight) < self.gradient_accumulation_steps:
-            return self.iterations
-        if ctx is not None:
-            return ctx.merge_call(_merge_apply_window, args=(self, window.sums[replica], variables))
-        strategy = self._strategy_of(variables)
-        with context.enter_or_assert_strategy(strategy):
-            return self._apply_window(strategy, window)
+        if window.add(replica, grads, self.step_weight) < self.steps:
+            return None
+        return window, window.sums[replica]
 
-    def _open_window(self, variables, aggregated: bool) -> GradientWindow:
-        with self._window_lock:
-            window = self._window
+    def open(self, variables, aggregated: bool, strategy_of, positions) -> GradientWindow:
+        """The open window for ``variables`` (opened now, from a loaded one where there is one)."""
+        with self._lock:
+            window = self.window
             if window is None:
-                window = self._window = GradientWindow(variables, aggregated)
-                if self._pending_window is not None:
-                    self._restore_window(window)
+                window = self.window = GradientWindow(variables, aggregated)
+                if self.pending is not None:
+                    self._restore(window, strategy_of(variables), positions)
         if not window.matches(variables):
             raise ValueError(
-                f"{type(self).__name__} {self.name!r} accumulates gradients over {self.gradient_accumulation_steps} "
-                f"steps, but this step gave gradients for other variables ({len(variables)}) than the window's "
-                f"first step ({len(window.variables)}): every step of a window must apply gradients to the same "
-                "variables, in the same order."
+                f"{self.owner} accumulates gradients over {self.steps} steps, but this step gave gradients for other "
+                f"variables ({len(variables)}) than the window's first step ({len(window.variables)}): every step of "
+                "a window must apply gradients to the same variables, in the same order."
             )
         if window.aggregated != aggregated:
             raise ValueError(
@@ -238,61 +169,33 @@ class GradientAccumulation:
             )
         return window
 
-    def apply_accumulated_gradients(self):
-        """Applies the open accumulation window now, however many steps it holds (cross-replica context).
+    def close(self) -> GradientWindow | None:
+        """The open window, closed (its sums are applied now)."""
+        window, self.window = self.window, None
+        return window
 
-        ``Trainer.fit`` calls it at the end of every epoch, so no step is ever dropped; call it
-        at the end of a loop of one's own. Nothing happens without an open window (and
-        without ``gradient_accumulation_steps``). Every worker must call it (the window's
-        reduction is a collective). Returns ``iterations``.
-
-        Example::
-
-            optimizer = optimizers.SGD(0.1, gradient_accumulation_steps=4)
-            for x, y in batches:                       # 10 batches: updates after 4, 8
-                strategy.run(step, args=(x, y))
-            optimizer.apply_accumulated_gradients()  # ... and the last 2
-        """
-        window = self._window
-        pending = self._pending_window
+    def ready_to_apply(self, strategy_of, positions) -> GradientWindow | None:
+        """The window ``apply_accumulated_gradients`` applies now (an open one with steps, or a loaded one not
+        stepped since), or ``None``."""
+        window, pending = self.window, self.pending
         if window is None and pending is not None and pending["variables"] is not None:
-            window = self._open_window(pending["variables"], pending["aggregated"])  # loaded, not stepped since
+            window = self.open(pending["variables"], pending["aggregated"], strategy_of, positions)
         if window is None or not window.count:
-            return self.iterations
-        if context.in_replica_function():
-            raise RuntimeError(
-                "apply_accumulated_gradients() must be called in cross-replica context (outside strategy.run()): "
-                "it reduces every replica's window at once."
-            )
-        strategy = self._strategy_of(window.variables)
-        with context.enter_or_assert_strategy(strategy):
-            return self._apply_window(strategy, window)
+            return None
+        return window
 
-    def _apply_window(self, strategy, window: GradientWindow):
-        """Reduces (unless reduced already) and applies ``window``'s sums; closes the window."""
-        self._window = None
-        variables, divisor = window.variables, window.weight
-        if window.aggregated:
-            return self._apply_aggregated(strategy, window.sums[0], variables, divisor=divisor)
-        replicas = sorted(window.sums)
-        grads = [ds.PerReplica([window.sums[r][i] for r in replicas]) for i in range(len(variables))]
-        return self._reduce_and_apply(strategy, grads, variables, divisor=divisor)
-
-    def _add_window_state(self, state: dict) -> None:
+    # --- the open window in the optimizer's state ----------------------------------------------------
+    def state(self, positions: dict, strategy) -> dict | None:
         """``state["accumulation"]`` while a window is open: ``{"count", "weight", "aggregated",
         "gradients": {position: [sum of each local replica]}, "first_replica", "replicas_in_sync"}``
         (this process's replicas: the sums of global replicas ``first_replica`` on, of the
         ``replicas_in_sync`` the window was filled by; ``Trainer`` checkpoints gather every worker's
-        and set ``first_replica`` to 0)."""
-        window = self._window
+        and set ``first_replica`` to 0). ``positions``: ``{id(variable): position}``."""
+        window = self.window
         if window is None or not window.count:
-            if self._pending_window is not None:
-                state["accumulation"] = dict(self._pending_window["state"])
-            return
-        positions = {id(v): i for i, v in enumerate(self._variables)}
+            return dict(self.pending["state"]) if self.pending is not None else None
         replicas = sorted(window.sums)
-        strategy = self._strategy_of(window.variables)
-        state["accumulation"] = {
+        return {
             "count": window.count,
             "weight": float(window.weight),
             "aggregated": window.aggregated,
@@ -304,51 +207,43 @@ class GradientAccumulation:
             "replicas_in_sync": 1 if window.aggregated else strategy.num_replicas_in_sync,
         }
 
-    def _checked_window_state(self, state: dict) -> dict | None:
-        window = state.get("accumulation")
+    def checked(self, window) -> dict | None:
+        """A loaded ``state["accumulation"]`` checked (``ValueError`` when it does not fit), or ``None``."""
         if window is None:
             return None
-        if not self.gradient_accumulation_steps:
-            raise ValueError(
-                "The optimizer state holds an open gradient accumulation window, but this optimizer does not "
-                "accumulate: pass the same gradient_accumulation_steps as the run that saved it."
-            )
         try:
             count, weight = int(window["count"]), float(window["weight"])
             aggregated, gradients = bool(window["aggregated"]), dict(window["gradients"])
             lists = [list(v) for v in gradients.values()]
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"The optimizer state's 'accumulation' entry is malformed ({error!r}).") from None
-        if not 0 < count < self.gradient_accumulation_steps or not all(
-            isinstance(t, torch.Tensor) for part in lists for t in part
-        ):
+        if not 0 < count < self.steps or not all(isinstance(t, torch.Tensor) for part in lists for t in part):
             raise ValueError(
                 f"The optimizer state's accumulation window ({count} steps) does not fit "
-                f"gradient_accumulation_steps={self.gradient_accumulation_steps}, or holds other values than tensors."
+                f"gradient_accumulation_steps={self.steps}, or holds other values than tensors."
             )
         return {"count": count, "weight": weight, "aggregated": aggregated, "gradients": gradients, "state": window}
 
-    def _load_window_state(self, window: dict | None) -> None:
-        self._window = None
-        self._pending_window = None
+    def load(self, window: dict | None, variables: list) -> None:
+        """Keeps a checked window (``checked``) until its variables are built (``variables``: those built now)."""
+        self.window = None
+        self.pending = None
         if window is None:
             return
         positions = sorted(window["gradients"])
-        if self._variables and positions and positions[-1] < len(self._variables):
-            window["variables"] = [self._variables[p] for p in positions]
+        if variables and positions and positions[-1] < len(variables):
+            window["variables"] = [variables[p] for p in positions]
         else:
             window["variables"] = None  # resolved when the variables are built
-        self._pending_window = window
+        self.pending = window
 
-    def _restore_window(self, window: GradientWindow) -> None:
+    def _restore(self, window: GradientWindow, strategy, positions: dict) -> None:
         """Fills a new window from a loaded one (``_window_sums``): each local replica's own sums where the
         replica count is the saver's, else every replica's sums added together onto global replica 0 (zeros
         on the others), which the window's reduction adds up to the same total."""
-        pending, self._pending_window = self._pending_window, None
-        strategy = self._strategy_of(window.variables)
+        pending, self.pending = self.pending, None
         cluster = strategy.cluster
         replicas = 1 if window.aggregated else cluster.num_local_replicas
-        positions = {id(v): i for i, v in enumerate(self._variables)}
         devices = [torch_device(d) for d in strategy.extended.worker_devices] or [None]
         with _no_grad():
             for r in range(replicas):
@@ -401,13 +296,6 @@ _PARTIAL_WINDOW = (
 )
 
 
-def _merge_apply_window(strategy, optimizer, sums, variables):
-    """merge_fn of a window's last step: every replica's sums, reduced once and applied."""
-    window = optimizer._window
-    optimizer._window = None
-    return optimizer._reduce_and_apply(strategy, sums, variables, divisor=window.weight)
-
-
 def check_accumulation_steps(steps):
     """``gradient_accumulation_steps`` checked: ``None`` or an int >= 2 (as Keras 3 asks)."""
     if steps is None:
@@ -417,3 +305,28 @@ def check_accumulation_steps(steps):
             f"`gradient_accumulation_steps` must be None (no accumulation) or an integer >= 2, got {steps!r}."
         )
     return steps
+
+
+def window_state(optimizer, state: dict) -> None:
+    """Adds ``state["accumulation"]`` while a window is open (``GradientAccumulation.state``)."""
+    accumulation = optimizer._accumulation
+    if accumulation is None:
+        return
+    window = accumulation.window
+    strategy = optimizer._strategy_of(window.variables) if window is not None else context.get_strategy()
+    entry = accumulation.state(optimizer._positions(), strategy)
+    if entry is not None:
+        state["accumulation"] = entry
+
+
+def checked_window_state(optimizer, state: dict):
+    """A loaded state's open window, checked against the optimizer (``ValueError`` when it does not fit)."""
+    window = state.get("accumulation")
+    if window is None:
+        return None
+    if optimizer._accumulation is None:
+        raise ValueError(
+            "The optimizer state holds an open gradient accumulation window, but this optimizer does not "
+            "accumulate: pass the same gradient_accumulation_steps as the run that saved it."
+        )
+    return optimizer._accumulation.checked(window)

@@ -1,43 +1,41 @@
-"""The distribution-aware optimizer base class.
+"""The distribution-aware optimizer base class: ``apply_gradients`` is one pipeline of stages.
 
-``apply_gradients`` is one fixed pipeline; a subclass writes only the math:
+The stages, in this order (optax's ``chain``, ``MultiSteps`` and ``apply_if_finite``, and Keras 3's fixed
+order, are the models); each is a small object with its own state, and a subclass writes only the rule:
 
-1. drop ``None`` gradients;
-2. in a replica context (inside ``strategy.run``): ``merge_call`` (runs once, in
-   cross-replica context), then ONE ``extended.batch_reduce_to(SUM, grads_and_vars)``;
-   in cross-replica context the given gradients are taken as already reduced;
-3. gradient transforms on the aggregated gradient: ``clipvalue``, ``clipnorm`` (per
-   variable) or ``global_clipnorm``;
-4. for every variable, ``extended.update(var, ...)``: decoupled ``weight_decay`` (unless
-   ``exclude_from_weight_decay`` excluded the variable), then ``update_step(gradient,
-   variable, learning_rate)`` on each copy of the variable, on its device (built-ins use
-   one multi-tensor kernel per device and dtype instead), then, with ``use_ema``, the
-   copy's moving average (and, every ``ema_overwrite_frequency`` updates, the copy
-   overwritten by it);
-5. ``iterations += 1`` (once per apply, not once per replica).
+1. **resolve**: ``None`` gradients dropped; plain parameters become variables (once per list);
+2. **accumulate** (``accumulation.GradientAccumulation``, with ``gradient_accumulation_steps=N``): each
+   replica adds its local gradients into its own sums, with no communication; steps 3-9 run at the
+   window's last step only, on the window's sums;
+3. **reduce**, once, in cross-replica context (a replica context ``merge_call``s into it): the state layout
+   the strategy provides (``strategy.extended.state_layout``: ``WholeVariables``, or sharded slices)
+   sums every replica's gradients: one batched ``batch_reduce_to(SUM)``, or a reduce-scatter that hands
+   this worker the gradients of its slices. Gradients applied in cross-replica context are taken as
+   reduced already;
+4. **build** (the first update of a variable): slots for the layout's targets (``build``), weight-decay
+   exclusions decided, a loaded state restored into them;
+5. **divide** (``stages.divide``): an accumulation window's sums by its weight, or the gradients of an
+   element-level loss by the global count of its real elements (``gradient_denominator``);
+6. **gradient stages** (``stages.py``): a ``LossScaleOptimizer``'s unscaling and finite check (a step it
+   skips still counts), then clipping: ``clipvalue``, ``clipnorm`` (per variable) or ``global_clipnorm``,
+   on the gradient aggregated over every replica;
+7. **update**, for every target and each of its copies, on its device: decoupled ``weight_decay``
+   (``stages.WeightDecay``, unless ``exclude_from_weight_decay`` excluded it) → the rule
+   (``update_step(gradient, variable, learning_rate)``; the built-ins run ``_update_many`` over groups of
+   tensors instead, ``multi_tensor.py``) → with ``use_ema``, the copy's moving average
+   (``ema.MovingAverages``; every ``ema_overwrite_frequency`` updates the copy overwritten by it);
+8. **finish**: the layout makes every copy hold the update (sharded: the updated slices gathered);
+9. ``iterations += 1`` (once per update, not once per replica).
 
-With ``gradient_accumulation_steps=N``, step 2 waits: each replica adds its local
-gradients into its own sums for N steps without any communication, and the N-th step
-sends the sums through steps 2-5 (one batched reduction for the whole window, divided by
-the window's total weight; see ``replicafit.optimizers.accumulation``). ``iterations``
-counts updates. Between steps 2 and 3 the reduced gradients pass the optimizer's gradient
-stages (``_gradient_stages``: ``name -> stage(grads)``, which returns the gradients or
-``None`` to skip the update, which still counts): wrapped in a ``LossScaleOptimizer``, they
-are unscaled and checked for infinities and NaNs by the wrapper's stage there.
-
-This file is the pipeline; its parts live beside it, each a mixin of ``Optimizer``:
-``accumulation`` (the window of step 2), ``ema`` (the moving averages of step 4) and
-``multi_tensor`` (the built-ins' fast path of step 4).
-
-Slot variables made with ``add_variable_from_reference`` live where their variable
-lives (mirrored under ``MirroredStrategy``, on the parameter device under
-``CentralStorageStrategy``), and ``get_slot`` inside ``update_step`` resolves to the copy
-that matches the variable copy being updated. So a subclass is correct under every
-strategy without seeing one. Under ``MultiWorkerMirroredStrategy(shard_optimizer_states=True)``
-``build`` and ``update_step`` see 1-D slices of the variables (each worker's part, ``sharded.py``),
-which is right for every element-wise rule; a rule that reads whole variables (a norm per
-variable, a factorisation by shape) sets the class attribute ``elementwise_update = False`` and
-is refused there.
+The optimizer never asks which strategy runs it: where its state lives is the layout's business. Slot
+variables made with ``add_variable_from_reference`` live where their target lives (mirrored under
+``MirroredStrategy``, on the parameter device under ``CentralStorageStrategy``, this worker's slices
+under sharded optimizer states), and ``get_slot`` inside ``update_step`` resolves to the copy that
+matches the variable copy being updated. So a subclass is correct under every strategy without seeing
+one. Where the layout's targets are slices of variables (``StateLayout.slices_variables``), ``build`` and
+``update_step`` see 1-D slices, which is right for every element-wise rule; a rule that reads whole
+variables (a norm per variable, a factorisation by shape) sets the class attribute
+``elementwise_update = False`` and is refused there.
 
 A complete optimizer (Lion, Chen et al. 2023) in a few lines::
 
@@ -78,35 +76,35 @@ Used in a custom training loop::
 
 from __future__ import annotations
 
-import operator
+import contextlib
+import inspect
 
 import torch
 
 import replicafit.strategies as ds
-from replicafit.strategies import context, foreach
-from replicafit.strategies.devices import canonicalize
+from replicafit.strategies import context
+from replicafit.strategies.state_layout import WholeVariables
 from replicafit.strategies.values import local_results, value_container
 
-from . import schedules
+from . import schedules, stages
 from . import state as state_format
-from .accumulation import GradientAccumulation, check_accumulation_steps
-from .ema import MovingAverages, _with_average, check_ema, move_averages
-from .multi_tensor import MultiTensorUpdates
-from .sharded import ShardedSlot, ShardedStates
-from .tensors import _first_tensor, _no_grad
+from .accumulation import (
+    GradientAccumulation,
+    GradientDenominator,
+    check_accumulation_steps,
+    checked_window_state,
+    window_state,
+)
+from .ema import MovingAverages, check_ema, move_averages
+from .multi_tensor import MultiTensorPlans
+from .resolve import VariableResolver
+from .slots import Slots, initial_value
+from .tensors import _no_grad
 
 __all__ = ["Optimizer"]
 
 
-def _check_positive(name: str, value, allow_none: bool = True):
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"`{name}` must be a positive number{' or None' if allow_none else ''}, got {value!r}.")
-    return float(value)
-
-
-class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, ShardedStates):
+class Optimizer:
     """Base class of distribution-aware optimizers (see the module docstring for the pipeline).
 
     Args:
@@ -144,13 +142,28 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
     Keras. Unlike Keras 3, clipping applies to the gradient aggregated over replicas.
     With gradient accumulation the averages move once per update (Keras 3 moves them on
     every step, also on the steps that leave the variables unchanged); a step a
-    ``LossScaleOptimizer`` skips leaves them unchanged.
+    ``LossScaleOptimizer`` skips leaves them unchanged. The arguments are read-only
+    attributes of the same names.
 
     Example::
 
         optimizer = AdamW(1e-3, weight_decay=0.05, use_ema=True, ema_momentum=0.999)
         optimizer.exclude_from_weight_decay(var_names=["bias", "norm"])
     """
+
+    #: Whether the update rule treats every element on its own (the gradient and slots of an element decide its
+    #: update): then the rule is right on slices of variables, which is what sharded optimizer states give it.
+    #: A rule that reads a whole tensor (a norm per variable as LAMB or LARS, a factorisation by shape as
+    #: Adafactor) sets ``False``: such an optimizer refuses a layout of slices with a clear error.
+    elementwise_update = True
+
+    #: Slots ``build`` makes only while a hyper-parameter asks for them (SGD's and RMSprop's ``"momentum"``, made
+    #: once ``momentum`` leaves 0). A loaded state may hold one not made yet (it is made) or lack one that is (it
+    #: starts again at zero), as ``torch.optim`` keeps or lacks a momentum buffer whatever the momentum is.
+    _optional_slots: tuple = ()
+
+    #: Built-ins implement ``_update_many`` over lists of tensors (one kernel per device/dtype).
+    _multi_tensor = False
 
     def __init__(
         self,
@@ -166,21 +179,11 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
         gradient_accumulation_steps=None,
         name=None,
     ):
-        if sum(x is not None for x in (clipnorm, clipvalue, global_clipnorm)) > 1:
-            raise ValueError(
-                "Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set, got "
-                f"clipnorm={clipnorm}, clipvalue={clipvalue}, global_clipnorm={global_clipnorm}."
-            )
-        self.weight_decay = None if weight_decay is None else float(weight_decay)
-        if self.weight_decay is not None and self.weight_decay < 0:
-            raise ValueError(f"`weight_decay` must be >= 0, got {weight_decay!r}.")
-        self.clipnorm = _check_positive("clipnorm", clipnorm)
-        self.clipvalue = _check_positive("clipvalue", clipvalue)
-        self.global_clipnorm = _check_positive("global_clipnorm", global_clipnorm)
-        self.gradient_accumulation_steps = check_accumulation_steps(gradient_accumulation_steps)
-        self.use_ema, self.ema_momentum, self.ema_overwrite_frequency = check_ema(
-            use_ema, ema_momentum, ema_overwrite_frequency
-        )
+        stages.check_one_clipping(clipnorm, clipvalue, global_clipnorm)
+        self._weight_decay = stages.WeightDecay(weight_decay)
+        self._clipping = stages.clipping(clipnorm, clipvalue, global_clipnorm)
+        steps = check_accumulation_steps(gradient_accumulation_steps)
+        use_ema, ema_momentum, ema_overwrite_frequency = check_ema(use_ema, ema_momentum, ema_overwrite_frequency)
         self.name = name or type(self).__name__.lower()
         self._learning_rate = self._check_learning_rate(learning_rate)
         #: How many updates were applied (a mirrored ``int64`` variable, saved with the optimizer): one per
@@ -193,22 +196,45 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
             name=f"{self.name}/iterations",
             aggregation=ds.VariableAggregation.ONLY_FIRST_REPLICA,
         )
-        self._variables: list = []  # the model variables built for, in order
-        self._built_ids: set = set()
-        self._slots: dict = {}  # (id(container), slot name) -> slot variable
-        self._slot_names: dict = {}  # id(container) -> [slot names]
+        owner = f"{type(self).__name__} {self.name!r}"
+        self._accumulation = GradientAccumulation(steps, owner) if steps else None
+        self._averages = MovingAverages(ema_momentum, ema_overwrite_frequency) if use_ema else None
+        self._ema_settings = (ema_momentum, ema_overwrite_frequency)  # (kept for get_config without use_ema)
+        self._gradient_stages: dict = {}  # name -> stage on the reduced gradients, before clipping (loss scaling)
+        self._gradient_denominator: GradientDenominator | None = None
+        self._layout = None  # the StateLayout the strategy gave for the variables (made at the first build)
+        self._layout_from_strategy = False  # False: made for a direct build() call (whole slots)
+        self._variables: list = []  # the variables built for, in order (the state's positions)
+        self._targets: list = []  # what the rule updates for them: the variables, or the layout's slices
+        self._target_ids: set = set()
+        self._built_ids: set = set()  # ids of the variables and targets built for
+        self._slots = Slots()
+        self._plans = MultiTensorPlans()
         self._pending: state_format.PendingState | None = None  # loaded, for variables not built yet
         self._known_updates: tuple | None = None  # the host's copy of ``iterations`` (``updates_so_far``)
-        self._wrapped: dict = {}  # id(raw tensor) -> (tensor, LocalVariable) for plain parameters
-        self._last_resolved = None  # (the variables last given to apply_gradients, their containers)
-        self._gradient_stages: dict = {}  # name -> stage on the reduced gradients (a LossScaleOptimizer's)
-        self._decay_exclusions: tuple = ((), ())  # (variables or tensors, name substrings) not decayed
-        self._no_decay: set = set()  # id(container) of the built variables excluded from weight decay
+        self._resolver = VariableResolver()  # what apply_gradients is given, as variables (plain tensors wrapped)
         self._slots_outdated = False  # a hyper-parameter asks for slots build() did not make (_slots_changed)
-        self._init_accumulation()
-        self._init_averages()
-        self._init_plans()
-        self._init_sharding()
+
+    # --- the shared arguments, as read-only attributes (the stages hold them) --------------------------
+    weight_decay = property(lambda self: self._weight_decay.rate, doc="The decoupled weight decay's rate (or None).")
+    clipnorm = property(
+        lambda self: _clip(self, stages.ClipByNorm, "norm"), doc="The L2 norm each gradient is clipped to (or None)."
+    )
+    clipvalue = property(
+        lambda self: _clip(self, stages.ClipByValue, "value"), doc="The bound of each gradient entry (or None)."
+    )
+    global_clipnorm = property(
+        lambda self: _clip(self, stages.ClipByGlobalNorm, "norm"), doc="The joint L2 norm of the gradients (or None)."
+    )
+    use_ema = property(lambda self: self._averages is not None, doc="Whether moving averages are kept.")
+    ema_momentum = property(lambda self: self._ema_settings[0], doc="The moving averages' momentum.")
+    ema_overwrite_frequency = property(
+        lambda self: self._ema_settings[1], doc="Every how many updates the averages overwrite the variables (or None)."
+    )
+    gradient_accumulation_steps = property(
+        lambda self: self._accumulation.steps if self._accumulation is not None else None,
+        doc="Steps accumulated per update (None: every step updates).",
+    )
 
     # --- learning rate ----------------------------------------------------------------------
     @staticmethod
@@ -252,18 +278,93 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
     def build(self, variables) -> None:
         """Creates per-variable state; subclasses call ``super().build(variables)`` then make slots.
 
-        Decides, once per variable, whether weight decay applies to it (see
-        ``exclude_from_weight_decay``), and with ``use_ema`` creates its ``"average"`` slot.
+        ``variables`` are the targets of the optimizer's state layout: the variables themselves, or
+        1-D slices of them where the strategy shards the optimizer's state. Called by the first update of
+        a variable (or ``build_for``); a direct call builds whole slots for whole variables. With
+        ``use_ema`` it creates each target's ``"average"`` slot.
         """
+        new = [v for v in variables if id(v) not in self._built_ids and not _is_target(self, v)]
+        if new:  # a direct call: whole variables, whole slots
+            self._register(self._layout_for_direct_build(new), new)
         for variable in variables:
-            if id(variable) not in self._built_ids:
-                self._built_ids.add(id(variable))
-                if id(variable) not in self._piece_source:  # a piece's variable is registered, decay decided
-                    self._variables.append(variable)
-                    if self._excluded_from_decay(variable):
-                        self._no_decay.add(id(value_container(variable)))
-                if self.use_ema:
-                    self.add_variable_from_reference(variable, "average")
+            self._built_ids.add(id(variable))
+            if self._averages is not None:
+                self.add_variable_from_reference(variable, "average")
+
+    def build_for(self, variables) -> None:
+        """Builds the optimizer for ``variables`` as their first update would: for the targets of the state
+        layout the strategy gives them (whole variables, or this worker's slices), with the weight-decay
+        exclusions decided. A state loaded before stays waiting (the next ``load_state_dict`` or update
+        restores one), so the state loaded next is checked against what was built.
+
+        ``Trainer`` calls it before it loads a checkpoint's optimizer state (as Keras builds an optimizer
+        before restoring one). Call it in the variables' strategy's scope.
+
+        Example::
+
+            with strategy.scope():
+                optimizer.build_for(model.trainable_variables)
+            optimizer.load_state_dict(saved)   # checked against the variables now, not at the first step
+        """
+        variables = [self._resolver.variable(v) for v in variables]
+        if variables:
+            self._build(self._strategy_of(variables), variables)
+
+    def _build(self, strategy, variables):
+        """Builds for the variables not built for yet (their targets, through the layout), after making the
+        slots a hyper-parameter asks for; returns the layout."""
+        if self._slots_outdated:
+            self._refresh_slots()
+        layout = self._layout_for(strategy, variables)
+        missing = [v for v in variables if id(v) not in self._built_ids]
+        if missing:
+            targets = self._register(layout, missing)
+            with context.enter_or_assert_strategy(strategy):
+                self.build(targets)
+        return layout
+
+    def _layout_for(self, strategy, variables):
+        """The state layout: the strategy's for these variables, asked at the first update (a direct ``build``
+        made whole slots: refused where the strategy would slice them)."""
+        layout = self._layout
+        if layout is not None and self._layout_from_strategy:
+            return layout
+        given = strategy.extended.state_layout(variables)
+        if layout is not None and given.slices_variables:  # whole slots made by a direct build() call
+            raise ValueError(
+                f"{type(self).__name__} {self.name!r} was built with whole slots (a direct build() call before the "
+                "strategy sharded them); with shard_optimizer_states, let the first update (or Trainer's restore) "
+                "build it."
+            )
+        if layout is None:
+            if given.slices_variables and not self.elementwise_update:
+                raise ValueError(
+                    f"{type(self).__name__} {self.name!r} declares elementwise_update = False (its update reads "
+                    "whole variables: a norm per variable, a factorisation by shape), so its state cannot be sharded "
+                    "into slices of variables. Use MultiWorkerMirroredStrategy(shard_optimizer_states=False) with it."
+                )
+            self._layout = layout = given
+        self._layout_from_strategy = True
+        return layout
+
+    def _layout_for_direct_build(self, variables):
+        if self._layout is None:
+            self._layout = WholeVariables(self._strategy_of(variables))
+        return self._layout
+
+    def _register(self, layout, variables) -> list:
+        """Registers ``variables`` (positions, weight-decay decisions) with their targets; returns the targets."""
+        targets = layout.extend(variables)
+        by_position: dict = {}
+        for target in targets:
+            by_position.setdefault(id(layout.variables[layout.position_of(target)]), []).append(target)
+        for variable in variables:
+            self._built_ids.add(id(variable))
+            self._variables.append(variable)
+            self._weight_decay.decide(variable, by_position.get(id(variable), ()))
+        self._targets.extend(targets)
+        self._target_ids.update(id(t) for t in targets)
+        return targets
 
     def exclude_from_weight_decay(self, var_list=None, var_names=None) -> None:
         """Keeps variables out of ``weight_decay`` (Keras 3's method): call it before the optimizer builds.
@@ -295,35 +396,7 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
                 f"built (it was built for {len(self._variables)} variables by a first update or a checkpoint "
                 "restore): call it right after creating the optimizer."
             )
-        objects = tuple(var_list or ())
-        for item in objects:
-            if not isinstance(item, (ds.Variable, torch.Tensor)):
-                raise TypeError(
-                    f"exclude_from_weight_decay(var_list=...) takes variables or parameters, got "
-                    f"{type(item).__name__} {item!r}; pass names as var_names=[...]."
-                )
-        if isinstance(var_names, str):
-            raise TypeError(f"var_names must be a list of strings, got the string {var_names!r}: write [{var_names!r}]")
-        names = tuple(var_names or ())
-        for name in names:
-            if not isinstance(name, str) or not name:
-                raise TypeError(f"var_names must hold non-empty strings, got {name!r}.")
-        self._decay_exclusions = (objects, names)
-
-    def _excluded_from_decay(self, variable) -> bool:
-        objects, names = self._decay_exclusions
-        if not objects and not names:
-            return False
-        name = getattr(variable, "name", None) or ""
-        if any(part in name for part in names):
-            return True
-        # The variable itself, or one of its copies' tensors (a module's parameter is replica 0's copy).
-        candidates = {id(variable), id(value_container(variable))}
-        for component in local_results(value_container(variable)):
-            candidates.add(id(component))
-            if isinstance(component, ds.Variable):
-                candidates.add(id(component.value()))
-        return any(id(item) in candidates for item in objects)
+        self._weight_decay.exclude(var_list, var_names)
 
     def add_variable_from_reference(self, reference_variable, name: str, initializer="zeros"):
         """A slot variable shaped like ``reference_variable`` and living on its devices.
@@ -332,62 +405,40 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
         tensor``.
         """
         container = value_container(reference_variable)
-        key = (id(container), name)
-        if key in self._slots:
-            return self._slots[key]
+        slot = self._slots.get(container, name)
+        if slot is not None:
+            return slot
         template = local_results(container)[0]
-        shape, dtype = template.shape, template.dtype
-        if initializer == "zeros":
-            value = torch.zeros(shape, dtype=dtype)
-        elif initializer == "ones":
-            value = torch.ones(shape, dtype=dtype)
-        elif callable(initializer):
-            value = torch.as_tensor(initializer(shape, dtype), dtype=dtype)
-        else:
-            value = torch.full(shape, float(initializer), dtype=dtype)
-        if id(container) in self._piece_source:  # sharded optimizer states: this worker's piece only
-            slot = self._piece_slot(container, name, value)
-        else:
-            strategy = getattr(container, "_distribute_strategy", None) or context.get_strategy()
-            with context.enter_or_assert_strategy(strategy), strategy.extended.colocate_vars_with(container):
-                slot = ds.Variable(value, trainable=False, name=f"{container.name}/{name}")
-        self._slots[key] = slot
-        self._slot_names.setdefault(id(container), []).append(name)
-        return slot
-
-    #: Slots ``build`` makes only while a hyper-parameter asks for them (SGD's and RMSprop's ``"momentum"``, made
-    #: once ``momentum`` leaves 0). A loaded state may hold one not made yet (it is made) or lack one that is (it
-    #: starts again at zero), as ``torch.optim`` keeps or lacks a momentum buffer whatever the momentum is.
-    _optional_slots: tuple = ()
+        value = initial_value(initializer, template.shape, template.dtype)
+        layout = self._layout if self._layout is not None else self._layout_for_direct_build([container])
+        return self._slots.add(layout, container, name, value)
 
     def _slots_changed(self) -> None:
         """Says that ``build`` would now make slots it did not make before (SGD's ``momentum`` set above 0 after
         the first update, by ``TorchLRScheduler``): the next update (or ``state_dict()``) makes them for the
-        variables built so far, running ``build`` again for those (``add_variable_from_reference`` returns the
+        targets built so far, running ``build`` again for those (``add_variable_from_reference`` returns the
         slots that exist, so only the new ones are made)."""
         self._slots_outdated = True
 
     def _refresh_slots(self) -> None:
         self._slots_outdated = False
-        if self._variables:
-            built = self._variables if self._shards is None else self._shards.piece_variables  # sharded: the pieces
+        if self._targets:
             with context.enter_or_assert_strategy(self._strategy_of(self._variables)):
-                self.build(list(built))
-            self._plans.clear()  # the multi-tensor groups follow each variable's slot names
+                self.build(list(self._targets))
+            self._plans.clear()  # the multi-tensor groups follow each target's slot names
 
     def get_slot(self, variable, name: str):
         """The slot ``name`` of ``variable``; inside ``update_step``, the copy matching the variable copy."""
         container = value_container(variable)
-        wrapped = self._wrapped.get(id(container))
-        if wrapped is not None and wrapped[0] is container:  # a plain parameter we wrapped
-            container = variable = wrapped[1]
-        try:
-            slot = self._slots[(id(container), name)]
-        except KeyError:
+        known = self._resolver.known(container)
+        if known is not container:  # a plain parameter we wrapped
+            container = variable = known
+        slot = self._slots.get(container, name)
+        if slot is None:
             raise KeyError(
                 f"{type(self).__name__} has no slot {name!r} for variable {getattr(variable, 'name', '?')!r}"
                 "; create it in build() with add_variable_from_reference()."
-            ) from None
+            )
         if variable is container:
             return slot
         index = context.current_mode().update_replica or 0
@@ -396,9 +447,9 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
     @property
     def variables(self) -> list:
         """The optimizer's own variables (``iterations`` and every slot), not the ones it updates."""
-        return [self.iterations] + list(self._slots.values())
+        return [self.iterations] + self._slots.variables()
 
-    # --- the pipeline (steps 1-5 of the module docstring) ------------------------------------
+    # --- the pipeline (steps 1-9 of the module docstring) ------------------------------------
     def apply_gradients(self, grads_and_vars):
         """Applies gradients to variables (the pipeline of the module docstring).
 
@@ -406,122 +457,99 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
         replicas. In cross-replica context (or outside any strategy) they are applied as
         given. Returns ``iterations``.
         """
-        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
-        if not pairs:
-            raise ValueError(
-                "No gradients provided for any variable: every gradient is None. Check that the loss "
-                "depends on the variables and that grad mode is enabled."
-            )
-        grads = [g for g, _ in pairs]
-        raw = [v for _, v in pairs]
-        last = self._last_resolved
-        if last is not None and len(last[0]) == len(raw) and all(map(operator.is_, last[0], raw)):
-            variables = last[1]  # the same variables as the previous call (a training loop): resolved once
-        else:
-            variables = [self._as_variable(v, i) for i, v in enumerate(raw)]
-            self._last_resolved = (raw, variables)
-        ctx = ds.get_replica_context()
+        grads, variables = self._resolver.resolve(grads_and_vars)  # step 1
         in_replica = context.in_replica_function()
-        if self.gradient_accumulation_steps:
-            return self._accumulate(ctx if in_replica else None, grads, variables)
+        ctx = ds.get_replica_context() if in_replica else None
+        window = None
+        if self._accumulation is not None:  # step 2
+            full = self._accumulation.add(ctx, grads, variables, self._strategy_of, self._positions())
+            if full is None:
+                return self.iterations
+            window, grads = full
         if in_replica:
-            return ctx.merge_call(_merge_apply, args=(self, grads, variables))
+            return ctx.merge_call(_merge_update, args=(self, grads, variables, window))
         strategy = self._strategy_of(variables)
+        reduced = window is None or window.aggregated
         if context.get_strategy() is strategy:
-            return self._apply_aggregated(strategy, grads, variables)
+            return self._update(strategy, grads, variables, window, reduced)
         with context.enter_or_assert_strategy(strategy):
-            return self._apply_aggregated(strategy, grads, variables)
+            return self._update(strategy, grads, variables, window, reduced)
 
-    def _reduce_and_apply(self, strategy, grads, variables, divisor=None):
-        """Step 2 in cross-replica context: one batched SUM of every gradient, then steps 3-5.
-
-        A gradient that is the very same object on every replica counts once per replica.
-        """
-        count = strategy.cluster.num_local_replicas  # the components of this worker
-        grads = [g if isinstance(g, ds.DistributedValues) else ds.PerReplica([g] * count) for g in grads]
-        shards = self._sharded_build(strategy, variables)
-        if shards is not None:  # a reduce-scatter: this worker's part of every gradient
-            chunks, buffers = strategy.extended.reduce_scatter_gradients(shards, grads)
-            return self._apply_sharded(strategy, shards, shards.piece_views(chunks), divisor, buffers)
-        reduced = strategy.extended.batch_reduce_to(ds.ReduceOp.SUM, list(zip(grads, variables)))
-        return self._apply_aggregated(strategy, reduced, variables, divisor=divisor)
-
-    def _apply_aggregated(self, strategy, grads, variables, divisor=None):
-        """Cross-replica part: build, transform, update, count. ``grads`` are aggregated
-        (an accumulation window's sums, to be divided by ``divisor``)."""
-        shards = self._sharded_build(strategy, variables)
-        if shards is not None:  # reduced already: this worker's slices of them
-            whole = [g if type(g) is torch.Tensor else _first_tensor(g) for g in grads]
-            return self._apply_sharded(strategy, shards, shards.slices(whole), divisor=divisor)
-        self._build_for(variables)
-        plain = all(type(g) is torch.Tensor for g in grads)  # one copy each (the default strategy)
-        primaries = grads if plain else [_first_tensor(g) for g in grads]
-        prepared = self._prepared(primaries, self._divisor(strategy, divisor))
-        if prepared is None:  # a gradient stage skipped it (a loss scaler's infinities or NaNs): counted
-            self._count()
-            return self.iterations
-        transformed = self._transform(prepared, variables)
-        if transformed is not primaries:  # one value per variable now: each copy gets it below
-            grads, plain = transformed, True
-        # Gradients given once for a variable with several copies go to every copy.
-        spread = not (plain and all(type(v) is ds.LocalVariable for v in variables))
+    def _update(self, strategy, grads, variables, window=None, reduced: bool = False):
+        """Steps 3-9 in cross-replica context, once per update: ``grads`` are per replica (``reduced=False``:
+        summed here) or reduced already; ``window``: the accumulation window they are the sums of."""
+        if window is not None and self._accumulation.window is window:
+            self._accumulation.close()
+        if not reduced:  # a gradient that is the very same object on every replica counts once per replica
+            count = strategy.cluster.num_local_replicas  # the components of this worker
+            grads = [g if isinstance(g, ds.DistributedValues) else ds.PerReplica([g] * count) for g in grads]
+        layout = self._build(strategy, variables)  # step 4 (the layout first: a reduce-scatter needs its slices)
+        if self._pending is not None and self._pending.checked != len(self._variables):
+            self._restore_pending()
+        gradients = layout.take(grads, variables) if reduced else layout.reduce(grads, variables)  # step 3
+        divisor = self._divisor(strategy, window.weight if window is not None else None)
+        if divisor is not None:  # step 5
+            gradients.replace(stages.divide(gradients.values, divisor))
+        for stage in self._gradient_pipeline():  # step 6
+            values = stage(gradients.values, layout)
+            if values is None:  # skipped (a loss scaler's infinities or NaNs, agreed by every worker): counted
+                self._count()
+                return self.iterations
+            gradients.replace(values)
         learning_rate = self._current_learning_rate()
         self._prepare_step(learning_rate)
-        ema = self._ema_step()
-        if self._takes_multi_tensor_path():
-            if spread:
-                grads = [_per_copy(strategy, g, v) for g, v in zip(grads, variables)]
-            self._apply_multi_tensor(grads, variables, learning_rate, ema)
-            strategy.extended.after_direct_update(variables)
-        else:
-            if spread and plain:
-                grads = [_per_copy(strategy, g, v) for g, v in zip(grads, variables)]
-            decay, no_decay = self.weight_decay, self._no_decay
-            for grad, variable in zip(grads, variables):
-                strategy.extended.update(
-                    variable,
-                    self._update_component,
-                    args=(grad, learning_rate, None if id(variable) in no_decay else decay, ema),
-                    group=False,
-                )
-        self._count()
+        ema = self._averages.step(self.updates_so_far()) if self._averages is not None else None
+        if layout.refresh():  # a variable's memory moved (``param.data = ...``): what holds its tensors follows
+            self._plans.clear()
+            self._targets_moved(layout)
+        direct = self._update_rule(layout, gradients, variables, learning_rate, ema)  # step 7
+        layout.finish(gradients, variables, direct)  # step 8
+        self._count()  # step 9
         return self.iterations
 
-    def _prepared(self, grads: list, divisor) -> list | None:
-        """The aggregated gradients divided by ``divisor`` (an accumulation window's weight, or the gradient
-        denominator's total: a tensor), then through each gradient stage (a ``LossScaleOptimizer``'s
-        unscaling); ``None`` when a stage skips the step (non-finite values)."""
-        if isinstance(divisor, torch.Tensor):  # one factor for every gradient, one kernel per device
-            with _no_grad():
-                factor = divisor.reciprocal().to(torch.float32)
-                by_device: dict = {}
-                for index, grad in enumerate(grads):
-                    by_device.setdefault(grad.device, []).append(index)
-                scaled = list(grads)
-                for device, indices in by_device.items():
-                    on_device = factor.to(device)
-                    for index, value in zip(indices, foreach.mul([grads[i] for i in indices], on_device)):
-                        scaled[index] = value
-                grads = scaled
-        elif divisor is not None and divisor != 1:
-            with _no_grad():
-                grads = foreach.div(grads, float(divisor))
-        for stage in self._gradient_stages.values():
-            if (grads := stage(grads)) is None:
-                return None
-        return grads
+    def _gradient_pipeline(self) -> list:
+        """The gradient stages of step 6, in order: those installed (a loss scaler's), then clipping."""
+        stages_ = list(self._gradient_stages.values())
+        if self._clipping is not None:
+            stages_.append(self._clipping)
+        return stages_
 
-    # Step 3, on the aggregated gradient (computed once, whatever the number of copies).
-    def _transform(self, grads: list, variables: list) -> list:
-        if self.clipvalue is not None:
-            return [g.clamp(-self.clipvalue, self.clipvalue) for g in grads]
-        if self.clipnorm is not None:
-            return [g * (self.clipnorm / torch.clamp(torch.linalg.vector_norm(g), min=self.clipnorm)) for g in grads]
-        if self.global_clipnorm is not None:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-            scale = self.global_clipnorm / torch.clamp(norm, min=self.global_clipnorm)
-            return [g * scale for g in grads]
-        return grads
+    def _update_rule(self, layout, gradients, variables, learning_rate: float, ema) -> bool:
+        """Step 7 for the targets of ``variables``: decay, the rule, the moving average; whether the copies'
+        tensors were written directly (the multi-tensor path) rather than through ``layout.update``."""
+        targets = layout.targets_of(variables)
+        per_copy = gradients.copies if gradients.copies is not None else layout.per_copy(gradients.values, variables)
+        if self._takes_multi_tensor_path():
+            self._plans.run(self, per_copy, targets, learning_rate, ema)
+            return True
+        for grad, target in zip(per_copy, targets):
+            rate = self._weight_decay.rate_for(target)
+            layout.update(target, self._update_component, (grad, learning_rate, rate, ema))
+        return False
+
+    def _update_component(self, variable, gradient, learning_rate, decay=None, ema=None):
+        """One copy's update: decay, ``update_step``, then its moving average (the per-variable path)."""
+        with torch.no_grad():
+            if decay:
+                self._weight_decay.apply(variable, decay, learning_rate)
+            self.update_step(gradient, variable, learning_rate)
+            if ema is not None:  # lists of one: the rule is written once (ema.move_averages)
+                move_averages([self.get_slot(variable, "average").value()], [variable.value()], ema)
+
+    def _targets_moved(self, layout) -> None:
+        """The targets view other memory now (``StateLayout.refresh``): what holds their tensors follows."""
+
+    def _takes_multi_tensor_path(self) -> bool:
+        """Whether updates run as plans: the class says so and implements ``_update_many``."""
+        return self._multi_tensor and type(self)._update_many is not Optimizer._update_many
+
+    def _update_many(self, params: list, grads: list, slots: dict, learning_rate: float) -> None:
+        """Built-ins: updates lists of same-device, same-dtype tensors (slots: name -> list)."""
+        raise NotImplementedError
+
+    def _divisor(self, strategy, window_weight):
+        """Step 5's divisor: the window's weight, or the gradient denominator's total (``stages.divisor``)."""
+        return stages.divisor(strategy, window_weight, self._gradient_denominator)
 
     def _prepare_step(self, learning_rate: float) -> None:
         """Computes per-apply constants once (before any variable is updated)."""
@@ -531,15 +559,6 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
         raise NotImplementedError(
             f"{type(self).__name__} must implement update_step(gradient, variable, learning_rate)."
         )
-
-    def _update_component(self, variable, gradient, learning_rate, decay=None, ema=None):
-        """One copy's update: decay, ``update_step``, then its moving average (the per-variable path)."""
-        with torch.no_grad():
-            if decay:
-                variable.assign_sub(variable.value() * (decay * learning_rate))
-            self.update_step(gradient, variable, learning_rate)
-            if ema is not None:  # lists of one: the rule is written once (ema.move_averages)
-                move_averages([self.get_slot(variable, "average").value()], [variable.value()], ema)
 
     def _count(self) -> None:
         """``iterations += 1`` for one update (or a skipped loss-scaled step), the host copy too."""
@@ -567,6 +586,253 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
         self._known_updates = (*key, count)
         return count
 
+    # --- gradient accumulation (accumulation.py) -------------------------------------------------------
+    @property
+    def step_weight(self) -> float:
+        """The weight of the next accumulated step.
+
+        Its gradients enter the window multiplied by it, and a window's sums are divided by its steps'
+        total weight.
+
+        1 by default, every step alike (Keras' mean of the N gradients). ``Trainer.fit`` sets it to
+        each step's global batch size while it accumulates (a window then equals one step on its
+        batches together, partial batches included), and back to 1 at its end.
+
+        Example::
+
+            optimizer = optimizers.SGD(0.1, gradient_accumulation_steps=4)
+            for x, y in batches:
+                optimizer.step_weight = float(len(x))   # each step weighs its examples
+                strategy.run(step, args=(x, y))
+            optimizer.apply_accumulated_gradients()
+        """
+        return self._accumulation.step_weight if self._accumulation is not None else self._free_step_weight
+
+    @step_weight.setter
+    def step_weight(self, value: float) -> None:
+        if self._accumulation is not None:
+            self._accumulation.step_weight = value
+        else:
+            self._free_step_weight = value
+
+    _free_step_weight = 1.0  # (an optimizer that does not accumulate keeps the value it is given)
+
+    @property
+    def gradient_denominator(self) -> GradientDenominator | None:
+        """Where an update's divisor comes from when it is not known before backward.
+
+        ``None`` (default), or a ``GradientDenominator(step_value, prescale)``. When set, each update
+        divides the reduced gradients (an accumulation window's weighted sums) by ``total / prescale``
+        instead of by the window's weight, where ``total`` is the global total of the step value
+        ``step_value`` (``strategy.cluster.add_to_step``) since the previous update: it rides with the
+        update's own gradient reduction, so it costs no collective. A total of 0 (nothing to learn from, e.g. every
+        token padding) leaves the gradients as they are, which are then zeros.
+
+        ``Trainer.fit`` sets it for element-level losses (the count of real tokens or pixels of the
+        global batch, known only after every worker has seen its rows) and clears it at the end.
+
+        Every worker must add the step value at every step, of one kind (here integer counts; ``0`` where a
+        replica has no rows). Example (a loop of one's own: the mean over real tokens of the global batch)::
+
+            optimizer.gradient_denominator = optimizers.GradientDenominator("tokens", prescale=1.0)
+
+            def step(x, y):
+                losses = F.cross_entropy(model(x).transpose(1, 2), y, reduction="none")  # 0 where y == -100
+                strategy.cluster.add_to_step("tokens", (y != -100).sum())
+                grads = torch.autograd.grad(losses.sum(), params)  # the sum: divided after the reduction
+                optimizer.apply_gradients(zip(grads, params))
+
+            strategy.run(step, args=(x, y))
+        """
+        return self._gradient_denominator
+
+    @gradient_denominator.setter
+    def gradient_denominator(self, value) -> None:
+        if value is not None and not isinstance(value, GradientDenominator):
+            raise TypeError(
+                f"gradient_denominator must be None or a GradientDenominator(step_value, prescale), got {value!r}."
+            )
+        self._gradient_denominator = value
+
+    @property
+    def accumulated_steps(self) -> int:
+        """Steps in the open accumulation window, not applied yet (0 without one).
+
+        Example::
+
+            optimizer = SGD(0.1, gradient_accumulation_steps=4)
+            ...                                   # 6 steps: one update, then 2 steps
+            optimizer.accumulated_steps           # 2
+        """
+        return self._accumulation.count if self._accumulation is not None else 0
+
+    def apply_accumulated_gradients(self):
+        """Applies the open accumulation window now, however many steps it holds (cross-replica context).
+
+        ``Trainer.fit`` calls it at the end of every epoch, so no step is ever dropped; call it
+        at the end of a loop of one's own. Nothing happens without an open window (and
+        without ``gradient_accumulation_steps``). Every worker must call it (the window's
+        reduction is a collective). Returns ``iterations``.
+
+        Example::
+
+            optimizer = optimizers.SGD(0.1, gradient_accumulation_steps=4)
+            for x, y in batches:                       # 10 batches: updates after 4, 8
+                strategy.run(step, args=(x, y))
+            optimizer.apply_accumulated_gradients()  # ... and the last 2
+        """
+        accumulation = self._accumulation
+        window = None if accumulation is None else accumulation.ready_to_apply(self._strategy_of, self._positions())
+        if window is None:
+            return self.iterations
+        if context.in_replica_function():
+            raise RuntimeError(
+                "apply_accumulated_gradients() must be called in cross-replica context (outside strategy.run()): "
+                "it reduces every replica's window at once."
+            )
+        strategy = self._strategy_of(window.variables)
+        with context.enter_or_assert_strategy(strategy):
+            if window.aggregated:
+                return self._update(strategy, window.sums[0], window.variables, window, reduced=True)
+            replicas = sorted(window.sums)
+            grads = [ds.PerReplica([window.sums[r][i] for r in replicas]) for i in range(len(window.variables))]
+            return self._update(strategy, grads, window.variables, window)
+
+    # --- moving averages (ema.py) ---------------------------------------------------------------------
+    def finalize_variable_values(self, var_list) -> None:
+        """Keras 3's end-of-training hook: with ``use_ema``, writes each variable's moving average into it.
+
+        ``var_list``: variables or a module's parameters (``model.parameters()``); those the
+        optimizer keeps no average for (never updated by it) are left as they are. Every copy
+        of a variable gets its own copy's average (``extended.update``), so copies stay equal;
+        under ``MultiWorkerMirroredStrategy`` every worker calls it (no communication, except with
+        ``shard_optimizer_states``: the averages are gathered from every worker's part then). Without
+        ``use_ema`` it does nothing. ``Trainer.fit`` calls it at its end, before ``on_train_end``
+        (as Keras' ``fit`` does), so the model holds the averages after training.
+
+        Example::
+
+            optimizer = optimizers.Adam(1e-3, use_ema=True)
+            ...                                       # a training loop of one's own
+            optimizer.finalize_variable_values(model.parameters())
+        """
+        if self._averages is None:
+            return
+        variables = self._averaged(var_list)
+        if variables:
+            self._averages.write(variables, self._layout, self._average_slot)
+
+    @contextlib.contextmanager
+    def averaged_weights(self, var_list=None):
+        """Inside the block the variables hold their moving averages; after it, their trained values again.
+
+        The callback-free way to evaluate (or save) with the averages in the middle of
+        training. ``var_list`` defaults to every variable the optimizer updates; needs
+        ``use_ema=True``. Call it in cross-replica context (outside ``strategy.run``).
+
+        Example::
+
+            with optimizer.averaged_weights():
+                val_logs = trainer.evaluate(model, (x_val, y_val), batch_size=256, return_dict=True)
+        """
+        self.swap_in_averages(var_list, "averaged_weights()")
+        try:
+            yield
+        finally:
+            self.swap_out_averages()
+
+    @property
+    def averages_swapped_in(self) -> bool:
+        """Whether the variables hold their moving averages now.
+
+        True when swapped in by ``swap_in_averages`` (or ``averaged_weights``) and not swapped out or
+        kept since.
+
+        Example::
+
+            if not optimizer.averages_swapped_in:
+                optimizer.swap_in_averages()
+        """
+        return self._averages is not None and self._averages.swapped is not None
+
+    def swap_in_averages(self, var_list=None, caller: str = "swap_in_averages()") -> None:
+        """Writes the moving averages into the variables, keeping their trained values for ``swap_out_averages``.
+
+        ``averaged_weights`` for code whose start and end are apart (``SwapEMAWeights``' swap from
+        ``on_test_begin`` to ``on_test_end``). ``var_list`` defaults to every variable the optimizer
+        updates; ``caller`` names the caller in the errors: ``ValueError`` without ``use_ema``,
+        ``RuntimeError`` while the averages are swapped in already. Call it in cross-replica context
+        (outside ``strategy.run``).
+
+        Example::
+
+            optimizer.swap_in_averages()
+            try:
+                trainer.evaluate(model, (x_val, y_val), batch_size=256)
+            finally:
+                optimizer.swap_out_averages()
+        """
+        if self._averages is None:
+            raise ValueError(
+                f"{caller} needs an optimizer with use_ema=True; {type(self).__name__} {self.name!r} keeps no "
+                "moving averages."
+            )
+        if self._averages.swapped is not None:
+            raise RuntimeError(f"{caller}: the averages are swapped in already (averaged_weights() do not nest).")
+        variables = self._averaged(self._variables if var_list is None else var_list)
+        layout = self._layout if self._layout is not None else WholeVariables(context.get_strategy())  # nothing built
+        self._averages.swap_in(variables, layout, self._average_slot, caller)
+
+    def swap_out_averages(self) -> None:
+        """Puts back the trained values ``swap_in_averages`` kept (nothing when nothing is swapped in).
+
+        Example::
+
+            optimizer.swap_out_averages()   # at the next epoch's start: training continues from the trained values
+        """
+        if self._averages is not None:
+            self._averages.swap_out(self._strategy_of)
+
+    def keep_averages(self) -> None:
+        """Ends a swap without putting the trained values back: the averages stay in the variables.
+
+        For a swap that training's end makes final (``fit`` writes the averages into the model then,
+        ``finalize_variable_values``). Nothing happens when nothing is swapped in.
+
+        Example::
+
+            optimizer.swap_in_averages()
+            optimizer.keep_averages()   # the model keeps the averages; swap_out_averages() has nothing to put back
+        """
+        if self._averages is not None:
+            self._averages.swapped = None
+
+    def trained_values(self) -> dict:
+        """``{id(variable): its first copy's trained value}`` while the averages are swapped in, else ``{}``.
+
+        What a backup of the model must hold instead of the averages the variables hold then (a
+        resumed run trains on from the trained values).
+
+        Example::
+
+            with optimizer.averaged_weights():
+                trained = optimizer.trained_values()   # {id(variable): tensor}, the values training left
+        """
+        return self._averages.trained_values() if self._averages is not None else {}
+
+    def _averaged(self, var_list) -> list:
+        """The containers of ``var_list`` the optimizer was built for (each has an average), each once, in order."""
+        found, seen = [], set()
+        for item in var_list:
+            container = self._resolver.known(item)
+            if id(container) in self._built_ids and id(container) not in seen:
+                seen.add(id(container))
+                found.append(container)
+        return found
+
+    def _average_slot(self, target):
+        return self._slots.of(target, "average")
+
     # --- around the pipeline: other entry points, and the variables it is given ------------------
     def scale_loss(self, loss):
         """The loss to differentiate: ``loss`` itself (a ``LossScaleOptimizer`` multiplies it by its scale)."""
@@ -590,61 +856,11 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
         return self.apply_gradients(zip(grads, var_list))
 
     def _strategy_of(self, variables):
-        owner = getattr(variables[0], "_distribute_strategy", None)
+        owner = variables[0].distribute_strategy if isinstance(variables[0], ds.Variable) else None
         return owner if owner is not None else context.get_strategy()
 
-    def _as_variable(self, variable, position: int):
-        entry = self._wrapped.get(id(variable))
-        if entry is not None and entry[0] is variable:
-            return entry[1]
-        if isinstance(variable, ds.Variable):
-            return value_container(variable)
-        if not isinstance(variable, torch.Tensor):
-            raise TypeError(f"apply_gradients() needs variables or tensors, got {type(variable).__name__}.")
-        container = value_container(variable)
-        if container is not variable:
-            return container
-        if entry is None or entry[0] is not variable:
-            name = f"variable_{len(self._wrapped)}"
-            entry = (
-                variable,
-                ds.LocalVariable(variable, name=name, device=canonicalize(variable.device), trainable=True),
-            )
-            self._wrapped[id(variable)] = entry
-        return entry[1]
-
-    def _sharded_build(self, strategy, variables):
-        """The ``StateShards`` of ``variables`` when the strategy shards optimizer states (the optimizer built
-        for their pieces, a loaded state restored), else ``None``."""
-        if self._shards is None and getattr(strategy.extended, "shard_optimizer_states", False) is False:
-            return None
-        shards = self._shards_for(strategy, variables)
-        if shards is not None:
-            self._build_for(variables)
-        return shards
-
-    def _build_for(self, variables) -> None:
-        """Builds for the variables not built for yet (``_build_missing``), then restores what a loaded state
-        holds for them."""
-        self._build_missing(variables)
-        # A loaded state waits for its variables (built here, or by a direct build() call).
-        if self._pending is not None and self._pending.checked != len(self._variables):
-            self._restore_pending()
-
-    def _build_missing(self, variables) -> None:
-        """Builds for the variables not built for yet: for their pieces where the strategy shards the optimizer
-        state (``Trainer`` calls it before it loads a state, which is then checked against them)."""
-        if self._slots_outdated:
-            self._refresh_slots()
-        missing = [v for v in variables if id(v) not in self._built_ids]
-        if missing:
-            strategy = self._strategy_of(missing)
-            shards = self._shards_for(strategy, variables) if len(missing) == len(variables) else None
-            if shards is not None:
-                self._build_sharded(strategy, shards)
-            else:
-                with context.enter_or_assert_strategy(strategy):
-                    self.build(missing)
+    def _positions(self) -> dict:
+        return {id(v): i for i, v in enumerate(self._variables)}
 
     # --- configuration and state --------------------------------------------------------------
     def get_config(self) -> dict:
@@ -657,18 +873,7 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
                 "An optimizer whose learning_rate is a plain callable cannot be serialized; use a "
                 "schedules.LearningRateSchedule."
             )
-        return {
-            "name": self.name,
-            "learning_rate": rate,
-            "weight_decay": self.weight_decay,
-            "clipnorm": self.clipnorm,
-            "clipvalue": self.clipvalue,
-            "global_clipnorm": self.global_clipnorm,
-            "use_ema": self.use_ema,
-            "ema_momentum": self.ema_momentum,
-            "ema_overwrite_frequency": self.ema_overwrite_frequency,
-            "gradient_accumulation_steps": self.gradient_accumulation_steps,
-        }
+        return {"name": self.name, "learning_rate": rate} | {name: getattr(self, name) for name in SHARED_ARGUMENTS}
 
     @classmethod
     def from_config(cls, config: dict):
@@ -689,7 +894,8 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
         tensor}}, "learning_rate": float}``: the entry at position ``i`` belongs to the ``i``-th
         variable the optimizer was built for, and ``variables`` keeps names and shapes as a
         check (the layout is described in ``replicafit.optimizers.state``). The tensors are
-        aggregated copies (a snapshot), the same under every strategy. Entries loaded by
+        aggregated copies (a snapshot), the same under every strategy (where each worker holds
+        slices of the state, they are gathered from every worker: a collective). Entries loaded by
         ``load_state_dict`` for variables not built yet are included as they were loaded.
 
         Example::
@@ -697,34 +903,14 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
             state = optimizer.state_dict()
             state["slots"][0]["momentum"]          # the first variable's momentum
         """
-        if self._slots_outdated:
-            self._refresh_slots()
-        if self._pending is not None and self._pending.checked != len(self._variables):
-            self._restore_pending()  # variables built by a direct build() call since the load
-        if self._window is not None:  # a first window opens before the first update builds
-            self._build_for(self._window.variables)
+        state_format.prepare(self)
         records = state_format.describe(self._variables)
-        slots: dict = {}
-        if self._shards is not None:  # gathered from every worker's pieces
-            slots = self._whole_slots()
-        for position, variable in enumerate(self._variables if self._shards is None else ()):
-            slots[position] = {
-                name: local_results(self._slots[(id(variable), name)])[0].value().detach().clone()
-                for name in self._slot_names.get(id(variable), [])
-            }
-        pending = self._pending
-        if pending is not None and pending.records is None and not self._variables:
-            slots = {name: dict(entry) for name, entry in pending.entries.items()}  # name-keyed, as loaded
-            records = None
-        elif pending is not None and pending.records:
-            for position in range(len(records), len(pending.records)):
-                records.append(dict(pending.records[position]))
-                if position in pending.entries:
-                    slots[position] = dict(pending.entries[position])
+        slots = state_format.whole_slots(self)
+        records, slots = state_format.with_pending(self._pending, records, slots, bool(self._variables))
         state = {"iterations": int(self.iterations), "slots": slots}
         if records is not None:
             state["variables"] = records
-        self._add_window_state(state)
+        window_state(self, state)
         if not callable(self._learning_rate):  # a rate set by a callback must survive a restore
             state["learning_rate"] = float(self._learning_rate)
         return state
@@ -746,13 +932,14 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
             learning_rate = state_format.check_learning_rate(learning_rate, "learning_rate (in the optimizer state)")
         else:
             learning_rate = None
-        taken, assignments = self._plan_restore(pending)  # every check before any change
-        window = self._checked_window_state(state)
+        taken, assignments = state_format.plan_restore(self, pending)  # every check before any change
+        window = checked_window_state(self, state)
         self.iterations.assign(iterations)
-        self._load_window_state(window)
+        if self._accumulation is not None:
+            self._accumulation.load(window, self._variables)
         if learning_rate is not None:
             self.learning_rate = learning_rate
-        _assign_all(assignments)
+        state_format.assign_all(assignments)
         pending.discard(taken, self._variables)
         self._pending = None if pending.done(len(self._variables)) else pending
 
@@ -760,74 +947,31 @@ class Optimizer(GradientAccumulation, MovingAverages, MultiTensorUpdates, Sharde
         """Restores the loaded entries of variables built since ``load_state_dict``."""
         if not self._variables:
             return
-        taken, assignments = self._plan_restore(self._pending)
-        _assign_all(assignments)
+        taken, assignments = state_format.plan_restore(self, self._pending)
+        state_format.assign_all(assignments)
         self._pending.discard(taken, self._variables)
         if self._pending.done(len(self._variables)):
             self._pending = None
-
-    def _plan_restore(self, pending) -> tuple:
-        """``(entries taken, [(slot, value)])`` for the built variables; ``ValueError`` if they do not fit."""
-        if not self._variables:
-            return {}, []
-        taken = pending.match(self._variables)
-        assignments = []
-        for position, entry in taken.items():
-            variable = self._variables[position]
-            names = self._slot_names.get(id(variable), []) if self._shards is None else self._piece_names(position)
-            if names is None:  # sharded, and this worker owns no piece at all: nothing here to check or keep
-                continue
-            entry = _with_average(entry, names, variable)
-            if (set(entry) ^ set(names)) - set(self._optional_slots):
-                raise ValueError(
-                    f"The optimizer state's variable {position} ({variable.name!r}) has slots {sorted(entry)}, but "
-                    f"{type(self).__name__} {self.name!r} keeps {sorted(names)} for it: the state was saved by "
-                    "another optimizer or with other options."
-                )
-            expected = list(local_results(variable)[0].shape)
-            for name in [*names, *(n for n in entry if n not in names)]:
-                key = (id(variable), name)
-                if self._shards is not None:  # this worker's pieces of the whole value
-                    slot = ShardedSlot(self, position, name)
-                else:
-                    slot = self._slots[key] if key in self._slots else _NewSlot(self, variable, name)
-                if name not in entry:  # an optional slot the state lacks starts again
-                    assignments.append((slot, torch.zeros(expected, dtype=local_results(variable)[0].dtype)))
-                    continue
-                value = entry[name]
-                if not isinstance(value, torch.Tensor) or list(value.shape) != expected:
-                    found = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-                    raise ValueError(
-                        f"The optimizer state's slot {name!r} of variable {position} ({variable.name!r}) must be a "
-                        f"tensor of shape {expected}, got {found}."
-                    )
-                assignments.append((slot, value))
-        return taken, assignments
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, learning_rate={self._learning_rate!r})"
 
 
-class _NewSlot:
-    """An optional slot a loaded state holds and the optimizer has not made yet: made only once every check
-    has passed (``_assign_all``)."""
-
-    def __init__(self, optimizer, variable, name: str):
-        self.optimizer, self.variable, self.name = optimizer, variable, name
-
-    def make(self):
-        self.optimizer._plans.clear()  # the multi-tensor groups follow each variable's slot names
-        return self.optimizer.add_variable_from_reference(self.variable, self.name)
+#: The keyword arguments every optimizer shares: ``Optimizer``'s, besides ``learning_rate`` and ``name``, read
+#: from its signature (the one place they are spelt), for ``get_config`` and ``from_torch``.
+SHARED_ARGUMENTS = tuple(
+    name for name in inspect.signature(Optimizer.__init__).parameters if name not in ("self", "learning_rate", "name")
+)
 
 
-def _assign_all(assignments) -> None:
-    """Writes loaded values into slot variables (every copy of each), making the optional ones a state brings."""
-    for slot, value in assignments:
-        if isinstance(slot, _NewSlot):
-            slot = slot.make()
-        strategy = getattr(slot, "_distribute_strategy", None) or context.get_strategy()
-        with context.enter_or_assert_strategy(strategy):
-            slot.assign(value)
+def _clip(optimizer, kind, attribute):
+    """The clipping stage's setting where it is of ``kind``, else ``None``."""
+    stage = optimizer._clipping
+    return getattr(stage, attribute) if isinstance(stage, kind) else None
+
+
+def _is_target(optimizer, variable) -> bool:
+    return id(variable) in optimizer._target_ids
 
 
 def _counter_key(iterations) -> tuple:
@@ -849,16 +993,6 @@ def _count_update(iterations) -> None:
     iterations.assign_add(1)
 
 
-def _per_copy(strategy, grad, variable):
-    if (
-        type(variable) is ds.LocalVariable
-        or isinstance(grad, ds.DistributedValues)
-        or len(local_results(variable)) == 1
-    ):
-        return grad
-    return strategy.extended.broadcast_to(grad, variable)
-
-
-def _merge_apply(strategy, optimizer, grads, variables):
-    """merge_fn of a replica-context apply: the optimizer's ``_reduce_and_apply``, once."""
-    return optimizer._reduce_and_apply(strategy, grads, variables)
+def _merge_update(strategy, optimizer, grads, variables, window):
+    """merge_fn of a replica-context apply: steps 3-9, once (``grads`` per replica)."""
+    return optimizer._update(strategy, grads, variables, window)

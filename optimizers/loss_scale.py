@@ -51,9 +51,10 @@ import torch
 from replicafit.strategies import foreach
 
 from .base import Optimizer
+from .stages import GradientStage
 from .tensors import _no_grad
 
-__all__ = ["LossScaleOptimizer"]
+__all__ = ["DynamicLossScale", "LossScaleOptimizer"]
 
 _STAGE = "loss_scale"  # the name of the scaler's stage in the inner optimizer's pipeline
 
@@ -68,6 +69,51 @@ def _inner(name: str, settable: bool = False) -> property:
         setattr(self.inner_optimizer, name, value)
 
     return property(get, set_ if settable else None, doc=f"The inner optimizer's ``{name}``.")
+
+
+class DynamicLossScale(GradientStage):
+    """The loss scaler's stage of the inner optimizer's pipeline (optax's ``apply_if_finite`` with Keras 3's
+    dynamic scale): the reduced, still scaled gradients unscaled, or ``None`` (the update skipped, the scale
+    halved) when any value is infinite or NaN; after ``growth_steps`` finite steps in a row the scale doubles.
+    Runs once per update, in cross-replica context.
+
+    Example::
+
+        stage = DynamicLossScale(2.0**15, growth_steps=2000)
+        grads = stage(grads, layout)   # None: skip this update
+    """
+
+    name = _STAGE
+
+    def __init__(self, initial_scale: float, growth_steps: int):
+        self.scale = initial_scale
+        self.step_counter = 0
+        self.growth_steps = growth_steps
+
+    def __call__(self, grads: list, layout) -> list | None:
+        with _no_grad():
+            unscaled = foreach.div(grads, self.scale)
+            # An infinity or NaN anywhere makes its tensor's L2 norm non-finite (one fused kernel,
+            # 6x faster here than the max-norm); so does a norm beyond float32's range, an update no
+            # one wants applied either.
+            wide = [g if g.dtype in (torch.float32, torch.float64) else g.float() for g in unscaled]
+            norms = foreach.norm(wide, ord=2)
+            finite = all(bool(torch.isfinite(torch.stack(group)).all()) for group in _by_device(norms))
+            # Where each worker holds a part of the gradients (sharded states), every worker must agree.
+            finite = layout.all_agree(finite, "the loss scaler's finite check")
+            if not finite:
+                self.scale /= 2.0
+                self.step_counter = 0
+                return None
+        if self.step_counter == self.growth_steps - 1:
+            self.step_counter = 0
+            self.scale *= 2.0
+        else:
+            self.step_counter += 1
+        return unscaled
+
+    def __repr__(self) -> str:
+        return f"DynamicLossScale(scale={self.scale!r}, step_counter={self.step_counter!r})"
 
 
 class LossScaleOptimizer(Optimizer):
@@ -106,10 +152,9 @@ class LossScaleOptimizer(Optimizer):
         self.initial_scale = float(initial_scale)
         self.dynamic_growth_steps = dynamic_growth_steps
         self.name = name or "loss_scale_optimizer"
-        self._scale = self.initial_scale
-        self._step_counter = 0
-        # The scaler is a stage of the inner optimizer's pipeline, between the reduction and the transforms.
-        inner_optimizer._gradient_stages[_STAGE] = self._unscale_or_skip
+        self._loss_scale = DynamicLossScale(self.initial_scale, dynamic_growth_steps)
+        # The scaler is a stage of the inner optimizer's pipeline, after the reduction, before clipping.
+        inner_optimizer._gradient_stages[_STAGE] = self._loss_scale
 
     def __getattr__(self, name):
         # What the scaler does not define is the inner optimizer's (slots, plans, build state).
@@ -121,40 +166,16 @@ class LossScaleOptimizer(Optimizer):
     @property
     def dynamic_scale(self) -> float:
         """The current loss scale."""
-        return self._scale
+        return self._loss_scale.scale
 
     @property
     def step_counter(self) -> int:
         """Finite steps since the scale last changed."""
-        return self._step_counter
+        return self._loss_scale.step_counter
 
     def scale_loss(self, loss):
         """``loss * dynamic_scale``: differentiate this, and give the gradients to ``apply_gradients``."""
-        return loss * self._scale
-
-    def _unscale_or_skip(self, grads: list) -> list | None:
-        """The scaler's stage: the reduced (still scaled) gradients unscaled, or ``None`` (and the scale
-        halved) when any value is infinite or NaN. Runs once per update, in cross-replica context."""
-        with _no_grad():
-            unscaled = foreach.div(grads, self._scale)
-            # An infinity or NaN anywhere makes its tensor's L2 norm non-finite (one fused kernel,
-            # 6x faster here than the max-norm); so does a norm beyond float32's range, an update no
-            # one wants applied either.
-            wide = [g if g.dtype in (torch.float32, torch.float64) else g.float() for g in unscaled]
-            norms = foreach.norm(wide, ord=2)
-            finite = all(bool(torch.isfinite(torch.stack(group)).all()) for group in _by_device(norms))
-            # With sharded optimizer states each worker holds a part of the gradients: every worker must agree.
-            finite = self.inner_optimizer._agreed(finite, "the loss scaler's finite check")
-            if not finite:
-                self._scale /= 2.0
-                self._step_counter = 0
-                return None
-        if self._step_counter == self.dynamic_growth_steps - 1:
-            self._step_counter = 0
-            self._scale *= 2.0
-        else:
-            self._step_counter += 1
-        return unscaled
+        return loss * self._loss_scale.scale
 
     # --- the inner optimizer's pipeline ----------------------------------------------------------
     def apply_gradients(self, grads_and_vars):
@@ -176,8 +197,8 @@ class LossScaleOptimizer(Optimizer):
     def build(self, variables) -> None:
         self.inner_optimizer.build(variables)
 
-    def _build_missing(self, variables) -> None:
-        self.inner_optimizer._build_missing(variables)
+    def build_for(self, variables) -> None:
+        self.inner_optimizer.build_for(variables)
 
     # The inner optimizer keeps the exclusions and the averages: methods inherited from Optimizer would
     # set their state on this wrapper instead (``__getattr__`` only forwards what is missing).
@@ -221,8 +242,9 @@ class LossScaleOptimizer(Optimizer):
     # --- state and configuration ------------------------------------------------------------
     def state_dict(self) -> dict:
         """The inner optimizer's state plus ``"loss_scale": {"scale", "step_counter"}``."""
+        scaler = self._loss_scale
         return self.inner_optimizer.state_dict() | {
-            "loss_scale": {"scale": self._scale, "step_counter": self._step_counter}
+            "loss_scale": {"scale": scaler.scale, "step_counter": scaler.step_counter}
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -246,7 +268,7 @@ class LossScaleOptimizer(Optimizer):
                     f"{self.dynamic_growth_steps}."
                 )
         self.inner_optimizer.load_state_dict(state)
-        self._scale, self._step_counter = scale, counter
+        self._loss_scale.scale, self._loss_scale.step_counter = scale, counter
 
     def get_config(self) -> dict:
         """``name``, ``initial_scale``, ``dynamic_growth_steps`` and the inner optimizer as
@@ -272,7 +294,7 @@ class LossScaleOptimizer(Optimizer):
         return cls(get(config.pop("inner_optimizer")), **config)
 
     def __repr__(self) -> str:
-        return f"LossScaleOptimizer({self.inner_optimizer!r}, dynamic_scale={self._scale!r})"
+        return f"LossScaleOptimizer({self.inner_optimizer!r}, dynamic_scale={self._loss_scale.scale!r})"
 
 
 def _by_device(tensors: list) -> list:

@@ -31,10 +31,26 @@ import math
 import numbers
 from collections.abc import Mapping
 
+import torch
+
+from replicafit.strategies import context
 from replicafit.strategies.describe import brief
 from replicafit.strategies.values import local_results
 
-__all__ = ["PendingState", "check_learning_rate", "describe", "parse"]
+from .ema import with_average
+
+__all__ = [
+    "PendingState",
+    "SlotPart",
+    "assign_all",
+    "check_learning_rate",
+    "describe",
+    "parse",
+    "plan_restore",
+    "prepare",
+    "whole_slots",
+    "with_pending",
+]
 
 
 def check_learning_rate(value, what: str = "learning_rate") -> float:
@@ -184,3 +200,151 @@ class PendingState:
             if found:
                 taken[found[0]] = entry
         return taken
+
+
+def with_pending(pending, records: list, entries: dict, built: bool) -> tuple:
+    """``(records, entries)`` of a state with what a loaded state holds for variables not built yet, as loaded: a
+    name-keyed state loaded before any build as it is (then without records), a positional one's entries beyond
+    the built variables appended."""
+    if pending is not None and pending.records is None and not built:
+        return None, {name: dict(entry) for name, entry in pending.entries.items()}
+    if pending is not None and pending.records:
+        for position in range(len(records), len(pending.records)):
+            records.append(dict(pending.records[position]))
+            if position in pending.entries:
+                entries[position] = dict(pending.entries[position])
+    return records, entries
+
+
+class SlotPart:
+    """Where a loaded slot value goes: the slot ``name`` of one target (a variable, or this worker's slice of one),
+    made once every check has passed where the optimizer has not made it yet (an optional slot a state brings).
+
+    Example::
+
+        assign_all([(SlotPart(optimizer, variable, "momentum"), value)])
+    """
+
+    def __init__(self, optimizer, target, name: str):
+        self.optimizer, self.target, self.name = optimizer, target, name
+
+    def assign(self, value) -> None:
+        """Writes ``value`` into every copy of the slot (making the slot first where it is missing)."""
+        optimizer = self.optimizer
+        slot = optimizer._slots.get(self.target, self.name)
+        if slot is None:
+            optimizer._plans.clear()  # the multi-tensor groups follow each target's slot names
+            slot = optimizer.add_variable_from_reference(self.target, self.name)
+        strategy = slot.distribute_strategy or context.get_strategy()
+        with context.enter_or_assert_strategy(strategy):
+            slot.assign(value)
+
+
+def assign_all(assignments) -> None:
+    """Writes loaded values (``[(SlotPart, value)]``, planned and checked first) into the optimizer's slots."""
+    for part, value in assignments:
+        part.assign(value)
+
+
+def prepare(optimizer) -> None:
+    """What ``state_dict`` needs first: slots a hyper-parameter asks for, a state loaded since the last
+    build restored, and the variables of an open window (opened before any update built) built for."""
+    if optimizer._slots_outdated:
+        optimizer._refresh_slots()
+    if optimizer._pending is not None and optimizer._pending.checked != len(optimizer._variables):
+        optimizer._restore_pending()
+    window = optimizer._accumulation.window if optimizer._accumulation is not None else None
+    if window is not None:  # a first window opens before the first update builds
+        variables = window.variables
+        optimizer._build(optimizer._strategy_of(variables), variables)
+        if optimizer._pending is not None and optimizer._pending.checked != len(optimizer._variables):
+            optimizer._restore_pending()
+
+
+def whole_slots(optimizer) -> dict:
+    """``{position: {slot name: whole tensor}}`` of the built variables (gathered from every worker's
+    slices where the layout slices them: a collective)."""
+    layout = optimizer._layout
+    if layout is None or not optimizer._variables:
+        return {}
+    names = _slot_names_by_position(optimizer, layout)
+    slots: dict = {position: {} for position in range(len(optimizer._variables))}
+    every = []
+    for position in sorted(names):
+        every += [name for name in names[position] if name not in every]
+    for name in every:
+        per_target = [_first_value(optimizer._slots.get(t, name)) for t in layout.targets]
+        whole = layout.whole(per_target, f"the optimizer's {name!r} slots")
+        for position in range(len(optimizer._variables)):
+            if name in names.get(position, ()):
+                slots[position][name] = whole[position]
+    return slots
+
+
+def plan_restore(optimizer, pending) -> tuple:
+    """``(entries taken, [(slot part, value)])`` for the built variables; ``ValueError`` if they do not fit."""
+    if not optimizer._variables:
+        return {}, []
+    taken = pending.match(optimizer._variables)
+    layout = optimizer._layout
+    assignments = []
+    for position, entry in taken.items():
+        variable = optimizer._variables[position]
+        names = _slot_names_of(optimizer, layout, position)
+        if names is None:  # this worker holds no part of this variable: nothing here to check or keep
+            continue
+        entry = with_average(entry, names, variable)
+        if (set(entry) ^ set(names)) - set(optimizer._optional_slots):
+            raise ValueError(
+                f"The optimizer state's variable {position} ({variable.name!r}) has slots {sorted(entry)}, but "
+                f"{type(optimizer).__name__} {optimizer.name!r} keeps {sorted(names)} for it: the state was saved by "
+                "another optimizer or with other options."
+            )
+        expected = list(local_results(variable)[0].shape)
+        for name in [*names, *(n for n in entry if n not in names)]:
+            if name not in entry:  # an optional slot the state lacks starts again
+                value = torch.zeros(expected, dtype=local_results(variable)[0].dtype)
+            else:
+                value = entry[name]
+                if not isinstance(value, torch.Tensor) or list(value.shape) != expected:
+                    tensor = isinstance(value, torch.Tensor)
+                    shown = f"shape {list(value.shape)}" if tensor else type(value).__name__
+                    raise ValueError(
+                        f"The optimizer state's slot {name!r} of variable {position} ({variable.name!r}) must be "
+                        f"a tensor of shape {expected}, got {shown}."
+                    )
+            for target, part in layout.cut(position, value):
+                assignments.append((SlotPart(optimizer, target, name), part))
+    return taken, assignments
+
+
+def _first_value(slot):
+    return None if slot is None else local_results(slot)[0].value().detach()
+
+
+def _slot_names_of(optimizer, layout, position: int):
+    """The slot names of variable ``position``'s targets here (those of any target here when this worker holds
+    none of that variable: every target of an element-wise rule has the same), or ``None`` without targets."""
+    targets = [t for t in layout.targets if layout.position_of(t) == position] or list(layout.targets)
+    if not targets:
+        return None
+    return list(optimizer._slots.names_of(targets[0]))
+
+
+def _slot_names_by_position(optimizer, layout) -> dict:
+    """``{position: [slot names]}`` of every built variable, agreed across workers where each holds slices (a
+    variable's slices may all be on other workers)."""
+    mine: dict = {}
+    for target in layout.targets:
+        mine.setdefault(layout.position_of(target), list(optimizer._slots.names_of(target)))
+    names: dict = {}
+    for part in layout.gather_objects(mine, "the optimizer's slot names"):
+        for position, found in part.items():
+            names.setdefault(position, found)
+    every = []
+    for position in sorted(names):
+        every += [name for name in names[position] if name not in every]
+    for position, variable in enumerate(layout.variables):  # an empty variable has no slice anywhere
+        if position not in names and not local_results(variable)[0].value().numel():
+            names[position] = list(every)
+    return names

@@ -23,7 +23,8 @@ from replicafit.strategies.describe import brief
 from replicafit.strategies.values import local_results
 
 from . import state as state_format
-from .base import Optimizer, _assign_all
+from .accumulation import checked_window_state, window_state
+from .base import SHARED_ARGUMENTS, Optimizer
 from .ema import move_averages
 
 __all__ = ["TorchOptimizer", "from_torch"]
@@ -35,22 +36,12 @@ class TorchOptimizer(Optimizer):
     ``learning_rate`` reads and sets the torch optimizer's ``lr``; ``state_dict()``
     keys torch's per-parameter state by the variable's position (as torch does), with
     names and shapes as a check, and holds one copy, so it loads under any strategy.
+    The update rule of the pipeline (step 7) is torch's ``step()``: one torch optimizer per copy
+    index of the targets (each replica's copies under ``MirroredStrategy``, the stored copies under
+    ``CentralStorageStrategy``, this worker's slices under sharded optimizer states).
     """
 
-    def __init__(
-        self,
-        optimizer_class,
-        *,
-        clipnorm=None,
-        clipvalue=None,
-        global_clipnorm=None,
-        use_ema=False,
-        ema_momentum=0.99,
-        ema_overwrite_frequency=None,
-        gradient_accumulation_steps=None,
-        name=None,
-        **torch_kwargs,
-    ):
+    def __init__(self, optimizer_class, *, name=None, **kwargs):
         if isinstance(optimizer_class, torch.optim.Optimizer):  # the torch habit: an optimizer of parameters
             raise TypeError(
                 "from_torch() takes a torch optimizer class and its arguments, not an optimizer already made from "
@@ -60,17 +51,11 @@ class TorchOptimizer(Optimizer):
             )
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"from_torch() needs a torch.optim.Optimizer subclass, got {brief(optimizer_class)}.")
+        ours = {k: kwargs.pop(k) for k in _OURS if k in kwargs}  # the pipeline's; the rest is torch's
+        torch_kwargs = kwargs
         probe = optimizer_class([torch.zeros(1, requires_grad=True)], **torch_kwargs)  # validates the kwargs
         super().__init__(
-            probe.param_groups[0].get("lr", 1e-3),
-            clipnorm=clipnorm,
-            clipvalue=clipvalue,
-            global_clipnorm=global_clipnorm,
-            use_ema=use_ema,
-            ema_momentum=ema_momentum,
-            ema_overwrite_frequency=ema_overwrite_frequency,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            name=name or f"torch_{optimizer_class.__name__.lower()}",
+            probe.param_groups[0].get("lr", 1e-3), name=name or f"torch_{optimizer_class.__name__.lower()}", **ours
         )
         self._torch_class = optimizer_class
         self._torch_kwargs = dict(torch_kwargs)
@@ -78,80 +63,78 @@ class TorchOptimizer(Optimizer):
         self.elementwise_update = optimizer_class.__name__ not in _WHOLE_TENSOR_RULES
         self._decays = "weight_decay" in probe.defaults  # the class has a weight_decay (exclusions apply)
         self._torch_optimizers: list = []
-        self._torch_order: list = []  # the variable position of each of torch's parameter indices
+        self._torch_order: list = []  # the target index of each of torch's parameter indices
         self._pending_groups: list = []  # loaded param_groups (without "params"), applied at build
         self._pending_slots = None  # loaded averages (use_ema), for variables not built yet
 
     def build(self, variables) -> None:
+        """Builds the moving averages (``use_ema``), then one torch optimizer per copy index over every target
+        built so far, keeping the state of the targets built before."""
         super().build(variables)
-        if self._shards is not None:  # sharded optimizer states: one torch optimizer over this worker's pieces
-            self._build_pieces()
-            return
-        copies = len(local_results(self._variables[0]))
+        targets = self._targets
+        copies = len(local_results(targets[0]))
         previous = self._torch_optimizers
         self._torch_optimizers = []
-        # Variables excluded from weight decay form a second param group with weight_decay=0;
-        # torch numbers the parameters group by group, so its indices follow this order.
-        excluded = [i for i, v in enumerate(self._variables) if id(v) in self._no_decay] if self._decays else []
-        decayed = [i for i in range(len(self._variables)) if i not in set(excluded)]
+        # Variables excluded from weight decay form a second param group with weight_decay=0; torch numbers the
+        # parameters group by group, so its indices follow this order. The groups are those of the whole
+        # variables (under sharded states a group may be empty on this worker), so every worker's state has
+        # their layout.
+        decay = self._weight_decay
+        excluded = [i for i, t in enumerate(targets) if decay.excludes(t)] if self._decays else []
+        decayed = [i for i in range(len(targets)) if i not in set(excluded)]
         self._torch_order = decayed + excluded
+        excludes = self._decays and any(decay.excludes(v) for v in self._variables)
+        decays = not self._decays or any(not decay.excludes(v) for v in self._variables)
         for copy in range(copies):
-            tensors = [self._copy_tensor(v, copy) for v in self._variables]
-            params = [{"params": [tensors[i] for i in decayed]}] if decayed else []
-            if excluded:
+            tensors = [self._copy_tensor(t, copy) for t in targets]
+            params = [{"params": [tensors[i] for i in decayed]}] if decays else []
+            if excludes:
                 params.append({"params": [tensors[i] for i in excluded], "weight_decay": 0.0})
             optimizer = self._torch_class(params, **self._torch_kwargs)
-            if copy < len(previous):  # keep the state of variables built before
+            if copy < len(previous):  # keep the state of the targets built before
                 optimizer.state.update(previous[copy].state)
             self._torch_optimizers.append(optimizer)
 
-    def _build_pieces(self) -> None:
-        """One torch optimizer over this worker's piece variables (1-D views of its chunks), its param groups
-        those of the whole variables (a group may be empty on this worker), so its state has their layout."""
-        pieces = self._shards.piece_variables
-        excluded = [i for i, v in enumerate(pieces) if id(v) in self._no_decay] if self._decays else []
-        decayed = [i for i in range(len(pieces)) if i not in set(excluded)]
-        self._torch_order = decayed + excluded  # torch's parameter index -> piece index
-        whole_excluded = self._decays and any(id(v) in self._no_decay for v in self._variables)
-        whole_decayed = not self._decays or any(id(v) not in self._no_decay for v in self._variables)
-        tensors = [v._read() for v in pieces]
-        params = [{"params": [tensors[i] for i in decayed]}] if whole_decayed else []
-        if whole_excluded:
-            params.append({"params": [tensors[i] for i in excluded], "weight_decay": 0.0})
-        self._torch_optimizers = [self._torch_class(params, **self._torch_kwargs)]
+    def _targets_moved(self, layout) -> None:
+        """The torch optimizers' parameters (and their state, keyed by them) follow the targets' new memory."""
+        for copy, optimizer in enumerate(self._torch_optimizers):
+            tensors = [self._copy_tensor(t, copy) for t in self._targets]
+            old = [p for group in optimizer.param_groups for p in group["params"]]
+            state = {id(p): optimizer.state[p] for p in old if p in optimizer.state}
+            start = 0
+            for group in optimizer.param_groups:  # torch numbers the parameters group by group
+                count = len(group["params"])
+                group["params"] = [tensors[self._torch_order[i]] for i in range(start, start + count)]
+                start += count
+            optimizer.state.clear()
+            for before, after in zip(old, (p for group in optimizer.param_groups for p in group["params"])):
+                if id(before) in state:
+                    optimizer.state[after] = state[id(before)]
 
-    def _pieces_moved(self) -> None:
-        """The torch optimizer's parameters (and its state, keyed by them) follow the pieces' new views."""
-        optimizer = self._torch_optimizers[0]
-        tensors = [v._read() for v in self._shards.piece_variables]
-        old = [p for group in optimizer.param_groups for p in group["params"]]
-        state = {id(p): optimizer.state[p] for p in old if p in optimizer.state}
-        start = 0
-        for group in optimizer.param_groups:  # torch numbers the parameters group by group
-            count = len(group["params"])
-            group["params"] = [tensors[self._torch_order[i]] for i in range(start, start + count)]
-            start += count
-        optimizer.state.clear()
-        for before, after in zip(old, (p for group in optimizer.param_groups for p in group["params"])):
-            if id(before) in state:
-                optimizer.state[after] = state[id(before)]
-
-    def _update_pieces(self, shards, grads: list, learning_rate: float, ema) -> None:
-        """torch's ``step()`` on this worker's pieces, then their moving averages."""
-        optimizer = self._torch_optimizers[0]
-        pieces = [v._read() for v in shards.piece_variables]
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate
-        try:
-            for tensor, grad in zip(pieces, grads):
-                tensor.grad = grad.detach()
-            optimizer.step()
-        finally:
-            for tensor in pieces:
-                tensor.grad = None
-        if ema is not None and pieces:
-            averages = [self._slots[(id(v), "average")]._read() for v in shards.piece_variables]
-            move_averages(averages, pieces, ema)
+    def _update_rule(self, layout, gradients, variables, learning_rate: float, ema) -> bool:
+        """torch's ``step()`` for every copy index, with only this update's gradients set (torch steps every
+        parameter that has a ``.grad``), then every copy's moving average."""
+        targets = layout.targets_of(variables)
+        per_copy = gradients.copies if gradients.copies is not None else layout.per_copy(gradients.values, variables)
+        with torch.no_grad():
+            for copy, optimizer in enumerate(self._torch_optimizers):
+                for group in optimizer.param_groups:
+                    group["lr"] = learning_rate
+                everything = [self._copy_tensor(t, copy) for t in self._targets]
+                saved = [t.grad for t in everything]
+                for tensor in everything:
+                    tensor.grad = None
+                for target, grad in zip(targets, per_copy):
+                    grad = grad if type(grad) is torch.Tensor else local_results(grad)[copy]
+                    self._copy_tensor(target, copy).grad = grad.detach()
+                try:
+                    optimizer.step()
+                finally:
+                    for tensor, grad in zip(everything, saved):
+                        tensor.grad = grad
+            if ema is not None:
+                self._update_averages(targets, ema)
+        return True
 
     @property
     def torch_class(self) -> type:
@@ -192,53 +175,16 @@ class TorchOptimizer(Optimizer):
                 group.update(values)
 
     @staticmethod
-    def _copy_tensor(variable, copy: int) -> torch.Tensor:
-        return local_results(variable)[copy].value()
+    def _copy_tensor(target, copy: int) -> torch.Tensor:
+        return local_results(target)[copy].value()
 
-    def _apply_aggregated(self, strategy, grads, variables, divisor=None):
-        shards = self._sharded_build(strategy, variables)
-        if shards is not None:  # reduced already: this worker's slices of them
-            whole = [g if type(g) is torch.Tensor else local_results(g)[0] for g in grads]
-            return self._apply_sharded(strategy, shards, shards.slices(whole), divisor=divisor)
-        self._build_for(variables)
-        primaries = [g if type(g) is torch.Tensor else local_results(g)[0] for g in grads]
-        prepared = self._prepared(primaries, self._divisor(strategy, divisor))
-        if prepared is None:  # a gradient stage skipped it (a loss scaler's infinities or NaNs): counted
-            self._count()
-            return self.iterations
-        transformed = self._transform(prepared, variables)
-        grads = [strategy.extended.broadcast_to(g, v) for g, v in zip(transformed, variables)]
-        learning_rate = self._current_learning_rate()
-        with torch.no_grad():
-            for copy, optimizer in enumerate(self._torch_optimizers):
-                for group in optimizer.param_groups:
-                    group["lr"] = learning_rate
-                # torch steps every parameter that has a .grad: only this apply's gradients may be set.
-                everything = [self._copy_tensor(v, copy) for v in self._variables]
-                saved = [t.grad for t in everything]
-                for tensor in everything:
-                    tensor.grad = None
-                for variable, grad in zip(variables, grads):
-                    self._copy_tensor(variable, copy).grad = local_results(grad)[copy].detach()
-                try:
-                    optimizer.step()
-                finally:
-                    for tensor, grad in zip(everything, saved):
-                        tensor.grad = grad
-            ema = self._ema_step()
-            if ema is not None:
-                self._update_averages(variables, ema)
-        strategy.extended.after_direct_update(variables)
-        self._count()
-        return self.iterations
-
-    def _update_averages(self, variables, ema) -> None:
+    def _update_averages(self, targets, ema) -> None:
         """Every copy's moving average, from that copy (the operations of the built-ins' update)."""
-        weights = [self._copy_tensor(v, c) for v in variables for c in range(len(local_results(v)))]
+        weights = [self._copy_tensor(t, c) for t in targets for c in range(len(local_results(t)))]
         averages = [
-            local_results(self._slots[(id(v), "average")])[c].value()
-            for v in variables
-            for c in range(len(local_results(v)))
+            local_results(self._slots.of(t, "average"))[c].value()
+            for t in targets
+            for c in range(len(local_results(t)))
         ]
         move_averages(averages, weights, ema)
 
@@ -249,18 +195,14 @@ class TorchOptimizer(Optimizer):
         there only as the ``lr`` given to ``from_torch``: unlike Keras', the config does not keep a rate
         set later through ``learning_rate``.
         """
-        config = super().get_config()
-        return {
-            "optimizer_class": f"{self._torch_class.__module__}.{self._torch_class.__qualname__}",
-            "name": config["name"],
-            "clipnorm": self.clipnorm,
-            "clipvalue": self.clipvalue,
-            "global_clipnorm": self.global_clipnorm,
-            "use_ema": self.use_ema,
-            "ema_momentum": self.ema_momentum,
-            "ema_overwrite_frequency": self.ema_overwrite_frequency,
-            "gradient_accumulation_steps": self.gradient_accumulation_steps,
-        } | self._torch_kwargs
+        return (
+            {
+                "optimizer_class": f"{self._torch_class.__module__}.{self._torch_class.__qualname__}",
+                "name": self.name,
+            }
+            | {name: getattr(self, name) for name in _OURS}
+            | self._torch_kwargs
+        )
 
     @classmethod
     def from_config(cls, config: dict):
@@ -282,26 +224,19 @@ class TorchOptimizer(Optimizer):
         "param_groups": [...]}``: torch's own per-parameter state, keyed by the variable's position."""
         if self._pending is not None and self._pending.checked != len(self._variables) and self._torch_optimizers:
             self._restore_pending()
-        if self._window is not None:  # a first window opens before the first update builds
-            self._build_for(self._window.variables)
+        window = self._accumulation.window if self._accumulation is not None else None
+        if window is not None:  # a first window opens before the first update builds
+            self._build(self._strategy_of(window.variables), window.variables)
+            if self._pending is not None and self._pending.checked != len(self._variables):
+                self._restore_pending()
         records = state_format.describe(self._variables)
         entries: dict = {}
         groups = [dict(group) for group in self._pending_groups]
         if self._torch_optimizers:
             state = self._torch_optimizers[0].state_dict()
-            if self._shards is not None:  # every worker's pieces, gathered into whole entries
-                entries = self._whole_torch_state(state["state"])
-            else:
-                entries = {self._torch_order[index]: _cloned(entry) for index, entry in state["state"].items()}
+            entries = self._whole_torch_state(state["state"])
             groups = [{k: v for k, v in group.items() if k != "params"} for group in state["param_groups"]]
-        pending = self._pending
-        if pending is not None and pending.records is None and not self._variables:
-            entries, records = {name: dict(entry) for name, entry in pending.entries.items()}, None  # as loaded
-        elif pending is not None and pending.records:
-            for position in range(len(records), len(pending.records)):
-                records.append(dict(pending.records[position]))
-                if position in pending.entries:
-                    entries[position] = dict(pending.entries[position])
+        records, entries = state_format.with_pending(self._pending, records, entries, bool(self._variables))
         if not callable(self._learning_rate):  # a rate set since the last step (e.g. by a callback) is the rate
             groups = [group | {"lr": float(self._learning_rate)} for group in groups or [{}]]
         state = {"iterations": int(self.iterations), "torch_state": entries, "param_groups": groups}
@@ -309,20 +244,26 @@ class TorchOptimizer(Optimizer):
             state["variables"] = records
         if self.use_ema:
             state["slots"] = self._average_entries(records)
-        self._add_window_state(state)
+        window_state(self, state)
         return state
 
-    def _piece_entries(self, taken: dict) -> dict:
-        """``{piece number: torch entry}``: the whole entries ``taken`` (by position) cut into this worker's
-        pieces; a value shaped like its variable is sliced, any other (``step``) kept as it is."""
+    def _target_entries(self, taken: dict) -> dict:
+        """``{target index: torch entry}``: the whole entries ``taken`` (by position) as this worker's targets
+        hold them; where targets are slices of variables, a value shaped like its variable is cut, any other
+        (``step``) kept as it is."""
+        layout = self._layout
         entries: dict = {}
-        for number, piece in enumerate(self._shards.pieces):
-            entry = taken.get(piece.variable)
+        for number, target in enumerate(self._targets):
+            position = layout.position_of(target)
+            entry = taken.get(position)
             if entry is None:
                 continue
-            shape = tuple(local_results(self._variables[piece.variable])[0]._read().shape)
+            if not layout.slices_variables:
+                entries[number] = entry
+                continue
+            shape = tuple(local_results(self._variables[position])[0].value().shape)
             entries[number] = {
-                name: value.reshape(-1)[piece.start : piece.stop].clone()
+                name: _part_of(layout, position, target, value)
                 if name != "step" and isinstance(value, torch.Tensor) and tuple(value.shape) == shape
                 else value
                 for name, value in entry.items()
@@ -330,47 +271,43 @@ class TorchOptimizer(Optimizer):
         return entries
 
     def _whole_torch_state(self, state: dict) -> dict:
-        """``{position: torch entry}`` of whole variables from this worker's piece entries (``state``, keyed by
-        torch's index) and every other worker's: an entry's tensors shaped like the piece are gathered into the
-        variable's shape, its other values (``step``) are the same on every piece and taken as they are."""
-        shards = self._shards
-        by_piece = {self._torch_order[index]: entry for index, entry in state.items()}
+        """``{position: torch entry}`` of whole variables from torch's state (keyed by torch's index). Where the
+        targets are slices, from this worker's slices and every other worker's: an entry's tensors shaped like
+        the slice are gathered into the variable's shape, its other values (``step``) are the same on every
+        slice and taken as they are."""
+        layout = self._layout
+        by_target = {self._torch_order[index]: entry for index, entry in state.items()}
+        if not layout.slices_variables:
+            return {layout.position_of(self._targets[n]): _cloned(entry) for n, entry in by_target.items()}
         mine: dict = {}  # position -> {name: None for a gathered tensor, else the value}
-        for number, piece in enumerate(shards.pieces):
-            entry = by_piece.get(number)
-            if entry is not None and piece.variable not in mine:
-                mine[piece.variable] = {
-                    name: None if _is_piece_tensor(name, value, piece) else _cloned({name: value})[name]
+        for number, target in enumerate(self._targets):
+            entry = by_target.get(number)
+            position = layout.position_of(target)
+            if entry is not None and position not in mine:
+                mine[position] = {
+                    name: None if _is_slice_tensor(name, value, target) else _cloned({name: value})[name]
                     for name, value in entry.items()
                 }
-        layout: dict = {}
-        for part in shards.gather_objects(mine, "the torch optimizer's state layout"):
+        entries: dict = {}
+        for part in layout.gather_objects(mine, "the torch optimizer's state layout"):
             for position, entry in part.items():
-                layout.setdefault(position, entry)
+                entries.setdefault(position, dict(entry))
         names = []
-        for entry in layout.values():
+        for entry in entries.values():
             names += [name for name, value in entry.items() if value is None and name not in names]
-        entries = {position: dict(entry) for position, entry in layout.items()}
         for name in names:
-            per_piece = [
-                by_piece[number][name].detach() if name in by_piece.get(number, {}) else None
-                for number in range(len(shards.pieces))
+            per_target = [
+                by_target[n][name].detach() if name in by_target.get(n, {}) else None for n in range(len(self._targets))
             ]
-            whole = shards.gather(per_piece, f"the torch optimizer's {name!r} state")
+            whole = layout.whole(per_target, f"the torch optimizer's {name!r} state")
             for position, entry in entries.items():
                 if name in entry:
-                    shape = local_results(shards.variables[position])[0]._read().shape
-                    entry[name] = whole[position].view(shape).clone()
+                    entry[name] = whole[position]
         return dict(sorted(entries.items()))
 
     def _average_entries(self, records) -> dict:
         """``{position: {"average": tensor}}``: the moving averages (``use_ema``), as the built-ins keep them."""
-        if self._shards is not None:
-            return self._whole_slots()
-        slots = {
-            position: {"average": local_results(self._slots[(id(v), "average")])[0].value().detach().clone()}
-            for position, v in enumerate(self._variables)
-        }
+        slots = {position: {"average": value["average"]} for position, value in state_format.whole_slots(self).items()}
         pending = self._pending_slots
         if pending is not None and records is not None and pending.records:
             for position in range(len(self._variables), len(pending.records)):
@@ -411,10 +348,11 @@ class TorchOptimizer(Optimizer):
         if self._torch_optimizers:
             pending.match(self._variables)  # every check before any change
             if slots is not None:
-                self._plan_restore(slots)
-        window = self._checked_window_state(state)
+                state_format.plan_restore(self, slots)
+        window = checked_window_state(self, state)
         self.iterations.assign(iterations)
-        self._load_window_state(window)
+        if self._accumulation is not None:
+            self._accumulation.load(window, self._variables)
         if learning_rate is not None:
             self.learning_rate = learning_rate
         self._pending_groups = [{k: v for k, v in group.items() if k != "params"} for group in groups]
@@ -429,9 +367,8 @@ class TorchOptimizer(Optimizer):
             return
         pending = self._pending
         taken = pending.match(self._variables)
-        loaded, index = taken, {position: i for i, position in enumerate(self._torch_order)}  # torch's numbering
-        if self._shards is not None:  # each whole entry cut into this worker's pieces, keyed by their numbers
-            loaded, index = self._piece_entries(taken), {number: i for i, number in enumerate(self._torch_order)}
+        loaded = self._target_entries(taken)
+        index = {number: i for i, number in enumerate(self._torch_order)}  # target index -> torch's
         for optimizer in self._torch_optimizers:
             current = optimizer.state_dict()
             groups = current["param_groups"]
@@ -445,11 +382,16 @@ class TorchOptimizer(Optimizer):
             self._pending = None
         slots = self._pending_slots
         if slots is not None:
-            slot_taken, assignments = self._plan_restore(slots)
-            _assign_all(assignments)
+            slot_taken, assignments = state_format.plan_restore(self, slots)
+            state_format.assign_all(assignments)
             slots.discard(slot_taken, self._variables)
             if slots.done(len(self._variables)):
                 self._pending_slots = None
+
+
+#: The pipeline's arguments a torch optimizer takes besides torch's own (weight decay is torch's: its class
+#: decays the way it does, coupled or decoupled).
+_OURS = tuple(name for name in SHARED_ARGUMENTS if name != "weight_decay")
 
 
 # torch.optim rules that read whole parameters (Adafactor's factored second moments and RMS scale, Muon's
@@ -457,9 +399,19 @@ class TorchOptimizer(Optimizer):
 _WHOLE_TENSOR_RULES = frozenset({"Adafactor", "Muon", "LBFGS"})
 
 
-def _is_piece_tensor(name: str, value, piece) -> bool:
-    """Whether a torch state value holds one value per element of ``piece`` (``step`` never does)."""
-    return name != "step" and isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == piece.size
+def _is_slice_tensor(name: str, value, target) -> bool:
+    """Whether a torch state value holds one value per element of the slice ``target`` (``step`` never does)."""
+    if name == "step" or not isinstance(value, torch.Tensor):
+        return False
+    return value.dim() == 1 and value.numel() == target.value().numel()
+
+
+def _part_of(layout, position: int, target, value: torch.Tensor) -> torch.Tensor:
+    """``target``'s part of a whole value of variable ``position`` (a copy)."""
+    for owner, part in layout.cut(position, value):
+        if owner is target:
+            return part.clone()
+    raise ValueError(f"{target.name!r} holds no part of variable {position}.")
 
 
 def _call_of(optimizer: torch.optim.Optimizer) -> str:

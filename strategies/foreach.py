@@ -14,7 +14,7 @@ Example::
     >>> import torch
     >>> from replicafit.strategies import foreach
     >>> xs = [torch.ones(2), torch.zeros(3)]
-    >>> foreach.mul_(xs, 2.0)
+    >>> _ = foreach.mul_(xs, 2.0)   # in place (it returns the list too)
     >>> [x.tolist() for x in xs]
     [[2.0, 2.0], [0.0, 0.0, 0.0]]
 """

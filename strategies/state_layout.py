@@ -208,7 +208,7 @@ class WholeVariables(StateLayout):
         return new
 
     def targets_of(self, variables) -> list:
-        return list(variables)
+        return variables  # (each target is its variable)
 
     def position_of(self, target) -> int:
         return self._positions[id(target)]

@@ -476,27 +476,37 @@ class StateShards(StateLayout):
         variables = list(variables)
         if not variables or (self._registered and all(id(v) in self._ids for v in variables)):
             return []
+        self._check(variables)
+        self._registered = True
+        return list(self.piece_variables)
+
+    def targets_of(self, variables) -> list:
+        self._check(variables)
+        return self.piece_variables
+
+    @property
+    def targets(self) -> list:
+        return self.piece_variables
+
+    def _check(self, variables) -> None:
         if not self.matches(variables):
             raise ValueError(
                 f"These sharded optimizer states were cut for {len(self.variables)} variables, and this update gave "
                 f"{len(variables)} other ones: with shard_optimizer_states an optimizer updates one list of variables "
                 "(use one optimizer per list)."
             )
-        self._registered = True
-        return list(self.piece_variables)
-
-    def targets_of(self, variables) -> list:
-        return list(self.piece_variables)
 
     def position_of(self, target) -> int:
         return self._position_of[id(target)]
 
     def reduce(self, grads: list, variables: list) -> ReducedGradients:
+        self._check(variables)
         chunks, buffers = self._extended.reduce_scatter_gradients(self, grads)
         views = self.piece_views(chunks)
         return ReducedGradients(views, views, buffers)
 
     def take(self, grads: list, variables: list) -> ReducedGradients:
+        self._check(variables)
         whole = [g if type(g) is torch.Tensor else local_results(g)[0] for g in grads]
         parts = self.slices(whole)
         return ReducedGradients(parts, parts)

@@ -129,7 +129,7 @@ class TrainingState:
         try:
             if dm.trainable_variables:
                 with context.enter_or_assert_strategy(self.strategy):
-                    self.optimizer._build_missing(dm.trainable_variables)  # for its pieces under sharded states
+                    self.optimizer.build_for(dm.trainable_variables)  # for its pieces under sharded states
             self.optimizer.load_state_dict(state["optimizer"])
             # An element-level loss's real elements of the open window: added back when the fit starts.
             self._window_denominator = (state["optimizer"].get("accumulation") or {}).get("denominator")

@@ -96,17 +96,17 @@ def test_sixteen_mixed_synchronises_only_in_its_finite_check(monkeypatch):
     with pytest.raises(RuntimeError, match="synchroniz") as info:
         _fit(ds.OneDeviceStrategy(GPU), precision="16-mixed")
     assert any("loss_scale.py" in str(entry.path) for entry in info.traceback)
-    original = optimizers.LossScaleOptimizer._unscale_or_skip
+    original = optimizers.loss_scale.DynamicLossScale.__call__  # the loss scaler's stage
 
-    def allowed(self, grads):
+    def allowed(self, grads, layout):
         previous = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode(0)
         try:
-            return original(self, grads)
+            return original(self, grads, layout)
         finally:
             torch.cuda.set_sync_debug_mode(previous)
 
-    monkeypatch.setattr(optimizers.LossScaleOptimizer, "_unscale_or_skip", allowed)
+    monkeypatch.setattr(optimizers.loss_scale.DynamicLossScale, "__call__", allowed)
     _fit(ds.OneDeviceStrategy(GPU), precision="16-mixed")  # nothing else synchronises
 
 

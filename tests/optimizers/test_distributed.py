@@ -467,7 +467,7 @@ def test_multi_tensor_path_equals_per_variable_path(strategy_name, name, clip):
     for key in fast_state:
         assert torch.equal(fast_state[key], slow_state[key]), key
     for variable in fast.dm.trainable_variables:
-        for slot_name in fast.optimizer._slot_names.get(id(variable), []):
+        for slot_name in fast.optimizer._slots.names_of(variable):
             other = next(v for v in slow.dm.trainable_variables if v.name == variable.name)
             a = fast.optimizer.get_slot(variable, slot_name).numpy()
             b = slow.optimizer.get_slot(other, slot_name).numpy()

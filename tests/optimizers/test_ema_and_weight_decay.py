@@ -167,7 +167,7 @@ def test_names_match_as_plain_substrings_and_a_module_parameter_selects_its_vari
     optimizer.exclude_from_weight_decay(var_list=[model[1].weight], var_names=["0.bias", "2.b.as"])
     with strategy.scope():
         optimizer.build(dm.trainable_variables)
-    excluded = sorted(v.name for v in dm.trainable_variables if id(v) in optimizer._no_decay)
+    excluded = sorted(v.name for v in dm.trainable_variables if id(v) in optimizer._weight_decay.excluded)
     assert excluded == ["0.bias", "1.weight"]  # "2.b.as" is no regular expression: 2.bias stays decayed
 
 
@@ -435,7 +435,7 @@ def test_a_loss_scale_optimizer_gives_exclusions_and_swaps_to_its_inner_optimize
     wrapped = optimizers.LossScaleOptimizer(inner)
     wrapped.exclude_from_weight_decay(var_names=["bias"])
     train(make_strategy("default"), wrapped, variables, steps=2)
-    assert [v.name for v in variables if id(v) in inner._no_decay] == ["dense/bias"]
+    assert [v.name for v in variables if id(v) in inner._weight_decay.excluded] == ["dense/bias"]
     with wrapped.averaged_weights():
         assert inner.averages_swapped_in and "_swapped" not in vars(wrapped)
     assert not inner.averages_swapped_in

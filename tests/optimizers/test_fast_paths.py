@@ -40,7 +40,7 @@ def _train(name: str, fast: bool, steps: int = 5):
     try:
         for _ in range(steps):
             if not fast:
-                optimizer._last_resolved = None  # resolve the variables again every call
+                optimizer._resolver.last = None  # resolve the variables again every call
             strategy.run(step)
     finally:
         base._count_update = counted
@@ -66,10 +66,10 @@ def test_plain_parameters_resolve_once_and_the_same_each_time():
     optimizer = optimizers.SGD(0.1)
     for _ in range(3):
         optimizer.apply_gradients([(torch.ones_like(p), p) for p in layer.parameters()])
-    assert len(optimizer._wrapped) == 2  # one LocalVariable per parameter, made once
+    assert len(optimizer._resolver.wrapped) == 2  # one LocalVariable per parameter, made once
     other = torch.nn.Linear(3, 2)  # a different list: resolved afresh
     optimizer.apply_gradients([(torch.ones_like(p), p) for p in other.parameters()])
-    assert len(optimizer._wrapped) == 4
+    assert len(optimizer._resolver.wrapped) == 4
     assert int(optimizer.iterations) == 4
     assert ds.get_replica_context() is not None
 

@@ -119,7 +119,7 @@ def fit(
     callbacks = ([Weights()] if reader else []) + ([MomentumLater()] if kind == "sgd_momentum_later" else [])
     history = trainer.fit(model, data(), batch_size=24, epochs=epochs, verbose=0, callbacks=callbacks)
     state = trainer.optimizer.state_dict()
-    shards = trainer.optimizer._shards if hasattr(trainer.optimizer, "_shards") else None
+    shards = _shards_of(trainer.optimizer)
     StateShards.min_bytes = 0
     return {
         "history": history.history,
@@ -180,7 +180,7 @@ def custom_loop(rank, num_workers, port, shard=True, kind="adam", cross_replica=
         if cross_replica:
             reduced = strategy.extended.batch_reduce_to("SUM", [(g, v) for g, v in zip(out, variables)])
             optimizer.apply_gradients(zip(reduced, variables))
-    shards = optimizer._shards
+    shards = _shards_of(optimizer)
     return {
         "weights": [v.read_value().detach().clone() for v in variables],
         "state": optimizer.state_dict(),
@@ -340,3 +340,9 @@ def failed_step(rank, num_workers, port):
             out[shard, "error"] = str(error)
         out[shard] = {k: v.clone() for k, v in model.state_dict().items()}
     return out
+
+
+def _shards_of(optimizer):
+    """The optimizer's ``StateShards`` (its state layout where that cuts the variables into slices), else None."""
+    layout = getattr(optimizer, "_layout", None)
+    return layout if layout is not None and layout.slices_variables else None

@@ -134,7 +134,7 @@ def test_the_digits_recipe_with_use_ema_reaches_95_percent_and_ends_with_average
     history = run.trainer.fit(run.model, run.train, callbacks=[*run.callbacks, snapshots], **run.fit_kwargs)
     accuracy = history.history["val_accuracy"]
     assert max(accuracy) >= 0.95, accuracy
-    assert len(run.trainer.optimizer._no_decay) == 2  # both biases
+    assert len(run.trainer.optimizer._weight_decay.excluded) == 2  # both biases
     # the recipe restores the best epoch's weights, which were that epoch's averages
     best = accuracy.index(max(accuracy))
     assert all(torch.equal(p.detach(), a) for p, a in zip(run.model.parameters(), snapshots.trained[best]))
