@@ -14,7 +14,8 @@ import re
 
 from . import kinds
 from .recipe_source import Recipe, _short
-from .registry import REGISTRIES, did_you_mean, resolve
+from .registry import REGISTRIES, resolve
+from .spelling import did_you_mean
 
 __all__ = ["check_entry"]
 

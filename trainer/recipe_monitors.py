@@ -12,7 +12,7 @@ from . import kinds
 from .recipe_calls import _named
 from .recipe_entries import _default, _entry_name, _parameters
 from .recipe_source import Recipe
-from .registry import did_you_mean
+from .spelling import did_you_mean
 
 # What a built-in callback does without its monitor: said in the message.
 _WITHOUT_MONITOR = {

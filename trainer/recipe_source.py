@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from . import recipe_loader
 from .recipe_loader import RecipeError, format_key
-from .registry import did_you_mean
+from .spelling import did_you_mean
 
 __all__ = ["SECTIONS", "Recipe", "load", "locate", "shipped", "describe"]
 

@@ -16,7 +16,7 @@ from .recipe_calls import _call, _dataset_info, _model_inputs
 from .recipe_entries import _default, _entry_name, _parameters, _type_problem, check_entry
 from .recipe_monitors import _check_monitors
 from .recipe_source import SECTIONS, Recipe, _short
-from .registry import did_you_mean
+from .spelling import did_you_mean
 
 __all__ = ["validate"]
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from difflib import get_close_matches
+
+from .spelling import did_you_mean
 
 __all__ = [
     "Registry",
     "REGISTRIES",
-    "did_you_mean",
     "register_model",
     "register_dataset",
     "register_callback",
@@ -70,12 +70,6 @@ class Registry:
 
     def suggestion(self, name: str) -> str:
         return did_you_mean(name, self.names())
-
-
-def did_you_mean(name, options) -> str:
-    """`` (did you mean 'x'?)`` for the closest of ``options``, or an empty string."""
-    close = get_close_matches(str(name), [str(o) for o in options], n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 REGISTRIES = {
