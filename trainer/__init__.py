@@ -32,13 +32,13 @@ from .callbacks import (
     ProgbarLogger,
     ReduceLROnPlateau,
     SwapEMAWeights,
+    TensorBoard,
     TerminateOnNaN,
     TorchLRScheduler,
 )
 from .checkpoint import CheckpointError
 from .model_summary import ModelSummary, summary
 from .preemption import Preempted
-from .tensorboard import TensorBoard
 from .trainer import Trainer
 
 #: The exit status of a run that saved its backup and stopped on a preemption signal

@@ -10,7 +10,6 @@ from replicafit.optimizers import schedules
 
 from . import callbacks, datasets, losses, metrics, models
 from .registry import REGISTRIES
-from .tensorboard import TensorBoard
 
 
 def optimizer_arguments() -> str:
@@ -150,7 +149,7 @@ def _register_all() -> None:
         ("backup_and_restore", callbacks.BackupAndRestore),
         ("swap_ema_weights", callbacks.SwapEMAWeights),
         ("torch_lr_scheduler", callbacks.TorchLRScheduler),
-        ("tensorboard", TensorBoard),
+        ("tensorboard", callbacks.TensorBoard),
     ):
         register("callback", name, cls)
 

@@ -305,10 +305,9 @@ def _fit(args) -> int:
     import yaml
 
     from . import recipes
-    from .callbacks import CSVLogger, ModelCheckpoint
+    from .callbacks import CSVLogger, ModelCheckpoint, TensorBoard
     from .model_summary import summary
     from .preemption import noting
-    from .tensorboard import TensorBoard
 
     recipe, checked = _load(args)
     run_dir = _run_dir(args, recipe)
