@@ -70,7 +70,7 @@ DANGEROUS_TYPES = [
     ("pickle:loads", "data: !!binary gASVAAAAAAAAAA=="),
     ("importlib:import_module", "name: antigravity"),
     ("replicafit.trainer.cli:main", "argv: [fit, digits_mlp, --run-dir, CANARY]"),
-    ("replicafit.trainer.recipes:build", "recipe: CANARY"),
+    ("replicafit.recipes:build", "recipe: CANARY"),
     (".foo:bar", ""),
     ("..x:y", ""),
     (":attr", ""),
@@ -80,7 +80,7 @@ DANGEROUS_TYPES = [
     ("json:loads", "s: '[1]'"),
     ("torch.nn:Linear", "in_features: 2\n  out_features: 2"),
     ("replicafit.strategies:MirroredStrategy", "devices: [cpu:0, cpu:1]"),
-    ("replicafit.trainer.models:mlp", "hidden: [4]"),
+    ("replicafit.recipes.models:mlp", "hidden: [4]"),
     ("a:b:c", ""),
     ("os:system\x00x", ""),
 ]

@@ -24,7 +24,7 @@ import tempfile
 import torch
 
 import replicafit.strategies as ds
-from replicafit.trainer import recipes
+from replicafit import recipes
 from replicafit.trainer.launch import launch_local
 
 SETTINGS = ["fit.epochs=2", "model.dropout=0"]

@@ -15,7 +15,8 @@ import sys
 import torch
 
 import replicafit.strategies as ds
-from replicafit.trainer import Trainer, datasets
+from replicafit.recipes import datasets
+from replicafit.trainer import Trainer
 from replicafit.trainer.launch import launch_local
 
 

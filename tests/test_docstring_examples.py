@@ -38,14 +38,20 @@ MODULES_WITH_EXAMPLES = [
     "replicafit.trainer.model_io",
     "replicafit.trainer.losses",
     "replicafit.trainer.metrics",
-    "replicafit.trainer.models",
+    "replicafit.recipes.models",
 ]
 
 
 def all_modules() -> list[str]:
     """Every module of the installed package (``__main__`` modules run the command, so not those)."""
     names = {"replicafit"}
-    for package in ("replicafit.strategies", "replicafit.data", "replicafit.optimizers", "replicafit.trainer"):
+    for package in (
+        "replicafit.strategies",
+        "replicafit.data",
+        "replicafit.optimizers",
+        "replicafit.trainer",
+        "replicafit.recipes",
+    ):
         names.add(package)
         for info in pkgutil.walk_packages(importlib.import_module(package).__path__, f"{package}."):
             names.add(info.name)

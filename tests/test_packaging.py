@@ -153,7 +153,7 @@ def test_no_top_level_import_remains_anywhere():
 
 def test_the_old_import_pattern_catches_what_it_should():
     for text in ("import strategies as ds", "from data import datasets", ">>> import torch, strategies as ds",
-                 "    from trainer.registry import register_model", "import optimizers"):  # fmt: skip
+                 "    from trainer.callbacks import Callback", "import optimizers"):  # fmt: skip
         assert _OLD_IMPORT.search(text), text
     for text in ("import replicafit.strategies as ds", "from replicafit.data import datasets",
                  "from replicafit import optimizers", "from . import data"):  # fmt: skip

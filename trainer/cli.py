@@ -155,7 +155,7 @@ def _main(argv) -> int:
     from replicafit._lifeline import watch_launcher
 
     watch_launcher()  # a launched worker: from the start, not only once it joins its cluster
-    from .recipes import RecipeError
+    from replicafit.recipes import RecipeError
 
     args = _parser().parse_args(argv)
     try:
@@ -202,7 +202,7 @@ class _UsageError(Exception):
 
 
 def _load(args):
-    from . import recipes
+    from replicafit import recipes
 
     recipe = recipes.load(args.recipe, args.overrides)
     return recipe, recipes.validate(recipe)
@@ -215,8 +215,8 @@ def _validate(args) -> int:
 
 
 def _list(args) -> int:
-    from . import recipes  # also registers the built-ins
-    from .registry import REGISTRIES
+    from replicafit import recipes  # also registers the built-ins
+    from replicafit.recipes.registry import REGISTRIES
 
     kinds = [args.kind] if args.kind else ["recipes", *REGISTRIES]
     for kind in kinds:
@@ -231,7 +231,7 @@ def _list(args) -> int:
         for name, description in REGISTRIES[kind].describe():
             print(f"  {name:<28} {description}")
         if kind == "optimizer":
-            from .builtins import optimizer_arguments
+            from replicafit.recipes.builtins import optimizer_arguments
 
             print(f"  ({optimizer_arguments()})")
     return 0
@@ -269,7 +269,8 @@ def _check_workers(args) -> None:
 def _launch(args) -> int:
     """``--workers N``: one parse of the recipe here (a bad file or --set fails once, before any
     worker starts), the run directory chosen once, then N workers that each run ``fit``."""
-    from . import recipes
+    from replicafit import recipes
+
     from .launch import launch_local
 
     recipe = recipes.load(args.recipe, args.overrides)
@@ -304,7 +305,9 @@ def _fit(args) -> int:
 
     import yaml
 
-    from . import recipes
+    from replicafit import recipes
+    from replicafit.recipes.build import TENSORBOARD_DIR
+
     from .callbacks import CSVLogger, ModelCheckpoint, TensorBoard
     from .model_summary import summary
     from .preemption import noting
@@ -327,7 +330,7 @@ def _fit(args) -> int:
         summary(run.model, input_data=_example_input(run.train))
     extra = []
     if args.tensorboard and not any(isinstance(c, TensorBoard) for c in run.callbacks):
-        extra.append(TensorBoard(os.path.join(run_dir, recipes.TENSORBOARD_DIR)))
+        extra.append(TensorBoard(os.path.join(run_dir, TENSORBOARD_DIR)))
     validating = run.fit_kwargs.get("validation_data") is not None or run.fit_kwargs.get("validation_split")
     callbacks = [
         *run.callbacks,
@@ -504,7 +507,8 @@ def _example_input(train):
 
 
 def _checkpointed_run(args):
-    from . import recipes
+    from replicafit import recipes
+
     from .checkpoint import CheckpointError
 
     recipe, checked = _load(args)

@@ -21,8 +21,9 @@ import pytest
 import torch
 import yaml
 
-from replicafit.trainer import cli, datasets
-from replicafit.trainer.registry import REGISTRIES
+from replicafit.recipes import datasets
+from replicafit.recipes.registry import REGISTRIES
+from replicafit.trainer import cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"
@@ -151,8 +152,8 @@ def test_old_top_level_spelling_names_the_new_one(tmp_path, capsys):
         "'strategies:MirroredStrategy'"
     )
     recipe.write_text("model:\n  type: trainer.models:mlp\ndata: digits\n")
-    assert "write 'replicafit.trainer.models:mlp'" in run_cli(capsys, "validate", recipe)[2]
-    recipe.write_text("model:\n  type: replicafit.trainer.models:mlp\ndata: digits\n")
+    assert "write 'replicafit.recipes.models:mlp'" in run_cli(capsys, "validate", recipe)[2]
+    recipe.write_text("model:\n  type: replicafit.recipes.models:mlp\ndata: digits\n")
     assert run_cli(capsys, "validate", recipe)[0] == 0
 
 

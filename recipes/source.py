@@ -1,5 +1,5 @@
 """Where a recipe comes from and what it is once read: ``locate`` finds the file (a path, or the name of a
-shipped recipe: ``shipped``, ``describe``), ``load`` reads it (``recipe_loader``: text, ``${VAR}``, YAML) and
+shipped recipe: ``shipped``, ``describe``), ``load`` reads it (``loader``: text, ``${VAR}``, YAML) and
 applies the ``--set`` overrides, and returns a ``Recipe``: its data, the line of each key path, and the error
 to raise at a key.
 
@@ -15,9 +15,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from . import recipe_loader
-from .recipe_loader import RecipeError, format_key
-from .spelling import did_you_mean
+from replicafit.trainer.spelling import did_you_mean
+
+from . import loader
+from .loader import RecipeError, format_key
 
 __all__ = ["SECTIONS", "Recipe", "load", "locate", "shipped", "describe"]
 
@@ -71,7 +72,7 @@ def _parse_override(text: str, path: str):
         if not part:
             raise RecipeError(path, None, "--set", f"{key!r} is not a key path (write e.g. fit.epochs=3)")
         parts.append(int(part) if part.isascii() and part.isdigit() else part)
-    return tuple(parts), recipe_loader.parse_value(raw, path, key)
+    return tuple(parts), loader.parse_value(raw, path, key)
 
 
 def _apply_override(data: dict, key: tuple, value, path: str) -> None:
@@ -153,15 +154,15 @@ def locate(name_or_path) -> str:
 
 
 def load(path, overrides=()) -> Recipe:
-    """Reads a recipe: UTF-8 text, environment interpolation, YAML (safe, bounded: see ``recipe_loader``),
+    """Reads a recipe: UTF-8 text, environment interpolation, YAML (safe, bounded: see ``loader``),
     then ``--set`` overrides.
 
     ``path`` is a file, or the name of a shipped recipe (``"digits_mlp"``, see ``locate``).
     """
     path = locate(path)
-    text = recipe_loader.interpolate(recipe_loader.read_text(path), path)
-    recipe_loader.check_characters(text, path)
-    data, lines = recipe_loader.parse(text, path)
+    text = loader.interpolate(loader.read_text(path), path)
+    loader.check_characters(text, path)
+    data, lines = loader.parse(text, path)
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -8,11 +8,12 @@ unknown name is let through.
 
 from __future__ import annotations
 
+from replicafit.trainer.spelling import did_you_mean
+
 from . import kinds
-from .recipe_calls import _named
-from .recipe_entries import _default, _entry_name, _parameters
-from .recipe_source import Recipe
-from .spelling import did_you_mean
+from .calls import _named
+from .entries import _default, _entry_name, _parameters
+from .source import Recipe
 
 # What a built-in callback does without its monitor: said in the message.
 _WITHOUT_MONITOR = {
@@ -77,7 +78,7 @@ def _monitor_use(factory, args: dict):
     """``(monitor, per-step)`` of a built-in callback that reads a monitor (None for the others, and for a
     ``model_checkpoint`` without ``save_best_only``); ``per-step``: ``(what makes it read each step's logs,
     the setting that reads the epoch's)``, or None."""
-    from .callbacks import EarlyStopping, ModelCheckpoint, ReduceLROnPlateau, TorchLRScheduler
+    from replicafit.trainer.callbacks import EarlyStopping, ModelCheckpoint, ReduceLROnPlateau, TorchLRScheduler
 
     monitor = args.get("monitor", _default(factory, "monitor"))
     if factory in (EarlyStopping, ReduceLROnPlateau):

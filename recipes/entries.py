@@ -12,10 +12,11 @@ import inspect
 import math
 import re
 
+from replicafit.trainer.spelling import did_you_mean
+
 from . import kinds
-from .recipe_source import Recipe, _short
 from .registry import REGISTRIES, resolve
-from .spelling import did_you_mean
+from .source import Recipe, _short
 
 __all__ = ["check_entry"]
 

@@ -9,14 +9,21 @@ The first problem found is raised as a ``RecipeError`` at its key.
 
 from __future__ import annotations
 
+from replicafit.trainer.arguments import (
+    EVALUATE_ARGUMENTS,
+    FIT_ARGUMENTS,
+    PRECISIONS,
+    argument_problem,
+    resolve_precision,
+)
+from replicafit.trainer.metrics import resolved_by_shapes
+from replicafit.trainer.spelling import did_you_mean
+
 from . import kinds
-from .arguments import EVALUATE_ARGUMENTS, FIT_ARGUMENTS, PRECISIONS, argument_problem, resolve_precision
-from .metrics import resolved_by_shapes
-from .recipe_calls import _call, _dataset_info, _model_inputs
-from .recipe_entries import _default, _entry_name, _parameters, _type_problem, check_entry
-from .recipe_monitors import _check_monitors
-from .recipe_source import SECTIONS, Recipe, _short
-from .spelling import did_you_mean
+from .calls import _call, _dataset_info, _model_inputs
+from .entries import _default, _entry_name, _parameters, _type_problem, check_entry
+from .monitors import _check_monitors
+from .source import SECTIONS, Recipe, _short
 
 __all__ = ["validate"]
 

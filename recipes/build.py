@@ -13,10 +13,10 @@ import inspect
 import os
 from dataclasses import dataclass
 
-from .recipe_calls import _built, _dataset_info, _model_inputs, _named, _type_at
-from .recipe_entries import _entry_name, _parameters
-from .recipe_source import Recipe
-from .recipe_validation import check_batchnorm_to_sync, validate
+from .calls import _built, _dataset_info, _model_inputs, _named, _type_at
+from .entries import _entry_name, _parameters
+from .source import Recipe
+from .validation import check_batchnorm_to_sync, validate
 
 __all__ = ["build", "Run", "TENSORBOARD_DIR"]
 
@@ -56,9 +56,7 @@ def build(recipe: Recipe, checked: dict | None = None, run_dir=None) -> Run:
     import torch
 
     from replicafit.data import InputOptions
-
-    from .callbacks import SwapEMAWeights
-    from .trainer import Trainer
+    from replicafit.trainer import SwapEMAWeights, Trainer
 
     checked = checked or validate(recipe)
     data = recipe.data

@@ -14,8 +14,8 @@ import re
 from replicafit.strategies import WorkerFailedError
 
 from . import kinds
-from .recipe_entries import _entry_name, _first_line, _parameters
-from .recipe_source import Recipe
+from .entries import _entry_name, _first_line, _parameters
+from .source import Recipe
 
 
 def _call(recipe: Recipe, key: tuple, factory, args, *, ours: bool = False, **extra):
