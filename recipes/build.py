@@ -13,8 +13,8 @@ import inspect
 import os
 from dataclasses import dataclass
 
-from .calls import _built, _dataset_info, _model_inputs, _named, _type_at
-from .entries import _entry_name, _parameters
+from .calls import build_entry, dataset_info, model_inputs, type_at, with_written_name
+from .entries import entry_name, factory_parameters
 from .source import Recipe
 from .validation import check_batchnorm_to_sync, validate
 
@@ -63,36 +63,36 @@ def build(recipe: Recipe, checked: dict | None = None, run_dir=None) -> Run:
     seed = data.get("seed")
     strategy = checked.get("strategy_instance")
     if strategy is None:
-        strategy = _built(recipe, ("strategy",), "strategy", *checked["strategy"])
+        strategy = build_entry(recipe, ("strategy",), "strategy", *checked["strategy"])
     info = checked.get("data_instance")
     if info is None:
-        info = _dataset_info(recipe, _built(recipe, ("data",), "dataset", *checked["data"]))
+        info = dataset_info(recipe, build_entry(recipe, ("data",), "dataset", *checked["data"]))
     model_factory, model_args = checked["model"]
-    extra = _model_inputs(model_factory, model_args, info)
+    extra = model_inputs(model_factory, model_args, info)
     _check_model_inputs(recipe, model_factory, model_args, extra, info)
     if seed is not None:
         torch.manual_seed(seed)
-    model = _built(recipe, ("model",), "model", model_factory, model_args, **extra)
+    model = build_entry(recipe, ("model",), "model", model_factory, model_args, **extra)
     if checked.get("sync_batchnorm"):
         model = _synchronized(recipe, model)
     with strategy.scope():
         optimizer_factory, optimizer_args = checked["optimizer"]
         if "schedule" in checked:
-            schedule = _built(recipe, ("optimizer", "learning_rate"), "schedule", *checked["schedule"])
+            schedule = build_entry(recipe, ("optimizer", "learning_rate"), "schedule", *checked["schedule"])
             optimizer_args = dict(optimizer_args, learning_rate=schedule)
-        optimizer = _built(recipe, ("optimizer",), "optimizer", optimizer_factory, optimizer_args)
+        optimizer = build_entry(recipe, ("optimizer",), "optimizer", optimizer_factory, optimizer_args)
         if checked["decay_exclusions"]:
             optimizer.exclude_from_weight_decay(var_names=checked["decay_exclusions"])
-    loss = _built(recipe, ("loss",), "loss", *checked["loss"])
-    metric_names = [_entry_name(m) for m in data.get("metrics", []) or []]
+    loss = build_entry(recipe, ("loss",), "loss", *checked["loss"])
+    metric_names = [entry_name(m) for m in data.get("metrics", []) or []]
     metrics = [
         factory
         if factory in ("accuracy", "crossentropy")
-        else _built(recipe, ("metrics", i), "metric", factory, _named(args, factory, metric_names[i]))
+        else build_entry(recipe, ("metrics", i), "metric", factory, with_written_name(args, factory, metric_names[i]))
         for i, (factory, args) in enumerate(checked["metrics"])
     ]
     callbacks = [
-        _built(recipe, ("callbacks", i), "callback", f, _in_run_dir(f, a, run_dir))
+        build_entry(recipe, ("callbacks", i), "callback", f, _in_run_dir(f, a, run_dir))
         for i, (f, a) in enumerate(checked["callbacks"])
     ]
     if getattr(optimizer, "use_ema", False) and not any(isinstance(c, SwapEMAWeights) for c in callbacks):
@@ -132,7 +132,7 @@ def _check_model_inputs(recipe: Recipe, factory, args: dict, extra: dict, info=N
     """A model size the recipe leaves out and the data does not give: refused here, with the fix."""
     from .datasets import training_data_form
 
-    params, _ = _parameters(factory)
+    params, _ = factory_parameters(factory)
     for name, entry in (("inputs", "inputs"), ("outputs", "classes")):
         param = params.get(name)
         if param is None or param.default is not inspect.Parameter.empty or name in args or name in extra:
@@ -157,7 +157,7 @@ def _check_training_data(recipe: Recipe, info: dict, fit_kwargs: dict, data_batc
 
     form = training_data_form(info["train"])
     batch_key = ("data", "batch_size") if "batch_size" in data_batch else ("fit", "batch_size")
-    type_key, type_name = _type_at(recipe, ("data",))
+    type_key, type_name = type_at(recipe, ("data",))
     if form == "dataset" and fit_kwargs.get("batch_size") is None:
         raise recipe.error(
             type_key,
@@ -179,6 +179,6 @@ def _check_training_data(recipe: Recipe, info: dict, fit_kwargs: dict, data_batc
 
 
 def _in_run_dir(factory, args: dict, run_dir) -> dict:
-    if run_dir is not None and "log_dir" in _parameters(factory)[0] and "log_dir" not in args:
+    if run_dir is not None and "log_dir" in factory_parameters(factory)[0] and "log_dir" not in args:
         return dict(args, log_dir=os.path.join(run_dir, TENSORBOARD_DIR))
     return args

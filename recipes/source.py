@@ -20,7 +20,7 @@ from replicafit.trainer.spelling import did_you_mean
 from . import loader
 from .loader import RecipeError, format_key
 
-__all__ = ["SECTIONS", "Recipe", "load", "locate", "shipped", "describe"]
+__all__ = ["SECTIONS", "Recipe", "load", "locate", "shipped", "describe", "short_repr"]
 
 SECTIONS = (
     "seed",
@@ -96,7 +96,7 @@ def _apply_override(data: dict, key: tuple, value, path: str) -> None:
         raise RecipeError(path, None, format_key(key), f"--set: no item {last} in that list")
     if not isinstance(target, (dict, list)):  # `--set seed.x=1` with `seed: 0`
         raise RecipeError(
-            path, None, format_key(key[:-1]), f"--set: {_short(target)} is not a mapping, it has no {last!r}"
+            path, None, format_key(key[:-1]), f"--set: {short_repr(target)} is not a mapping, it has no {last!r}"
         )
     target[last] = value
 
@@ -182,6 +182,16 @@ def _a(noun: str) -> str:
     return f"an {noun}" if noun[:1] in "aeiou" else f"a {noun}"
 
 
-def _short(value) -> str:
+def short_repr(value) -> str:
+    """``repr(value)`` cut to 80 characters: how a message quotes a value of the recipe's.
+
+    Example::
+
+        >>> short_repr([1, 2])
+        '[1, 2]'
+        >>> text = short_repr(list(range(100)))
+        >>> len(text), text[-5:]
+        (80, '21...')
+    """
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
