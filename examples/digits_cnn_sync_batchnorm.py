@@ -25,7 +25,7 @@ import torch
 
 import replicafit.strategies as ds
 from replicafit import recipes
-from replicafit.trainer.launch import launch_local
+from replicafit.cli.launch import launch_local
 
 SETTINGS = ["fit.epochs=2", "model.dropout=0"]
 

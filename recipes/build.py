@@ -3,7 +3,7 @@
 The strategy, the data, the model (its sizes from the data where the recipe leaves them out), the optimizer
 (in the strategy's scope, with its schedule and weight-decay exclusions), the loss, the metrics and the
 callbacks (``SwapEMAWeights`` first with ``use_ema``), and the ``Trainer``; each factory's result is refused
-unless it is of its section's kind (``recipe_calls``), and the data's form is checked against the batch size
+unless it is of its section's kind (``calls``), and the data's form is checked against the batch size
 before ``fit`` would refuse it mid-call.
 """
 

@@ -1,10 +1,10 @@
 """A whole recipe validated before anything runs; ``validate`` returns the factories and arguments ``build`` uses.
 
-The sections, the seed and the precision; each entry against its factory (``recipe_entries``); replicafit's own
+The sections, the seed and the precision; each entry against its factory (``entries``); replicafit's own
 built-ins constructed with the recipe's values (the strategy, the data, a built-in model on the ``meta``
 device); the optimizer's ``exclude_from_weight_decay``; fit's and evaluate's arguments as the trainer checks
-them (``arguments``); the data's task against the loss and the metrics; and the monitors (``recipe_monitors``).
-The first problem found is raised as a ``RecipeError`` at its key.
+them (``replicafit.trainer.arguments``); the data's task against the loss and the metrics; and the monitors
+(``monitors``). The first problem found is raised as a ``RecipeError`` at its key.
 """
 
 from __future__ import annotations

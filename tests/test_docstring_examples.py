@@ -51,6 +51,7 @@ def all_modules() -> list[str]:
         "replicafit.optimizers",
         "replicafit.trainer",
         "replicafit.recipes",
+        "replicafit.cli",
     ):
         names.add(package)
         for info in pkgutil.walk_packages(importlib.import_module(package).__path__, f"{package}."):

@@ -24,7 +24,7 @@ import replicafit
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OLD_NAMES = ("strategies", "data", "optimizers", "trainer")
 MAPPED = {"replicafit.strategies": "strategies", "replicafit.data": "data", "replicafit.optimizers": "optimizers",
-          "replicafit.trainer": "trainer", "replicafit.recipes": "recipes"}  # fmt: skip
+          "replicafit.trainer": "trainer", "replicafit.recipes": "recipes", "replicafit.cli": "cli"}  # fmt: skip
 
 
 def python(code: str, cwd, timeout=120) -> subprocess.CompletedProcess:
@@ -119,10 +119,10 @@ def _all_modules() -> list:
 
 def test_importing_everything_loads_no_top_level_package(tmp_path):
     modules = _all_modules()
-    assert "replicafit.trainer.cli" in modules and "replicafit.strategies.runner" in modules
+    assert "replicafit.cli.command" in modules and "replicafit.strategies.runner" in modules
     result = python(
         f"import importlib, sys\nfor name in {modules!r}:\n    importlib.import_module(name)\n"
-        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {OLD_NAMES!r}))\n",
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {OLD_NAMES + ('recipes', 'cli')!r}))\n",
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
@@ -186,7 +186,7 @@ def test_package_data_ships_the_data_files():
     assert "*.npz" in data["replicafit.data.datasets"]
     assert "*.yaml" in data["replicafit.recipes"]
     scripts = _setup_cfg()["options.entry_points"]["console_scripts"].split()
-    assert scripts == ["replicafit", "=", "replicafit.trainer.cli:main"]
+    assert scripts == ["replicafit", "=", "replicafit.cli:main"]
 
 
 # --- a user's own modules beside replicafit ---------------------------------------------------------

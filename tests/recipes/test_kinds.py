@@ -18,10 +18,9 @@ import pytest
 import torch
 
 import replicafit.strategies as ds
-from replicafit import recipes
+from replicafit import cli, recipes
 from replicafit.recipes import datasets, kinds
 from replicafit.recipes.registry import register_dataset
-from replicafit.trainer import cli
 
 USER_CODE = """
 import os

@@ -12,9 +12,8 @@ import textwrap
 
 import pytest
 
-from replicafit import recipes
+from replicafit import cli, recipes
 from replicafit.recipes.loader import MAX_BYTES, MAX_DEPTH, MAX_NODES, parse
-from replicafit.trainer import cli
 
 GOOD = "model: mlp\ndata: digits\n"
 

@@ -1,7 +1,7 @@
 """YAML recipes: loading, validation errors, --set, ${VAR}, registries.
 
 A bad recipe gets one message ``file:line: key.path: problem`` (a did-you-mean for a misspelt
-key or name), exit status 2 and no traceback. Most tests call ``replicafit.trainer.cli.main`` directly;
+key or name), exit status 2 and no traceback. Most tests call ``replicafit.cli.main`` directly;
 test_cli.py runs the command end to end.
 """
 
@@ -17,10 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from replicafit import recipes
+from replicafit import cli, recipes
 from replicafit.recipes import models as builtin_models
 from replicafit.recipes.registry import REGISTRIES, register_dataset, register_model
-from replicafit.trainer import cli
 
 MARK = "#<"  # marks the line an error must point at
 

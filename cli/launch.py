@@ -47,7 +47,7 @@ is shown by default.
 Example::
 
     import sys
-    from replicafit.trainer.launch import launch_local
+    from replicafit.cli.launch import launch_local
 
     code = "import os; print(os.environ['RANK'], os.environ['WORLD_SIZE'])"
     status = launch_local([sys.executable, "-c", code], num_workers=2)   # prints "0 2"; status 0
@@ -66,16 +66,16 @@ import time
 from collections.abc import Mapping, Sequence
 
 from replicafit._lifeline import LIFELINE_ENV
-
-from .preemption import PREEMPTED_EXIT_STATUS
+from replicafit.trainer import PREEMPTED_EXIT_STATUS
 
 __all__ = ["PEER_FAILED_EXIT_STATUS", "TAIL_LINES", "free_port", "launch_local", "launched_worker"]
 
-# A worker that gave up because another died or stopped arriving (``replicafit fit`` on ``WorkerFailedError``;
-# sysexits' EX_UNAVAILABLE): the cause is another worker, which the launcher looks for.
+#: The exit status of a worker that gave up because another died or stopped arriving (``replicafit fit`` on
+#: ``WorkerFailedError``; sysexits' EX_UNAVAILABLE): the cause is another worker, which the launcher looks for.
 PEER_FAILED_EXIT_STATUS = 69
 
-TAIL_LINES = 64  # lines of a non-chief worker's stderr kept to show when it fails
+#: How many lines of a non-chief worker's stderr the launcher keeps, to show when that worker fails.
+TAIL_LINES = 64
 _LOOPBACK = "127.0.0.1"
 _LONGEST_LINE = 1 << 16  # bytes kept of a line that has no end yet
 _REAP_SECONDS = 5.0  # after SIGKILL: how long to wait for the kernel to end a child (bounded, never forever)

@@ -21,9 +21,10 @@ import pytest
 import torch
 import yaml
 
+from replicafit import cli
+from replicafit.cli.command import COMMANDS
 from replicafit.recipes import datasets
 from replicafit.recipes.registry import REGISTRIES
-from replicafit.trainer import cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"
@@ -501,7 +502,7 @@ def test_ctrl_c_prints_interrupted_and_exits_130(capsys, monkeypatch, command):
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, f"_{command}", interrupted)
+    monkeypatch.setitem(COMMANDS, command, interrupted)
     argv = [command] + (["digits_mlp"] if command != "list" else [])
     status, out, err = run_cli(capsys, *argv)
     assert (status, out, err) == (130, "", "interrupted\n")
