@@ -9,7 +9,7 @@ environment that ``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 - **Re-exec, not fork or spawn**: each child runs the whole command again (recipes are re-read,
   nothing is pickled, process-global settings are rebuilt by the child).
 - **Output**: worker 0 (the chief) writes to this process's stdout and stderr; the others' stdout
-  is dropped (``log_all_workers``: shown, each line prefixed ``[worker i] ``) and the last 64
+  is dropped (``log_all_workers``: shown, each line prefixed ``"[worker i] "``) and the last 64
   lines of their stderr are kept, to show when that worker fails.
 - **Faults**: when a worker exits non-zero or is killed by a signal, the others get SIGTERM,
   then SIGKILL after ``grace_seconds`` (a worker stuck in a collective ignores a polite
@@ -135,7 +135,7 @@ def launch_local(
       num_workers: how many workers (>= 1).
       max_restarts: how many times all workers are started again after one fails (>= 0).
       log_all_workers: also show the other workers' stdout and stderr, each line prefixed
-        ``[worker i] ``.
+        ``"[worker i] "``.
       grace_seconds: between SIGTERM (or the forwarded SIGINT) and SIGKILL.
       poll_seconds: how often the workers are checked.
       env: the environment the workers' variables are added to (default: this process's).

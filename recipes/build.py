@@ -23,7 +23,15 @@ __all__ = ["build", "Run", "TENSORBOARD_DIR"]
 
 @dataclass
 class Run:
-    """Everything a recipe builds."""
+    """Everything a recipe builds: the strategy, the model, the data (``info``: what the dataset factory
+    returned, as a dict), the ``Trainer``, the recipe's callbacks and the arguments of ``fit`` and
+    ``evaluate``.
+
+    Example::
+
+        run = build(load("digits_mlp", overrides=["fit.epochs=1"]))
+        history = run.trainer.fit(run.model, run.train, callbacks=run.callbacks, **run.fit_kwargs)
+    """
 
     recipe: Recipe
     strategy: object
@@ -36,10 +44,12 @@ class Run:
 
     @property
     def train(self):
+        """The training data, in the form the dataset gave it (what ``fit`` takes)."""
         return self.info["train"]
 
     @property
     def validation(self):
+        """The validation data the dataset gave, or None (``fit_kwargs`` holds it as ``validation_data``)."""
         return self.info.get("validation")
 
 

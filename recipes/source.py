@@ -22,6 +22,7 @@ from .loader import RecipeError, format_key
 
 __all__ = ["SECTIONS", "Recipe", "load", "locate", "shipped", "describe", "short_repr"]
 
+#: The top-level keys a recipe may have, in the order a recipe usually lists them.
 SECTIONS = (
     "seed",
     "precision",
@@ -39,7 +40,17 @@ SECTIONS = (
 
 @dataclass
 class Recipe:
-    """A loaded recipe: its data, where each key path sits in the file, and its source path."""
+    """A loaded recipe: its data, where each key path sits in the file, and its source path.
+
+    ``data`` is the YAML document with the ``--set`` overrides applied; ``lines`` maps each key path
+    (``("optimizer", "learning_rate")``, ``("callbacks", 0)``) to its line in the file.
+
+    Example::
+
+        recipe = load("digits_mlp")
+        recipe.name, recipe.data["fit"]["epochs"]   # ('digits_mlp', 20)
+        raise recipe.error(("fit", "epochs"), "must be a positive integer")
+    """
 
     path: str
     data: dict
@@ -47,12 +58,19 @@ class Recipe:
 
     @property
     def name(self) -> str:
+        """The file's name without its folder or extension (``digits_mlp``); run directories carry it."""
         return os.path.splitext(os.path.basename(self.path))[0]
 
     def error(self, key: tuple, message: str) -> RecipeError:
+        """A ``RecipeError`` about the value at key path ``key``: ``file:line: key.path: message``.
+
+        The line is the key's own, or that of the nearest enclosing key the file has (a key that an
+        override added, or that the recipe leaves out, points at its section).
+        """
         return RecipeError(self.path, self.line(key), format_key(key), message)
 
     def line(self, key: tuple):
+        """The line of key path ``key`` in the file, or of its nearest enclosing key there; None for none."""
         while key:
             if key in self.lines:
                 return self.lines[key]

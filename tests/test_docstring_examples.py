@@ -123,6 +123,8 @@ def rendered_docstrings() -> list[tuple[str, str]]:
         "replicafit.data",
         "replicafit.optimizers",
         "replicafit.trainer",
+        "replicafit.recipes",
+        "replicafit.cli",
     ):
         found.setdefault(module, importlib.import_module(module).__doc__ or "")
     return sorted(found.items())
