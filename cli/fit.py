@@ -95,7 +95,7 @@ def fit(args) -> int:
     import yaml
 
     from replicafit import recipes
-    from replicafit.recipes.build import TENSORBOARD_DIR
+    from replicafit.recipes.builder import TENSORBOARD_DIR
     from replicafit.trainer import CSVLogger, ModelCheckpoint, TensorBoard, summary
     from replicafit.trainer.preemption import noting
 

@@ -52,14 +52,14 @@ YAML), ``source`` (``Recipe``, ``load``, ``locate``, the shipped recipes and the
 overrides), ``registry`` (the names a recipe can use; ``register_model``, ``register_dataset``,
 ``register_callback``), ``kinds`` (what a section may name and what its factory must return),
 ``entries`` (one entry against its factory's signature), ``calls`` (calling what a recipe names),
-``monitors`` (the names callbacks monitor), ``validation`` (``validate``), ``build`` (``build``,
+``monitors`` (the names callbacks monitor), ``validation`` (``validate``), ``builder`` (``build``,
 ``Run``), and the built-in names: ``builtins`` (registers them), ``models`` and ``datasets``.
 """
 
 from __future__ import annotations
 
 from . import builtins  # noqa: F401 - importing builtins registers the built-in names
-from .build import Run, build
+from .builder import Run, build
 from .loader import RecipeError
 from .source import SECTIONS, Recipe, describe, load, locate, shipped
 from .validation import validate

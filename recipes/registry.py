@@ -156,7 +156,7 @@ _MOVED_MODULES = {
             ("recipe_calls", "calls"),
             ("recipe_monitors", "monitors"),
             ("recipe_validation", "validation"),
-            ("recipe_build", "build"),
+            ("recipe_build", "builder"),
             ("registry", "registry"),
             ("kinds", "kinds"),
             ("builtins", "builtins"),
