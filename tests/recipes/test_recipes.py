@@ -1407,6 +1407,21 @@ def test_callback_frequencies_take_a_number_or_a_word(tmp_path, entry):
     recipes.validate(recipes.load(path))
 
 
+def test_resolve_names_the_new_home_of_a_module_that_moved_out_of_the_trainer():
+    """The recipe system, the command and TensorBoard moved out of replicafit.trainer: a recipe that names
+    one of their modules by its old path is told the new one (and a top-level old spelling gets the new one)."""
+    from replicafit.recipes.registry import resolve
+
+    message = "replicafit.trainer.models is now replicafit.recipes.models: write 'replicafit.recipes.models:mlp'"
+    with pytest.raises(ImportError, match=re.escape(message)):
+        resolve("model", "replicafit.trainer.models:mlp")
+    with pytest.raises(ImportError, match=re.escape("write 'replicafit.recipes.builtins:mirrored'")):
+        resolve("strategy", "replicafit.trainer.builtins:mirrored")
+    with pytest.raises(ImportError, match=re.escape("write 'replicafit.trainer.callbacks.tensorboard:TensorBoard'")):
+        resolve("callback", "trainer.tensorboard:TensorBoard")
+    assert resolve("model", "replicafit.recipes.models:mlp") is REGISTRIES["model"].get("mlp")
+
+
 def test_resolve_old_spelling_and_a_users_own_module_of_that_name(tmp_path, monkeypatch):
     from replicafit.recipes.registry import resolve
 
