@@ -123,7 +123,7 @@ def ddp(source: str) -> dict:
 
 def child(variant: str, source: str) -> None:
     import replicafit.strategies as ds
-    from replicafit.trainer.launch import launch_local
+    from replicafit.cli.launch import launch_local
 
     if variant != "one" and not ds.TorchrunClusterResolver.detected():
         command = [sys.executable, os.path.abspath(__file__), "--child", variant, source]

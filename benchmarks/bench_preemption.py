@@ -92,7 +92,7 @@ def main() -> int:
     if args._worker:
         worker(args._worker[0], int(args._worker[1]))
         return 0
-    from replicafit.trainer.launch import launch_local
+    from replicafit.cli.launch import launch_local
 
     with tempfile.TemporaryDirectory() as outdir:
         command = [sys.executable, os.path.abspath(__file__), "--_worker", outdir, str(args.rounds)]

@@ -42,9 +42,9 @@ from torch import nn
 
 import replicafit.strategies as ds
 from replicafit import optimizers
+from replicafit.cli.launch import launch_local
 from replicafit.strategies import sync_batchnorm
 from replicafit.trainer import Callback, Trainer
-from replicafit.trainer.launch import launch_local
 
 ROWS, BATCH, EPOCHS = 2048, 64, 4
 

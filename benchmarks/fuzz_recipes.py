@@ -12,7 +12,7 @@ one to three of them stacked per case.
 
 Each case runs in a fresh temporary directory holding a ``KEEP`` file, under a memory cap
 (``RLIMIT_AS``) and a timeout. A share of the cases runs ``python -m replicafit validate`` as a child
-process (real exit statuses and stderr); the rest call ``replicafit.trainer.cli.main`` in a pool of
+process (real exit statuses and stderr); the rest call ``replicafit.cli.main`` in a pool of
 worker processes, for speed. Prints the counts; exits 1 if any case printed a traceback, exited with
 another status, hung, or created or removed a file.
 
@@ -69,8 +69,8 @@ DANGEROUS_TYPES = [
     ("io:open", "file: CANARY\n  mode: w"),
     ("pickle:loads", "data: !!binary gASVAAAAAAAAAA=="),
     ("importlib:import_module", "name: antigravity"),
-    ("replicafit.trainer.cli:main", "argv: [fit, digits_mlp, --run-dir, CANARY]"),
-    ("replicafit.trainer.recipes:build", "recipe: CANARY"),
+    ("replicafit.cli:main", "argv: [fit, digits_mlp, --run-dir, CANARY]"),
+    ("replicafit.recipes:build", "recipe: CANARY"),
     (".foo:bar", ""),
     ("..x:y", ""),
     (":attr", ""),
@@ -80,7 +80,7 @@ DANGEROUS_TYPES = [
     ("json:loads", "s: '[1]'"),
     ("torch.nn:Linear", "in_features: 2\n  out_features: 2"),
     ("replicafit.strategies:MirroredStrategy", "devices: [cpu:0, cpu:1]"),
-    ("replicafit.trainer.models:mlp", "hidden: [4]"),
+    ("replicafit.recipes.models:mlp", "hidden: [4]"),
     ("a:b:c", ""),
     ("os:system\x00x", ""),
 ]
@@ -357,7 +357,7 @@ def _alarm(*_):
 
 def _in_process(case, timeout: float) -> dict:
     """Runs in a pool worker: ``cli.main(["validate", ...])`` with the worker's memory cap and an alarm."""
-    from replicafit.trainer import cli
+    from replicafit import cli
 
     name, data, argv = case
     folder, here = _prepare(data), os.getcwd()
@@ -429,7 +429,7 @@ def _result(name, how, status, err, escaped, changed) -> dict:
 def _worker_init() -> None:
     _cap_memory()
     os.environ["PYTHONUNBUFFERED"] = "1"
-    from replicafit.trainer import cli  # noqa: F401 - imported once per worker: in-process cases are fast
+    from replicafit import cli  # noqa: F401 - imported once per worker: in-process cases are fast
 
 
 def _run(task) -> dict:

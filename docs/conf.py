@@ -70,6 +70,7 @@ nitpick_ignore = [
         "torch.utils.data.dataset.Dataset",
         "numpy.ndarray",
         "collections.abc.Mapping",
+        "collections.abc.Sequence",
         "collections.OrderedDict",
         "enum.Enum",
         "replicafit.strategies.rng.ReplicaStreams",

@@ -24,8 +24,8 @@ import tempfile
 import torch
 
 import replicafit.strategies as ds
-from replicafit.trainer import recipes
-from replicafit.trainer.launch import launch_local
+from replicafit import recipes
+from replicafit.cli.launch import launch_local
 
 SETTINGS = ["fit.epochs=2", "model.dropout=0"]
 

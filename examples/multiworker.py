@@ -15,8 +15,9 @@ import sys
 import torch
 
 import replicafit.strategies as ds
-from replicafit.trainer import Trainer, datasets
-from replicafit.trainer.launch import launch_local
+from replicafit.cli.launch import launch_local
+from replicafit.recipes import datasets
+from replicafit.trainer import Trainer
 
 
 def train() -> None:

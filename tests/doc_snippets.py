@@ -183,7 +183,7 @@ def problems(page_blocks: list[Block]) -> list[str]:
 def _validate_recipe(block: Block, folder: str) -> None:
     import yaml
 
-    from replicafit.trainer import recipes
+    from replicafit import recipes
 
     text = block.code
     sections = yaml.safe_load(text)

@@ -38,14 +38,21 @@ MODULES_WITH_EXAMPLES = [
     "replicafit.trainer.model_io",
     "replicafit.trainer.losses",
     "replicafit.trainer.metrics",
-    "replicafit.trainer.models",
+    "replicafit.recipes.models",
 ]
 
 
 def all_modules() -> list[str]:
     """Every module of the installed package (``__main__`` modules run the command, so not those)."""
     names = {"replicafit"}
-    for package in ("replicafit.strategies", "replicafit.data", "replicafit.optimizers", "replicafit.trainer"):
+    for package in (
+        "replicafit.strategies",
+        "replicafit.data",
+        "replicafit.optimizers",
+        "replicafit.trainer",
+        "replicafit.recipes",
+        "replicafit.cli",
+    ):
         names.add(package)
         for info in pkgutil.walk_packages(importlib.import_module(package).__path__, f"{package}."):
             names.add(info.name)
@@ -116,6 +123,8 @@ def rendered_docstrings() -> list[tuple[str, str]]:
         "replicafit.data",
         "replicafit.optimizers",
         "replicafit.trainer",
+        "replicafit.recipes",
+        "replicafit.cli",
     ):
         found.setdefault(module, importlib.import_module(module).__doc__ or "")
     return sorted(found.items())

@@ -9,12 +9,12 @@ Example::
 Rooms: ``trainer.py`` (``Trainer`` and its steps, evaluate, predict), ``fit_loop.py`` (fit and its
 per-fit plan), ``training_state.py`` (what checkpoints and backups keep), ``arguments.py`` and
 ``input_checks.py`` (the checks at the entry), ``inputs.py`` (the data as the trainer reads it),
-``callbacks/`` (one callback per file, a shared monitor base), ``losses.py``, ``metrics.py``,
-``checkpoint.py`` (the file format), the recipes (``recipes.py``, the public entry;
-``recipe_source.py``, ``recipe_entries.py``, ``recipe_calls.py``, ``recipe_monitors.py``,
-``recipe_validation.py``, ``recipe_build.py``, ``recipe_loader.py``, ``registry.py``, ``kinds.py``,
-``builtins.py``) and the ``replicafit`` command (``cli.py``,
-``launch.py``, ``preemption.py``: saving before preemption).
+``model_io.py`` (how the trainer calls a model), ``callbacks/`` (every callback, one per file, a shared
+monitor base; ``TensorBoard`` among them), ``losses.py``, ``metrics.py``, ``checkpoint.py`` (the file
+format), ``model_summary.py`` (``summary``), ``preemption.py`` (saving before preemption) and
+``spelling.py`` (the did-you-mean hint of error messages). The recipe system (``replicafit.recipes``)
+and the ``replicafit`` command with its launcher (``replicafit.cli``) live in packages of their own
+above this one.
 """
 
 from . import callbacks, checkpoint, losses, metrics
@@ -32,13 +32,13 @@ from .callbacks import (
     ProgbarLogger,
     ReduceLROnPlateau,
     SwapEMAWeights,
+    TensorBoard,
     TerminateOnNaN,
     TorchLRScheduler,
 )
 from .checkpoint import CheckpointError
 from .model_summary import ModelSummary, summary
 from .preemption import Preempted
-from .tensorboard import TensorBoard
 from .trainer import Trainer
 
 #: The exit status of a run that saved its backup and stopped on a preemption signal

@@ -1,7 +1,7 @@
 """The checks at the trainer's entry: precision and the plain arguments of fit, evaluate and predict.
 
 One place says what each accepts; ``Trainer`` raises with these words at its entry and a recipe
-(``recipe_validation.py``) reports the same problems at the recipe's line, before anything is built.
+(``replicafit.recipes.validation``) reports the same problems at the recipe's line, before anything is built.
 
 Example::
 

@@ -71,7 +71,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .registry import did_you_mean
+from .spelling import did_you_mean
 
 # torch's private ``torch.nn.modules.loss._Loss`` is the base class of every torch loss module
 # (``nn.CrossEntropyLoss()`` ...): the only way to recognise one that a user passes.

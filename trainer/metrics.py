@@ -25,7 +25,7 @@ import replicafit.strategies as ds
 from replicafit.strategies import context
 
 from . import losses
-from .registry import did_you_mean
+from .spelling import did_you_mean
 
 __all__ = [
     "Metric",

@@ -1,7 +1,7 @@
 """A Sphinx extension that fails the build when a public name has no API reference entry.
 
-The public names are those of ``replicafit.__all__``, of the four packages' ``__all__`` and of
-the submodules those list (``replicafit.trainer.losses``, ``replicafit.optimizers.schedules``, ...).
+The public names are those of ``replicafit.__all__``, of the packages' ``__all__`` (``PACKAGES``) and
+of the submodules those list (``replicafit.trainer.losses``, ``replicafit.optimizers.schedules``, ...).
 Every one must be documented by an autodoc entry of the reference (re-exports count once: the
 root's ``replicafit.Trainer`` is ``replicafit.trainer.Trainer``), with a docstring; so must every
 public method and property a public class defines itself or inherits from an internal class
@@ -32,6 +32,8 @@ PACKAGES = (
     "replicafit.data",
     "replicafit.optimizers",
     "replicafit.trainer",
+    "replicafit.recipes",
+    "replicafit.cli",
 )
 
 

@@ -2,8 +2,9 @@
 
 One import root for everything. The packages are ``replicafit.strategies`` (the
 distribution runtime), ``replicafit.data`` (distributed datasets), ``replicafit.optimizers``
-(distribution-aware optimizers) and ``replicafit.trainer`` (``Trainer.fit``, callbacks,
-recipes). The everyday names are re-exported here and loaded on first use, so
+(distribution-aware optimizers), ``replicafit.trainer`` (``Trainer.fit``, callbacks),
+``replicafit.recipes`` (YAML recipes: a run in one file) and ``replicafit.cli`` (the
+``replicafit`` command). The everyday names are re-exported here and loaded on first use, so
 ``import replicafit`` itself imports nothing heavy (not even torch).
 
 Example::

@@ -2,6 +2,6 @@
 
 import sys
 
-from replicafit.trainer.cli import main
+from replicafit.cli import main
 
 sys.exit(main())

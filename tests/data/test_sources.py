@@ -490,7 +490,7 @@ def test_distributed_epochs_follow_set_epoch():
 def test_one_rule_says_what_in_memory_arrays_are(value, expected):
     """``data.is_array_nest`` is the one answer (the data layer and the trainer's recipes once had two
     that disagreed on ``(t, [t])`` and ``(t, ())``)."""
-    from replicafit.trainer.datasets import training_data_form
+    from replicafit.recipes.datasets import training_data_form
 
     assert data.is_array_nest(value) is expected
     assert (training_data_form(value) == "arrays") is expected

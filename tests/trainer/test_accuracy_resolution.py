@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from conftest import make_strategy
 from torch import nn
 
-from replicafit import optimizers
-from replicafit.trainer import Trainer, losses, metrics, recipes
+from replicafit import optimizers, recipes
+from replicafit.trainer import Trainer, losses, metrics
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -702,7 +702,7 @@ CLI_SMALL = ["--set", "model.hidden=[16]", "--set", "fit.verbose=0"]
 
 @pytest.fixture(scope="module")
 def cli_checkpoint(tmp_path_factory):
-    from replicafit.trainer import cli
+    from replicafit import cli
 
     run_dir = tmp_path_factory.mktemp("cli") / "run"
     status = cli.main(["fit", str(CLI_RECIPE), *CLI_SMALL, "--set", "fit.epochs=1", "--run-dir", str(run_dir)])
@@ -724,7 +724,7 @@ def cli_checkpoint(tmp_path_factory):
     ],
 )
 def test_cli_reports_a_damaged_checkpoint_in_one_message(cli_checkpoint, tmp_path, capsys, command, case, message):
-    from replicafit.trainer import cli
+    from replicafit import cli
 
     edit = {**ENTRY_DAMAGE, **OPTIMIZER_DAMAGE}[case][0]
     bad = rewritten(cli_checkpoint, tmp_path / f"{case}.pt", edit)

@@ -191,7 +191,7 @@ def test_a_backup_mid_window_keeps_the_windows_real_elements(tmp_path, name):
 
 
 def test_a_recipe_names_ignore_class():
-    from replicafit.trainer import recipes
+    from replicafit import recipes
 
     recipe = recipes.load(
         "digits_mlp", overrides=["loss.type=sparse_categorical_crossentropy", "loss.ignore_class=-100"]

@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import InterruptAt, make_strategy
 
-from replicafit import optimizers
-from replicafit.trainer import BackupAndRestore, Callback, EarlyStopping, SwapEMAWeights, Trainer, recipes
-from replicafit.trainer.recipes import RecipeError
+from replicafit import optimizers, recipes
+from replicafit.recipes import RecipeError
+from replicafit.trainer import BackupAndRestore, Callback, EarlyStopping, SwapEMAWeights, Trainer
 
 pytestmark = pytest.mark.timeout(120)
 

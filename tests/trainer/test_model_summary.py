@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import replicafit as rf
-from replicafit.trainer import models, summary
+from replicafit.recipes import models
+from replicafit.trainer import summary
 
 
 def quiet(model, **kwargs):

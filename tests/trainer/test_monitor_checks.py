@@ -19,14 +19,13 @@ import pytest
 import torch
 import yaml
 
-from replicafit import optimizers
+from replicafit import cli, optimizers
 from replicafit.trainer import (
     EarlyStopping,
     ModelCheckpoint,
     ReduceLROnPlateau,
     TorchLRScheduler,
     Trainer,
-    cli,
 )
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"

@@ -191,7 +191,7 @@ def test_a_worker_whose_chief_never_comes_fails_within_the_timeout_without_cpp_s
 
 def test_the_built_in_callbacks_need_no_per_step_stop_agreement_and_a_users_does(tmp_path):
     from replicafit.trainer import callbacks
-    from replicafit.trainer.tensorboard import TensorBoard
+    from replicafit.trainer.callbacks.tensorboard import TensorBoard
 
     built_in = [
         callbacks.History(),

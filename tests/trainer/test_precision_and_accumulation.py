@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import make_strategy
 
-from replicafit import optimizers
-from replicafit.trainer import Trainer, recipes
-from replicafit.trainer.recipe_loader import RecipeError
+from replicafit import optimizers, recipes
+from replicafit.recipes.loader import RecipeError
+from replicafit.trainer import Trainer
 
 X = torch.randn(64, 6, generator=torch.Generator().manual_seed(0))
 Y = (X[:, 0] > 0).long()

@@ -159,7 +159,7 @@ def test_a_seedless_fit_agrees_its_replica_seed_with_its_data_seed():
 
 
 def test_the_digits_recipe_with_dropout_is_reproducible():
-    from replicafit.trainer import recipes
+    from replicafit import recipes
 
     results = []
     for _ in range(2):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import replicafit.strategies as ds
-from replicafit.trainer import Callback, TensorBoard, Trainer, cli
+from replicafit import cli
+from replicafit.trainer import Callback, TensorBoard, Trainer
 from replicafit.trainer.callbacks import CallbackList
 
 event_accumulator = pytest.importorskip(

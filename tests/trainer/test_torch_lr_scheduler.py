@@ -12,9 +12,9 @@ import torch
 from conftest import STRATEGY_IDS, InterruptAt, make_strategy
 from torch.optim import lr_scheduler as L
 
-from replicafit import optimizers
-from replicafit.trainer import BackupAndRestore, Callback, TorchLRScheduler, Trainer, recipes
-from replicafit.trainer.recipes import RecipeError
+from replicafit import optimizers, recipes
+from replicafit.recipes import RecipeError
+from replicafit.trainer import BackupAndRestore, Callback, TorchLRScheduler, Trainer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -36,6 +36,7 @@ from .progbar_logger import ProgbarLogger
 from .progbar_logger import resolve_verbose as resolve_verbose  # the trainer's, outside __all__
 from .reduce_lr_on_plateau import ReduceLROnPlateau
 from .swap_ema_weights import SwapEMAWeights
+from .tensorboard import TensorBoard
 from .terminate_on_nan import TerminateOnNaN
 from .torch_lr_scheduler import TorchLRScheduler
 
@@ -54,4 +55,5 @@ __all__ = [
     "BackupAndRestore",
     "SwapEMAWeights",
     "TorchLRScheduler",
+    "TensorBoard",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 
-from ..registry import did_you_mean
+from ..spelling import did_you_mean
 from .callback import Callback
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import time
 
-from .callbacks import Callback
+from .callback import Callback
 
 __all__ = ["TensorBoard"]
 

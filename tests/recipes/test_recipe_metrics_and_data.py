@@ -15,8 +15,10 @@ import torch
 from test_recipes import run_cli
 from test_recipes import write as write_named
 
-from replicafit.trainer import Trainer, datasets, metrics, recipes
-from replicafit.trainer.registry import REGISTRIES
+from replicafit import recipes
+from replicafit.recipes import datasets
+from replicafit.recipes.registry import REGISTRIES
+from replicafit.trainer import Trainer, metrics
 
 pytestmark = pytest.mark.timeout(120)
 

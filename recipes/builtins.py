@@ -7,10 +7,10 @@ import inspect
 import replicafit.strategies as ds
 from replicafit import optimizers
 from replicafit.optimizers import schedules
+from replicafit.trainer import callbacks, losses, metrics
 
-from . import callbacks, datasets, losses, metrics, models
+from . import datasets, models
 from .registry import REGISTRIES
-from .tensorboard import TensorBoard
 
 
 def optimizer_arguments() -> str:
@@ -127,7 +127,7 @@ def _register_all() -> None:
     for name, cls in metrics._NAMES.items():
         register("metric", name, cls)
     # The names the trainer resolves from the shapes of labels and predictions (metrics.get), as a name or
-    # {type: ...}: the recipe hands the name itself to Trainer(metrics=[...]) (recipe_validation._check_metric).
+    # {type: ...}: the recipe hands the name itself to Trainer(metrics=[...]) (validation._check_metric).
     register(
         "metric",
         "accuracy",
@@ -150,7 +150,7 @@ def _register_all() -> None:
         ("backup_and_restore", callbacks.BackupAndRestore),
         ("swap_ema_weights", callbacks.SwapEMAWeights),
         ("torch_lr_scheduler", callbacks.TorchLRScheduler),
-        ("tensorboard", TensorBoard),
+        ("tensorboard", callbacks.TensorBoard),
     ):
         register("callback", name, cls)
 

@@ -1,4 +1,4 @@
-"""Code a recipe names (trainer/kinds.py): `validate` never calls it, `fit` refuses what is not of the section's
+"""Code a recipe names (recipes/kinds.py): `validate` never calls it, `fit` refuses what is not of the section's
 kind, and a recipe's own dataset factory may return any form `fit` takes.
 
 The contract: a recipe names code to run (``module:attr``), so it is trusted like a script; but only
@@ -18,8 +18,9 @@ import pytest
 import torch
 
 import replicafit.strategies as ds
-from replicafit.trainer import cli, datasets, kinds, recipes
-from replicafit.trainer.registry import register_dataset
+from replicafit import cli, recipes
+from replicafit.recipes import datasets, kinds
+from replicafit.recipes.registry import register_dataset
 
 USER_CODE = """
 import os
@@ -415,7 +416,7 @@ def test_factory_problem(section, factory, fragment):
 
 
 def test_only_replicafits_own_builtins_count_as_builtin():
-    from replicafit.trainer import builtins, models
+    from replicafit.recipes import builtins, models
 
     assert kinds.is_builtin("strategy", builtins.mirrored) and kinds.is_builtin("strategy", ds.MirroredStrategy)
     assert kinds.is_builtin("model", models.mlp) and kinds.is_builtin("dataset", datasets.digits)

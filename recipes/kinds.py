@@ -72,10 +72,9 @@ def _kinds() -> dict:
     from replicafit.optimizers import Optimizer
     from replicafit.optimizers.schedules import LearningRateSchedule
     from replicafit.strategies import Strategy
-
-    from .callbacks import Callback
-    from .losses import Loss
-    from .metrics import Metric
+    from replicafit.trainer.callbacks import Callback
+    from replicafit.trainer.losses import Loss
+    from replicafit.trainer.metrics import Metric
 
     def data_class(cls):
         return issubclass(cls, (torch.utils.data.Dataset, torch.utils.data.DataLoader, np.ndarray, torch.Tensor)) or (

@@ -1,24 +1,31 @@
 """A whole recipe validated before anything runs; ``validate`` returns the factories and arguments ``build`` uses.
 
-The sections, the seed and the precision; each entry against its factory (``recipe_entries``); replicafit's own
+The sections, the seed and the precision; each entry against its factory (``entries``); replicafit's own
 built-ins constructed with the recipe's values (the strategy, the data, a built-in model on the ``meta``
 device); the optimizer's ``exclude_from_weight_decay``; fit's and evaluate's arguments as the trainer checks
-them (``arguments``); the data's task against the loss and the metrics; and the monitors (``recipe_monitors``).
-The first problem found is raised as a ``RecipeError`` at its key.
+them (``replicafit.trainer.arguments``); the data's task against the loss and the metrics; and the monitors
+(``monitors``). The first problem found is raised as a ``RecipeError`` at its key.
 """
 
 from __future__ import annotations
 
-from . import kinds
-from .arguments import EVALUATE_ARGUMENTS, FIT_ARGUMENTS, PRECISIONS, argument_problem, resolve_precision
-from .metrics import resolved_by_shapes
-from .recipe_calls import _call, _dataset_info, _model_inputs
-from .recipe_entries import _default, _entry_name, _parameters, _type_problem, check_entry
-from .recipe_monitors import _check_monitors
-from .recipe_source import SECTIONS, Recipe, _short
-from .registry import did_you_mean
+from replicafit.trainer.arguments import (
+    EVALUATE_ARGUMENTS,
+    FIT_ARGUMENTS,
+    PRECISIONS,
+    argument_problem,
+    resolve_precision,
+)
+from replicafit.trainer.metrics import resolved_by_shapes
+from replicafit.trainer.spelling import did_you_mean
 
-__all__ = ["validate"]
+from . import kinds
+from .calls import call_factory, dataset_info, model_inputs
+from .entries import check_entry, entry_name, factory_parameters, parameter_default, type_problem
+from .monitors import check_monitors
+from .source import SECTIONS, Recipe, short_repr
+
+__all__ = ["validate", "check_batchnorm_to_sync"]
 
 # The trainer's arguments, as the trainer checks them (arguments.py), and fit's verbose.
 FIT_KEYS = {**FIT_ARGUMENTS, "verbose": "verbose"}
@@ -69,7 +76,7 @@ def validate(recipe: Recipe) -> dict:
     checked: dict = {}
     checked["strategy"] = check_entry(recipe, ("strategy",), data.get("strategy", "default"), "strategy")
     if kinds.is_builtin("strategy", checked["strategy"][0]):  # bad devices are found now
-        checked["strategy_instance"] = _call(recipe, ("strategy",), *checked["strategy"], ours=True)
+        checked["strategy_instance"] = call_factory(recipe, ("strategy",), *checked["strategy"], ours=True)
     data_entry = data["data"]
     batch_keys = {}
     checked["auto_shard_policy"] = None
@@ -80,9 +87,9 @@ def validate(recipe: Recipe) -> dict:
         data_entry = {k: v for k, v in data_entry.items() if k not in batch_keys and k != "auto_shard_policy"}
     checked["data"] = check_entry(recipe, ("data",), data_entry, "dataset")
     if kinds.is_builtin("dataset", checked["data"][0]):  # loads now: bad values fail here
-        checked["data_instance"] = _dataset_info(recipe, _call(recipe, ("data",), *checked["data"], ours=True))
+        checked["data_instance"] = dataset_info(recipe, call_factory(recipe, ("data",), *checked["data"], ours=True))
     for name, value in batch_keys.items():
-        problem = _type_problem(value, (int,), False)
+        problem = type_problem(value, (int,), False)
         if problem or value < 1:
             raise recipe.error(("data", name), problem or "must be a positive integer")
     checked["data_batch"] = batch_keys
@@ -97,7 +104,7 @@ def validate(recipe: Recipe) -> dict:
     if isinstance(rate, dict):
         checked["schedule"] = check_entry(recipe, ("optimizer", "learning_rate"), rate, "schedule")
     elif kinds.is_builtin("optimizer", checked["optimizer"][0]):  # bad values (accumulation steps, ...) fail now
-        _call(recipe, ("optimizer",), *checked["optimizer"], ours=True)
+        call_factory(recipe, ("optimizer",), *checked["optimizer"], ours=True)
     checked["loss"] = check_entry(recipe, ("loss",), data.get("loss", "cross_entropy"), "loss")
     metrics = data.get("metrics", [])
     if not isinstance(metrics, list):
@@ -109,27 +116,29 @@ def validate(recipe: Recipe) -> dict:
     checked["callbacks"] = [check_entry(recipe, ("callbacks", i), c, "callback") for i, c in enumerate(callbacks)]
     for index, entry in enumerate(checked["callbacks"]):
         if kinds.is_builtin("callback", entry[0]):  # bad values (save_freq, a signal's name...) fail now
-            _call(recipe, ("callbacks", index), *entry, ours=True)  # (ours construct without touching files)
+            call_factory(recipe, ("callbacks", index), *entry, ours=True)  # (ours construct without touching files)
     checked["fit"] = _check_plain(recipe, "fit", FIT_KEYS)
     checked["evaluate"] = _check_plain(recipe, "evaluate", EVALUATE_KEYS)
     if "batch_size" in batch_keys and "batch_size" in checked["fit"]:
         raise recipe.error(("fit", "batch_size"), "batch_size is set in data too: set it in one place")
     _check_task(recipe, checked)
-    _check_monitors(recipe, checked)
+    check_monitors(recipe, checked)
     return checked
 
 
 def _check_precision(recipe: Recipe, precision) -> None:
     if resolve_precision(precision) is None:
         hint = did_you_mean(str(precision), PRECISIONS)
-        raise recipe.error(("precision",), f"expected one of {', '.join(PRECISIONS)}{hint}, got {_short(precision)}")
+        raise recipe.error(
+            ("precision",), f"expected one of {', '.join(PRECISIONS)}{hint}, got {short_repr(precision)}"
+        )
 
 
 def _check_seed(recipe: Recipe, seed) -> None:
     if seed is None:
         return
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise recipe.error(("seed",), f"expected an integer, got {type(seed).__name__} {_short(seed)}")
+        raise recipe.error(("seed",), f"expected an integer, got {type(seed).__name__} {short_repr(seed)}")
     if not 0 <= seed <= MAX_SEED:
         raise recipe.error(("seed",), f"must be in [0, 2**64 - 1] (what torch.manual_seed takes), got {seed}")
 
@@ -142,7 +151,7 @@ def _shard_policy(recipe: Recipe, value):
     if value is False:  # YAML reads an unquoted `off` as false
         return AutoShardPolicy.OFF
     if not isinstance(value, str) or value.upper() not in names:
-        got = f"{type(value).__name__} {_short(value)}"
+        got = f"{type(value).__name__} {short_repr(value)}"
         hint = did_you_mean(value.upper(), names) if isinstance(value, str) else ""
         raise recipe.error(("data", "auto_shard_policy"), f"expected one of {', '.join(names)}{hint}, got {got}")
     return AutoShardPolicy[value.upper()]
@@ -156,7 +165,7 @@ def _sync_batchnorm(recipe: Recipe, model) -> tuple:
     flag = model["sync_batchnorm"]
     if not isinstance(flag, bool):
         raise recipe.error(
-            ("model", "sync_batchnorm"), f"expected true or false, got {type(flag).__name__} {_short(flag)}"
+            ("model", "sync_batchnorm"), f"expected true or false, got {type(flag).__name__} {short_repr(flag)}"
         )
     return {k: v for k, v in model.items() if k != "sync_batchnorm"}, flag
 
@@ -184,24 +193,29 @@ def _check_builtin_model(recipe: Recipe, checked: dict) -> None:
 
     factory, args = checked["model"]
     info = checked.get("data_instance") or {}
-    extra = _model_inputs(factory, args, info)
-    params, _ = _parameters(factory)
+    extra = model_inputs(factory, args, info)
+    params, _ = factory_parameters(factory)
     for name in ("inputs", "outputs"):  # the data is not known yet: any valid size stands in
         if name in params and name not in args and name not in extra:
             extra[name] = 1
     with torch.device("meta"):
-        model = _call(recipe, ("model",), factory, args, ours=True, **extra)
+        model = call_factory(recipe, ("model",), factory, args, ours=True, **extra)
     if checked["sync_batchnorm"]:
         check_batchnorm_to_sync(recipe, model)
 
 
 def check_batchnorm_to_sync(recipe: Recipe, model) -> None:
-    """``model.sync_batchnorm: true`` needs a model with BatchNorm layers: refused at that key otherwise."""
+    """``model.sync_batchnorm: true`` needs a model with BatchNorm layers: refused at that key otherwise.
+
+    Example::
+
+        check_batchnorm_to_sync(recipe, model)  # before nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    """
     from torch import nn
 
     if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         return
-    builtin = _entry_name(recipe.data["model"]) in ("cnn", "mlp")
+    builtin = entry_name(recipe.data["model"]) in ("cnn", "mlp")
     hint = "; the built-in cnn and mlp have them with `batch_norm: true`" if builtin else ""
     raise recipe.error(
         ("model", "sync_batchnorm"), f"the model has no BatchNorm layer to synchronize{hint} (or remove the key)"
@@ -211,7 +225,7 @@ def check_batchnorm_to_sync(recipe: Recipe, model) -> None:
 def _check_metric(recipe, index, value):
     """``accuracy`` and ``crossentropy`` (and ``acc``, ``ce``), as a name or ``{type: ...}``, are the names the
     trainer resolves from the data's shapes, as in ``Trainer(metrics=["accuracy"])``: ``(name, {})``."""
-    name = _entry_name(value)
+    name = entry_name(value)
     if not (isinstance(name, str) and resolved_by_shapes(name)):
         return check_entry(recipe, ("metrics", index), value, "metric")
     resolved = "accuracy" if name.lower() in ("accuracy", "acc") else "crossentropy"
@@ -245,7 +259,7 @@ def _check_plain(recipe: Recipe, section: str, keys: dict) -> dict:
                 raise recipe.error((section, name), f"expected 0, 1, 2 or 'auto', got {value!r}")
             continue
         # YAML's types first (a quoted number is a string), then the trainer's own rule.
-        problem = _type_problem(value, (_YAML_TYPE[kind],), kind == "size")
+        problem = type_problem(value, (_YAML_TYPE[kind],), kind == "size")
         if problem:
             raise recipe.error((section, name), problem)
         rule = argument_problem(value, kind)
@@ -258,10 +272,10 @@ def _check_plain(recipe: Recipe, section: str, keys: dict) -> dict:
 
 def _check_task(recipe: Recipe, checked: dict) -> None:
     factory, args = checked["data"]
-    task = args.get("task") or _default(factory, "task") or _task_of(factory)
+    task = args.get("task") or parameter_default(factory, "task") or _task_of(factory)
     if task not in ("classification", "regression"):
         return
-    loss = _entry_name(recipe.data.get("loss", "cross_entropy"))
+    loss = entry_name(recipe.data.get("loss", "cross_entropy"))
     if task == "regression" and loss in CLASSIFICATION_LOSSES:
         raise recipe.error(
             ("loss",), f"{loss!r} is a classification loss but the data is a regression task (use mse, mae or huber)"
@@ -271,7 +285,7 @@ def _check_task(recipe: Recipe, checked: dict) -> None:
             ("loss",), f"{loss!r} is a regression loss but the data is a classification task (use cross_entropy)"
         )
     for index, metric in enumerate(recipe.data.get("metrics", []) or []):
-        name = str(_entry_name(metric) or "").lower()
+        name = str(entry_name(metric) or "").lower()
         if task == "regression" and name in CLASSIFICATION_ONLY_METRICS:
             raise recipe.error(("metrics", index), f"{name!r} cannot be computed for a regression task")
         if task == "classification" and name in REGRESSION_ONLY_METRICS:

@@ -12,17 +12,30 @@ import inspect
 import math
 import re
 
-from . import kinds
-from .recipe_source import Recipe, _short
-from .registry import REGISTRIES, did_you_mean, resolve
+from replicafit.trainer.spelling import did_you_mean
 
-__all__ = ["check_entry"]
+from . import kinds
+from .registry import REGISTRIES, resolve
+from .source import Recipe, short_repr
+
+__all__ = ["check_entry", "factory_parameters", "parameter_default", "type_problem", "first_line", "entry_name"]
 
 _SIMPLE_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "list": list, "tuple": list, "dict": dict}
 
 
-def _parameters(factory) -> tuple:
-    """``(parameters by name, accepts **kwargs)`` of a function or class, following ``**kwargs`` to bases."""
+def factory_parameters(factory) -> tuple:
+    """``(parameters by name, accepts **kwargs)`` of a function or class, following ``**kwargs`` to bases.
+
+    A class's ``self`` and ``*args`` are left out; a class whose ``**kwargs`` go elsewhere
+    (``_open_kwargs``: ``TorchLRScheduler``'s go to the scheduler) keeps them open.
+
+    Example::
+
+        >>> from replicafit.optimizers import SGD
+        >>> params, open_kwargs = factory_parameters(SGD)  # SGD(**kwargs) passes them on to Optimizer
+        >>> "momentum" in params, "weight_decay" in params, open_kwargs
+        (True, True, False)
+    """
     params: dict = {}
     target = factory.__init__ if inspect.isclass(factory) else factory
     classes = inspect.getmro(factory) if inspect.isclass(factory) else ()
@@ -43,7 +56,7 @@ def _parameters(factory) -> tuple:
     if var_keyword and classes:  # e.g. SGD(**kwargs) -> Optimizer.__init__
         for base in classes[1:]:
             if "__init__" in vars(base) and base is not object:
-                more, still_open = _parameters(base)
+                more, still_open = factory_parameters(base)
                 for name, param in more.items():
                     params.setdefault(name, param)
                 if not still_open:
@@ -51,8 +64,16 @@ def _parameters(factory) -> tuple:
     return params, var_keyword
 
 
-def _default(factory, name):
-    params, _ = _parameters(factory)
+def parameter_default(factory, name):
+    """The default value of ``factory``'s parameter ``name``; None where it has none, or no such parameter.
+
+    Example::
+
+        >>> from replicafit.trainer import EarlyStopping
+        >>> parameter_default(EarlyStopping, "monitor")
+        'val_loss'
+    """
+    params, _ = factory_parameters(factory)
     param = params.get(name)
     return None if param is None or param.default is inspect.Parameter.empty else param.default
 
@@ -83,7 +104,19 @@ def _expected(param) -> tuple:
     return tuple(types), allow_none, item_type
 
 
-def _type_problem(value, types: tuple, allow_none: bool):
+def type_problem(value, types: tuple, allow_none: bool):
+    """What is wrong with ``value`` where a parameter takes ``types`` (empty: anything), or None.
+
+    ``allow_none``: whether null is a value there. A boolean is no number, a string is never converted
+    to one (YAML reads ``"3"`` as a string), an integer is a float, a tuple a list, and NaN is refused.
+
+    Example::
+
+        >>> type_problem(3, (float,), False) is None
+        True
+        >>> type_problem(True, (int,), False)
+        'expected an integer, got the boolean True'
+    """
     if value is None:
         return None if allow_none or not types else "must not be null"
     if isinstance(value, float) and math.isnan(value):
@@ -104,11 +137,17 @@ def _type_problem(value, types: tuple, allow_none: bool):
         return None
     if isinstance(value, str) and str in types:
         return None
-    return f"expected {_names(types)}, got {type(value).__name__} {_short(value)}"
+    return f"expected {_names(types)}, got {type(value).__name__} {short_repr(value)}"
 
 
-def _first_line(error: BaseException, limit: int = 400) -> str:
-    """The first line of an error's message, cut to ``limit`` characters (a message may quote a huge value)."""
+def first_line(error: BaseException, limit: int = 400) -> str:
+    """The first line of an error's message, cut to ``limit`` characters (a message may quote a huge value).
+
+    Example::
+
+        >>> first_line(ValueError("x" * 500), limit=10)
+        'xxxxxxx...'
+    """
     text = str(error)
     line = text.splitlines()[0] if text.strip() else ""
     return line if len(line) <= limit else line[: limit - 3] + "..."
@@ -118,12 +157,12 @@ def _argument_problem(name, value, param):
     """What is wrong with the value of argument ``name`` (None if nothing): its type, NaN, a learning rate
     that is infinite or negative. Returns ``(key suffix, message)``."""
     types, allow_none, item_type = _expected(param)
-    problem = _type_problem(value, types, allow_none)
+    problem = type_problem(value, types, allow_none)
     if problem:
         return (), problem
     if item_type is not None and isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
-            problem = _type_problem(item, (item_type,), False)
+            problem = type_problem(item, (item_type,), False)
             if problem:
                 return (index,), problem
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -160,7 +199,7 @@ def check_entry(recipe: Recipe, key: tuple, value, kind: str, provided=()):
             raise recipe.error(type_key, f"{type_name!r} is not {spec.noun} (expected {spec.expected}): {problem}")
     elif not callable(factory):
         raise recipe.error(type_key, f"{type_name!r} is not callable")
-    params, open_kwargs = _parameters(factory)
+    params, open_kwargs = factory_parameters(factory)
     for name, arg in args.items():
         if name not in params:
             if open_kwargs and isinstance(name, str):
@@ -193,14 +232,21 @@ def _type_and_args(recipe: Recipe, key: tuple, value, kind: str) -> tuple:
             )
         type_name = value["type"]
         if not isinstance(type_name, str):
-            got = f"{type(type_name).__name__} {_short(type_name)}"
+            got = f"{type(type_name).__name__} {short_repr(type_name)}"
             raise recipe.error(key + ("type",), f"expected a string, got {got}")
         return type_name, {k: v for k, v in value.items() if k != "type"}
-    got = f"{type(value).__name__} {_short(value)}"
+    got = f"{type(value).__name__} {short_repr(value)}"
     raise recipe.error(key, f"expected a {kind} name or a mapping with 'type', got {got}")
 
 
-def _entry_name(value):
+def entry_name(value):
+    """The name an entry gives: a plain name itself, a mapping's ``type``; None for anything else.
+
+    Example::
+
+        >>> entry_name("adam"), entry_name({"type": "sgd", "learning_rate": 0.1}), entry_name(3)
+        ('adam', 'sgd', None)
+    """
     return value if isinstance(value, str) else value.get("type") if isinstance(value, dict) else None
 
 
@@ -219,7 +265,7 @@ def _resolve(recipe: Recipe, type_key: tuple, kind: str, type_name: str):
 
 def _exception_line(error: BaseException) -> str:
     """``Type: message (file:line)``, where the line is the innermost frame that raised."""
-    message = _first_line(error)
+    message = first_line(error)
     where = ""
     tb = error.__traceback__
     while tb is not None and tb.tb_next is not None:

@@ -3,7 +3,7 @@
 The strategy, the data, the model (its sizes from the data where the recipe leaves them out), the optimizer
 (in the strategy's scope, with its schedule and weight-decay exclusions), the loss, the metrics and the
 callbacks (``SwapEMAWeights`` first with ``use_ema``), and the ``Trainer``; each factory's result is refused
-unless it is of its section's kind (``recipe_calls``), and the data's form is checked against the batch size
+unless it is of its section's kind (``calls``), and the data's form is checked against the batch size
 before ``fit`` would refuse it mid-call.
 """
 
@@ -13,17 +13,25 @@ import inspect
 import os
 from dataclasses import dataclass
 
-from .recipe_calls import _built, _dataset_info, _model_inputs, _named, _type_at
-from .recipe_entries import _entry_name, _parameters
-from .recipe_source import Recipe
-from .recipe_validation import check_batchnorm_to_sync, validate
+from .calls import build_entry, dataset_info, model_inputs, type_at, with_written_name
+from .entries import entry_name, factory_parameters
+from .source import Recipe
+from .validation import check_batchnorm_to_sync, validate
 
 __all__ = ["build", "Run", "TENSORBOARD_DIR"]
 
 
 @dataclass
 class Run:
-    """Everything a recipe builds."""
+    """Everything a recipe builds: the strategy, the model, the data (``info``: what the dataset factory
+    returned, as a dict), the ``Trainer``, the recipe's callbacks and the arguments of ``fit`` and
+    ``evaluate``.
+
+    Example::
+
+        run = build(load("digits_mlp", overrides=["fit.epochs=1"]))
+        history = run.trainer.fit(run.model, run.train, callbacks=run.callbacks, **run.fit_kwargs)
+    """
 
     recipe: Recipe
     strategy: object
@@ -36,10 +44,12 @@ class Run:
 
     @property
     def train(self):
+        """The training data, in the form the dataset gave it (what ``fit`` takes)."""
         return self.info["train"]
 
     @property
     def validation(self):
+        """The validation data the dataset gave, or None (``fit_kwargs`` holds it as ``validation_data``)."""
         return self.info.get("validation")
 
 
@@ -56,45 +66,43 @@ def build(recipe: Recipe, checked: dict | None = None, run_dir=None) -> Run:
     import torch
 
     from replicafit.data import InputOptions
-
-    from .callbacks import SwapEMAWeights
-    from .trainer import Trainer
+    from replicafit.trainer import SwapEMAWeights, Trainer
 
     checked = checked or validate(recipe)
     data = recipe.data
     seed = data.get("seed")
     strategy = checked.get("strategy_instance")
     if strategy is None:
-        strategy = _built(recipe, ("strategy",), "strategy", *checked["strategy"])
+        strategy = build_entry(recipe, ("strategy",), "strategy", *checked["strategy"])
     info = checked.get("data_instance")
     if info is None:
-        info = _dataset_info(recipe, _built(recipe, ("data",), "dataset", *checked["data"]))
+        info = dataset_info(recipe, build_entry(recipe, ("data",), "dataset", *checked["data"]))
     model_factory, model_args = checked["model"]
-    extra = _model_inputs(model_factory, model_args, info)
+    extra = model_inputs(model_factory, model_args, info)
     _check_model_inputs(recipe, model_factory, model_args, extra, info)
     if seed is not None:
         torch.manual_seed(seed)
-    model = _built(recipe, ("model",), "model", model_factory, model_args, **extra)
+    model = build_entry(recipe, ("model",), "model", model_factory, model_args, **extra)
     if checked.get("sync_batchnorm"):
         model = _synchronized(recipe, model)
     with strategy.scope():
         optimizer_factory, optimizer_args = checked["optimizer"]
         if "schedule" in checked:
-            schedule = _built(recipe, ("optimizer", "learning_rate"), "schedule", *checked["schedule"])
+            schedule = build_entry(recipe, ("optimizer", "learning_rate"), "schedule", *checked["schedule"])
             optimizer_args = dict(optimizer_args, learning_rate=schedule)
-        optimizer = _built(recipe, ("optimizer",), "optimizer", optimizer_factory, optimizer_args)
+        optimizer = build_entry(recipe, ("optimizer",), "optimizer", optimizer_factory, optimizer_args)
         if checked["decay_exclusions"]:
             optimizer.exclude_from_weight_decay(var_names=checked["decay_exclusions"])
-    loss = _built(recipe, ("loss",), "loss", *checked["loss"])
-    metric_names = [_entry_name(m) for m in data.get("metrics", []) or []]
+    loss = build_entry(recipe, ("loss",), "loss", *checked["loss"])
+    metric_names = [entry_name(m) for m in data.get("metrics", []) or []]
     metrics = [
         factory
         if factory in ("accuracy", "crossentropy")
-        else _built(recipe, ("metrics", i), "metric", factory, _named(args, factory, metric_names[i]))
+        else build_entry(recipe, ("metrics", i), "metric", factory, with_written_name(args, factory, metric_names[i]))
         for i, (factory, args) in enumerate(checked["metrics"])
     ]
     callbacks = [
-        _built(recipe, ("callbacks", i), "callback", f, _in_run_dir(f, a, run_dir))
+        build_entry(recipe, ("callbacks", i), "callback", f, _in_run_dir(f, a, run_dir))
         for i, (f, a) in enumerate(checked["callbacks"])
     ]
     if getattr(optimizer, "use_ema", False) and not any(isinstance(c, SwapEMAWeights) for c in callbacks):
@@ -134,7 +142,7 @@ def _check_model_inputs(recipe: Recipe, factory, args: dict, extra: dict, info=N
     """A model size the recipe leaves out and the data does not give: refused here, with the fix."""
     from .datasets import training_data_form
 
-    params, _ = _parameters(factory)
+    params, _ = factory_parameters(factory)
     for name, entry in (("inputs", "inputs"), ("outputs", "classes")):
         param = params.get(name)
         if param is None or param.default is not inspect.Parameter.empty or name in args or name in extra:
@@ -159,7 +167,7 @@ def _check_training_data(recipe: Recipe, info: dict, fit_kwargs: dict, data_batc
 
     form = training_data_form(info["train"])
     batch_key = ("data", "batch_size") if "batch_size" in data_batch else ("fit", "batch_size")
-    type_key, type_name = _type_at(recipe, ("data",))
+    type_key, type_name = type_at(recipe, ("data",))
     if form == "dataset" and fit_kwargs.get("batch_size") is None:
         raise recipe.error(
             type_key,
@@ -181,6 +189,6 @@ def _check_training_data(recipe: Recipe, info: dict, fit_kwargs: dict, data_batc
 
 
 def _in_run_dir(factory, args: dict, run_dir) -> dict:
-    if run_dir is not None and "log_dir" in _parameters(factory)[0] and "log_dir" not in args:
+    if run_dir is not None and "log_dir" in factory_parameters(factory)[0] and "log_dir" not in args:
         return dict(args, log_dir=os.path.join(run_dir, TENSORBOARD_DIR))
     return args

@@ -21,7 +21,9 @@ import shutil
 import numpy as np
 import pytest
 
-from replicafit.trainer import cli
+from replicafit import cli
+from replicafit.cli.plot import plot_spec
+from replicafit.cli.reports import report_lines
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ONE_DEVICE = ROOT / "recipes" / "digits_onedevice.yaml"
@@ -256,7 +258,7 @@ def test_small_values_keep_significant_digits(tmp_path):
     assert line.startswith("final (epoch 2, saved in last.pt): loss ") and "learning_rate 3.0000e-05" in line, line
     assert "0.0000" not in line
 
-    lines = cli._report_lines(
+    lines = report_lines(
         {
             "final": {"val_loss": 2.5e-05, "val_mae": 0.0},
             "final_epoch": 1,
@@ -301,7 +303,7 @@ def test_checkpoint_of_another_model_outside_a_run_directory(restored, tmp_path,
 # --- 6. history.png: title, axis labels, the best epoch marked ---------------------------------
 def test_plot_spec_titles_labels_and_marks_the_monitored_best_epoch(restored):
     run_dir, _ = restored
-    spec = cli._plot_spec(str(run_dir))
+    spec = plot_spec(str(run_dir))
     rows = history(run_dir)
     assert spec["title"] == "recipe digits_onedevice, run run-restored"
     assert spec["epochs"] == [1, 2, 3, 4]
@@ -322,7 +324,7 @@ def test_plot_spec_without_metrics_json_marks_the_lowest_val_loss(restored, tmp_
     copy = tmp_path / "old-run"
     copy.mkdir()
     shutil.copy(run_dir / "history.csv", copy / "history.csv")  # a run directory from before metrics.json's best
-    spec = cli._plot_spec(str(copy))
+    spec = plot_spec(str(copy))
     rows = history(run_dir)
     lowest = min(range(len(rows)), key=lambda i: rows[i]["val_loss"])
     assert spec["title"] == "run old-run"

@@ -1,5 +1,5 @@
 """Where a recipe comes from and what it is once read: ``locate`` finds the file (a path, or the name of a
-shipped recipe: ``shipped``, ``describe``), ``load`` reads it (``recipe_loader``: text, ``${VAR}``, YAML) and
+shipped recipe: ``shipped``, ``describe``), ``load`` reads it (``loader``: text, ``${VAR}``, YAML) and
 applies the ``--set`` overrides, and returns a ``Recipe``: its data, the line of each key path, and the error
 to raise at a key.
 
@@ -15,12 +15,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from . import recipe_loader
-from .recipe_loader import RecipeError, format_key
-from .registry import did_you_mean
+from replicafit.trainer.spelling import did_you_mean
 
-__all__ = ["SECTIONS", "Recipe", "load", "locate", "shipped", "describe"]
+from . import loader
+from .loader import RecipeError, format_key
 
+__all__ = ["SECTIONS", "Recipe", "load", "locate", "shipped", "describe", "short_repr"]
+
+#: The top-level keys a recipe may have, in the order a recipe usually lists them.
 SECTIONS = (
     "seed",
     "precision",
@@ -38,7 +40,17 @@ SECTIONS = (
 
 @dataclass
 class Recipe:
-    """A loaded recipe: its data, where each key path sits in the file, and its source path."""
+    """A loaded recipe: its data, where each key path sits in the file, and its source path.
+
+    ``data`` is the YAML document with the ``--set`` overrides applied; ``lines`` maps each key path
+    (``("optimizer", "learning_rate")``, ``("callbacks", 0)``) to its line in the file.
+
+    Example::
+
+        recipe = load("digits_mlp")
+        recipe.name, recipe.data["fit"]["epochs"]   # ('digits_mlp', 20)
+        raise recipe.error(("fit", "epochs"), "must be a positive integer")
+    """
 
     path: str
     data: dict
@@ -46,12 +58,19 @@ class Recipe:
 
     @property
     def name(self) -> str:
+        """The file's name without its folder or extension (``digits_mlp``); run directories carry it."""
         return os.path.splitext(os.path.basename(self.path))[0]
 
     def error(self, key: tuple, message: str) -> RecipeError:
+        """A ``RecipeError`` about the value at key path ``key``: ``file:line: key.path: message``.
+
+        The line is the key's own, or that of the nearest enclosing key the file has (a key that an
+        override added, or that the recipe leaves out, points at its section).
+        """
         return RecipeError(self.path, self.line(key), format_key(key), message)
 
     def line(self, key: tuple):
+        """The line of key path ``key`` in the file, or of its nearest enclosing key there; None for none."""
         while key:
             if key in self.lines:
                 return self.lines[key]
@@ -71,7 +90,7 @@ def _parse_override(text: str, path: str):
         if not part:
             raise RecipeError(path, None, "--set", f"{key!r} is not a key path (write e.g. fit.epochs=3)")
         parts.append(int(part) if part.isascii() and part.isdigit() else part)
-    return tuple(parts), recipe_loader.parse_value(raw, path, key)
+    return tuple(parts), loader.parse_value(raw, path, key)
 
 
 def _apply_override(data: dict, key: tuple, value, path: str) -> None:
@@ -95,7 +114,7 @@ def _apply_override(data: dict, key: tuple, value, path: str) -> None:
         raise RecipeError(path, None, format_key(key), f"--set: no item {last} in that list")
     if not isinstance(target, (dict, list)):  # `--set seed.x=1` with `seed: 0`
         raise RecipeError(
-            path, None, format_key(key[:-1]), f"--set: {_short(target)} is not a mapping, it has no {last!r}"
+            path, None, format_key(key[:-1]), f"--set: {short_repr(target)} is not a mapping, it has no {last!r}"
         )
     target[last] = value
 
@@ -153,15 +172,15 @@ def locate(name_or_path) -> str:
 
 
 def load(path, overrides=()) -> Recipe:
-    """Reads a recipe: UTF-8 text, environment interpolation, YAML (safe, bounded: see ``recipe_loader``),
+    """Reads a recipe: UTF-8 text, environment interpolation, YAML (safe, bounded: see ``loader``),
     then ``--set`` overrides.
 
     ``path`` is a file, or the name of a shipped recipe (``"digits_mlp"``, see ``locate``).
     """
     path = locate(path)
-    text = recipe_loader.interpolate(recipe_loader.read_text(path), path)
-    recipe_loader.check_characters(text, path)
-    data, lines = recipe_loader.parse(text, path)
+    text = loader.interpolate(loader.read_text(path), path)
+    loader.check_characters(text, path)
+    data, lines = loader.parse(text, path)
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -181,6 +200,16 @@ def _a(noun: str) -> str:
     return f"an {noun}" if noun[:1] in "aeiou" else f"a {noun}"
 
 
-def _short(value) -> str:
+def short_repr(value) -> str:
+    """``repr(value)`` cut to 80 characters: how a message quotes a value of the recipe's.
+
+    Example::
+
+        >>> short_repr([1, 2])
+        '[1, 2]'
+        >>> text = short_repr(list(range(100)))
+        >>> len(text), text[-5:]
+        (80, '21...')
+    """
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

@@ -12,12 +12,16 @@ import sys
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+# The workers import the recipe's mw_preemption_scenarios:... callbacks from tests/trainer/, where the module lives
+# beside the trainer's multi-worker tests that share it.
+SCENARIOS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "trainer")
 MULTI = ["--set", "strategy={type: multi_worker_mirrored, timeout_seconds: 20}"]
 
 
 def replicafit(*argv, timeout=150):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([SCENARIOS, os.environ.get("PYTHONPATH", "")])
+    )
     return subprocess.run(
         [sys.executable, "-m", "replicafit", *argv], capture_output=True, text=True, timeout=timeout, env=env
     )

@@ -9,7 +9,7 @@ environment that ``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 - **Re-exec, not fork or spawn**: each child runs the whole command again (recipes are re-read,
   nothing is pickled, process-global settings are rebuilt by the child).
 - **Output**: worker 0 (the chief) writes to this process's stdout and stderr; the others' stdout
-  is dropped (``log_all_workers``: shown, each line prefixed ``[worker i] ``) and the last 64
+  is dropped (``log_all_workers``: shown, each line prefixed ``"[worker i] "``) and the last 64
   lines of their stderr are kept, to show when that worker fails.
 - **Faults**: when a worker exits non-zero or is killed by a signal, the others get SIGTERM,
   then SIGKILL after ``grace_seconds`` (a worker stuck in a collective ignores a polite
@@ -47,7 +47,7 @@ is shown by default.
 Example::
 
     import sys
-    from replicafit.trainer.launch import launch_local
+    from replicafit.cli.launch import launch_local
 
     code = "import os; print(os.environ['RANK'], os.environ['WORLD_SIZE'])"
     status = launch_local([sys.executable, "-c", code], num_workers=2)   # prints "0 2"; status 0
@@ -66,16 +66,16 @@ import time
 from collections.abc import Mapping, Sequence
 
 from replicafit._lifeline import LIFELINE_ENV
-
-from .preemption import PREEMPTED_EXIT_STATUS
+from replicafit.trainer import PREEMPTED_EXIT_STATUS
 
 __all__ = ["PEER_FAILED_EXIT_STATUS", "TAIL_LINES", "free_port", "launch_local", "launched_worker"]
 
-# A worker that gave up because another died or stopped arriving (``replicafit fit`` on ``WorkerFailedError``;
-# sysexits' EX_UNAVAILABLE): the cause is another worker, which the launcher looks for.
+#: The exit status of a worker that gave up because another died or stopped arriving (``replicafit fit`` on
+#: ``WorkerFailedError``; sysexits' EX_UNAVAILABLE): the cause is another worker, which the launcher looks for.
 PEER_FAILED_EXIT_STATUS = 69
 
-TAIL_LINES = 64  # lines of a non-chief worker's stderr kept to show when it fails
+#: How many lines of a non-chief worker's stderr the launcher keeps, to show when that worker fails.
+TAIL_LINES = 64
 _LOOPBACK = "127.0.0.1"
 _LONGEST_LINE = 1 << 16  # bytes kept of a line that has no end yet
 _REAP_SECONDS = 5.0  # after SIGKILL: how long to wait for the kernel to end a child (bounded, never forever)
@@ -135,7 +135,7 @@ def launch_local(
       num_workers: how many workers (>= 1).
       max_restarts: how many times all workers are started again after one fails (>= 0).
       log_all_workers: also show the other workers' stdout and stderr, each line prefixed
-        ``[worker i] ``.
+        ``"[worker i] "``.
       grace_seconds: between SIGTERM (or the forwarded SIGINT) and SIGKILL.
       poll_seconds: how often the workers are checked.
       env: the environment the workers' variables are added to (default: this process's).

@@ -8,11 +8,14 @@ unknown name is let through.
 
 from __future__ import annotations
 
+from replicafit.trainer.spelling import did_you_mean
+
+__all__ = ["check_monitors"]
+
 from . import kinds
-from .recipe_calls import _named
-from .recipe_entries import _default, _entry_name, _parameters
-from .recipe_source import Recipe
-from .registry import did_you_mean
+from .calls import with_written_name
+from .entries import entry_name, factory_parameters, parameter_default
+from .source import Recipe
 
 # What a built-in callback does without its monitor: said in the message.
 _WITHOUT_MONITOR = {
@@ -23,12 +26,16 @@ _WITHOUT_MONITOR = {
 }
 
 
-def _check_monitors(recipe: Recipe, checked: dict) -> None:
+def check_monitors(recipe: Recipe, checked: dict) -> None:
     """Each built-in callback's ``monitor`` must be a value the recipe's fit logs: ``loss``, the metrics' names,
     their ``val_`` forms when the recipe validates, ``learning_rate`` after a callback that logs it.
 
     Nothing is called: where a name is not known without the user's code (a ``module:attr`` metric, or a
     user callback before this one, which may add to the logs), an unknown name is let through.
+
+    Example::
+
+        check_monitors(recipe, checked)  # checked: what validate found, every section's (factory, args)
     """
     training, complete = _logged_names(recipe, checked)
     validates = _validates(checked)
@@ -41,7 +48,7 @@ def _check_monitors(recipe: Recipe, checked: dict) -> None:
         if any(not kinds.is_builtin("callback", f) for f, _ in before):
             continue  # the user's callback may log anything
         key = ("callbacks", index, "monitor") if "monitor" in args else ("callbacks", index)
-        what = f"{_entry_name(recipe.data['callbacks'][index])!r} monitors {monitor!r}"
+        what = f"{entry_name(recipe.data['callbacks'][index])!r} monitors {monitor!r}"
         what += "" if "monitor" in args else " (its default)"
         if per_step:
             names = list(training)
@@ -77,9 +84,9 @@ def _monitor_use(factory, args: dict):
     """``(monitor, per-step)`` of a built-in callback that reads a monitor (None for the others, and for a
     ``model_checkpoint`` without ``save_best_only``); ``per-step``: ``(what makes it read each step's logs,
     the setting that reads the epoch's)``, or None."""
-    from .callbacks import EarlyStopping, ModelCheckpoint, ReduceLROnPlateau, TorchLRScheduler
+    from replicafit.trainer.callbacks import EarlyStopping, ModelCheckpoint, ReduceLROnPlateau, TorchLRScheduler
 
-    monitor = args.get("monitor", _default(factory, "monitor"))
+    monitor = args.get("monitor", parameter_default(factory, "monitor"))
     if factory in (EarlyStopping, ReduceLROnPlateau):
         return monitor, None
     if factory is ModelCheckpoint and args.get("save_best_only"):
@@ -115,7 +122,7 @@ def _logged_names(recipe: Recipe, checked: dict) -> tuple:
         name = None
         if kinds.is_builtin("metric", factory):
             try:
-                name = factory(**_named(args, factory, _entry_name(entry))).name
+                name = factory(**with_written_name(args, factory, entry_name(entry))).name
             except Exception:  # noqa: BLE001 - bad arguments are build's to report, with their key
                 name = None
         if isinstance(name, str):
@@ -146,7 +153,7 @@ def _no_validation(checked: dict) -> str:
     factory, _ = checked["data"]
     data = (
         "data.validation_split (e.g. 0.2)"
-        if "validation_split" in _parameters(factory)[0]
+        if "validation_split" in factory_parameters(factory)[0]
         else "a dataset that returns {'train': ..., 'validation': ...}"
     )
     return (

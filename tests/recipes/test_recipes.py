@@ -1,7 +1,7 @@
 """YAML recipes: loading, validation errors, --set, ${VAR}, registries.
 
 A bad recipe gets one message ``file:line: key.path: problem`` (a did-you-mean for a misspelt
-key or name), exit status 2 and no traceback. Most tests call ``replicafit.trainer.cli.main`` directly;
+key or name), exit status 2 and no traceback. Most tests call ``replicafit.cli.main`` directly;
 test_cli.py runs the command end to end.
 """
 
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from replicafit.trainer import cli, recipes
-from replicafit.trainer import models as builtin_models
-from replicafit.trainer.registry import REGISTRIES, register_dataset, register_model
+from replicafit import cli, recipes
+from replicafit.recipes import models as builtin_models
+from replicafit.recipes.registry import REGISTRIES, register_dataset, register_model
 
 MARK = "#<"  # marks the line an error must point at
 
@@ -1382,12 +1382,12 @@ def test_register_dataset_decorator(tmp_path, capsys):
 
 
 def test_registry_names_and_resolve():
-    from replicafit.trainer.registry import resolve
+    from replicafit.recipes.registry import resolve
 
     assert {"one_device", "mirrored", "central_storage", "default"} <= set(REGISTRIES["strategy"].names())
     assert {"mlp", "cnn", "linear"} <= set(REGISTRIES["model"].names())
     assert {"digits", "classification", "regression", "npz", "csv"} <= set(REGISTRIES["dataset"].names())
-    assert resolve("model", "replicafit.trainer.models:mlp") is REGISTRIES["model"].get("mlp")
+    assert resolve("model", "replicafit.recipes.models:mlp") is REGISTRIES["model"].get("mlp")
     with pytest.raises(KeyError, match="did you mean 'mirrored'"):
         resolve("strategy", "mirored")
 
@@ -1407,8 +1407,23 @@ def test_callback_frequencies_take_a_number_or_a_word(tmp_path, entry):
     recipes.validate(recipes.load(path))
 
 
+def test_resolve_names_the_new_home_of_a_module_that_moved_out_of_the_trainer():
+    """The recipe system, the command and TensorBoard moved out of replicafit.trainer: a recipe that names
+    one of their modules by its old path is told the new one (and a top-level old spelling gets the new one)."""
+    from replicafit.recipes.registry import resolve
+
+    message = "replicafit.trainer.models is now replicafit.recipes.models: write 'replicafit.recipes.models:mlp'"
+    with pytest.raises(ImportError, match=re.escape(message)):
+        resolve("model", "replicafit.trainer.models:mlp")
+    with pytest.raises(ImportError, match=re.escape("write 'replicafit.recipes.builtins:mirrored'")):
+        resolve("strategy", "replicafit.trainer.builtins:mirrored")
+    with pytest.raises(ImportError, match=re.escape("write 'replicafit.trainer.callbacks.tensorboard:TensorBoard'")):
+        resolve("callback", "trainer.tensorboard:TensorBoard")
+    assert resolve("model", "replicafit.recipes.models:mlp") is REGISTRIES["model"].get("mlp")
+
+
 def test_resolve_old_spelling_and_a_users_own_module_of_that_name(tmp_path, monkeypatch):
-    from replicafit.trainer.registry import resolve
+    from replicafit.recipes.registry import resolve
 
     with pytest.raises(ImportError, match="write 'replicafit.optimizers:SGD' instead of 'optimizers:SGD'"):
         resolve("optimizer", "optimizers:SGD")
@@ -1430,7 +1445,7 @@ def test_a_folder_of_ones_own_named_data_does_not_hide_the_old_spelling_hint(tmp
     """Regression: with the working directory on sys.path (the replicafit command puts it there), a
     project's data/ folder of files (no __init__.py: a namespace package) took the name, and the old
     spelling failed with a bare ModuleNotFoundError or AttributeError, without the hint."""
-    from replicafit.trainer.registry import resolve
+    from replicafit.recipes.registry import resolve
 
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.csv").write_text("x,y\n")

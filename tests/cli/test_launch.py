@@ -1,4 +1,4 @@
-"""The local launcher (``trainer/launch.py``) and the CLI's ``--workers`` flags.
+"""The local launcher (``cli/launch.py``) and the CLI's ``--workers`` flags.
 
 The workers here are tiny ``python -c`` programs (no torch), so each test takes well under a
 second or two: environment per rank, exit statuses, the first failure named and the others
@@ -17,8 +17,10 @@ import time
 
 import pytest
 
-from replicafit.trainer import cli, launch
-from replicafit.trainer.launch import launch_local, launched_worker
+from replicafit import cli
+from replicafit.cli import launch
+from replicafit.cli.command import COMMANDS
+from replicafit.cli.launch import launch_local, launched_worker
 
 PY = sys.executable
 WORKER_VARS = (
@@ -240,7 +242,7 @@ child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 touch(f"pids{rank}", f"{os.getpid()} {child.pid}")
 time.sleep(60)
 """
-    code = "import sys; from replicafit.trainer.launch import launch_local; launch_local(sys.argv[1:], 2)"
+    code = "import sys; from replicafit.cli.launch import launch_local; launch_local(sys.argv[1:], 2)"
     launcher = subprocess.Popen(
         [PY, "-c", code, *worker(body, tmp_path)], start_new_session=True, stderr=subprocess.PIPE, text=True
     )
@@ -352,7 +354,7 @@ def test_a_worker_whose_peer_failed_prints_one_line_and_exits_1(capsys, monkeypa
     def fit(args):
         raise WorkerFailedError("Worker 0 of 2: another worker died or stopped arriving during batch_reduce_to")
 
-    monkeypatch.setattr(cli, "_fit", fit)
+    monkeypatch.setitem(COMMANDS, "fit", fit)
     assert cli.main(["fit", "digits_mlp"]) == launch.PEER_FAILED_EXIT_STATUS == 69
     err = capsys.readouterr().err
     assert err == "error: Worker 0 of 2: another worker died or stopped arriving during batch_reduce_to\n"
@@ -381,7 +383,7 @@ time.sleep(60)
 def launched_until_ready(body: str, tmp_path):
     """A launcher process of 2 workers running ``body``, once both touched ``ready{rank}``; killed with its
     group at the end if still running."""
-    code = "import sys; from replicafit.trainer.launch import launch_local; sys.exit(launch_local(sys.argv[1:], 2))"
+    code = "import sys; from replicafit.cli.launch import launch_local; sys.exit(launch_local(sys.argv[1:], 2))"
     launcher = subprocess.Popen(
         [PY, "-c", code, *worker(body, tmp_path)], start_new_session=True, stderr=subprocess.PIPE, text=True
     )

@@ -21,8 +21,10 @@ import pytest
 import torch
 import yaml
 
-from replicafit.trainer import cli, datasets
-from replicafit.trainer.registry import REGISTRIES
+from replicafit import cli
+from replicafit.cli.command import COMMANDS
+from replicafit.recipes import datasets
+from replicafit.recipes.registry import REGISTRIES
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"
@@ -151,8 +153,8 @@ def test_old_top_level_spelling_names_the_new_one(tmp_path, capsys):
         "'strategies:MirroredStrategy'"
     )
     recipe.write_text("model:\n  type: trainer.models:mlp\ndata: digits\n")
-    assert "write 'replicafit.trainer.models:mlp'" in run_cli(capsys, "validate", recipe)[2]
-    recipe.write_text("model:\n  type: replicafit.trainer.models:mlp\ndata: digits\n")
+    assert "write 'replicafit.recipes.models:mlp'" in run_cli(capsys, "validate", recipe)[2]
+    recipe.write_text("model:\n  type: replicafit.recipes.models:mlp\ndata: digits\n")
     assert run_cli(capsys, "validate", recipe)[0] == 0
 
 
@@ -500,7 +502,7 @@ def test_ctrl_c_prints_interrupted_and_exits_130(capsys, monkeypatch, command):
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, f"_{command}", interrupted)
+    monkeypatch.setitem(COMMANDS, command, interrupted)
     argv = [command] + (["digits_mlp"] if command != "list" else [])
     status, out, err = run_cli(capsys, *argv)
     assert (status, out, err) == (130, "", "interrupted\n")

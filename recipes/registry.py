@@ -7,7 +7,7 @@ any factory as ``"package.module:attribute"``.
 
 Example::
 
-    from replicafit.trainer.registry import register_model
+    from replicafit.recipes.registry import register_model
 
     @register_model("tiny_mlp", "two-layer perceptron for smoke tests")
     def tiny_mlp(inputs: int, outputs: int) -> torch.nn.Module:
@@ -19,12 +19,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from difflib import get_close_matches
+
+from replicafit.trainer.spelling import did_you_mean
 
 __all__ = [
     "Registry",
     "REGISTRIES",
-    "did_you_mean",
     "register_model",
     "register_dataset",
     "register_callback",
@@ -70,12 +70,6 @@ class Registry:
 
     def suggestion(self, name: str) -> str:
         return did_you_mean(name, self.names())
-
-
-def did_you_mean(name, options) -> str:
-    """`` (did you mean 'x'?)`` for the closest of ``options``, or an empty string."""
-    close = get_close_matches(str(name), [str(o) for o in options], n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 REGISTRIES = {
@@ -139,11 +133,46 @@ def resolve(kind: str, name: str):
                 raise ImportError(
                     f"{error}; replicafit's packages live under the `replicafit` import root: did you mean {moved!r}?"
                 ) from error
+            now = _current_module(module_name)
+            if now != module_name:
+                raise ImportError(f"{error}; {module_name} is now {now}: write '{now}:{attribute}'") from error
             raise
     raise KeyError(f"unknown {kind} {name!r}{registry.suggestion(name)}; `replicafit list {kind}` shows the names")
 
 
 _MOVED_PACKAGES = ("strategies", "data", "optimizers", "trainer")
+
+# Modules that moved out of replicafit.trainer: the recipe system up into replicafit.recipes, the command
+# and its launcher into replicafit.cli, TensorBoard into the callbacks package. A recipe that names one by
+# its old path is told the new one.
+_MOVED_MODULES = {
+    "replicafit.trainer.recipes": "replicafit.recipes",
+    **{
+        f"replicafit.trainer.{old}": f"replicafit.recipes.{new}"
+        for old, new in (
+            ("recipe_source", "source"),
+            ("recipe_loader", "loader"),
+            ("recipe_entries", "entries"),
+            ("recipe_calls", "calls"),
+            ("recipe_monitors", "monitors"),
+            ("recipe_validation", "validation"),
+            ("recipe_build", "builder"),
+            ("registry", "registry"),
+            ("kinds", "kinds"),
+            ("builtins", "builtins"),
+            ("models", "models"),
+            ("datasets", "datasets"),
+        )
+    },
+    "replicafit.trainer.tensorboard": "replicafit.trainer.callbacks.tensorboard",
+    "replicafit.trainer.cli": "replicafit.cli",
+    "replicafit.trainer.launch": "replicafit.cli.launch",
+}
+
+
+def _current_module(module_name: str) -> str:
+    """Where ``module_name`` lives now: its new name if it moved out of ``replicafit.trainer``, else itself."""
+    return _MOVED_MODULES.get(module_name, module_name)
 
 
 def _moved_spelling(module_name: str, attribute: str):
@@ -163,7 +192,7 @@ def _moved_spelling(module_name: str, attribute: str):
     ours = importlib.import_module(f"replicafit.{top}")
     if spec is not None and not _same_file(spec.origin, ours.__file__):
         return None
-    return f"replicafit.{module_name}:{attribute}"
+    return f"{_current_module(f'replicafit.{module_name}')}:{attribute}"
 
 
 def _same_file(a, b) -> bool:
@@ -181,7 +210,8 @@ def _ours_has(module_name: str, attribute: str):
         spec = importlib.util.find_spec(top)
         if spec is None or spec.origin is not None:
             return None
-        ours = importlib.import_module(f"replicafit.{module_name}")
+        name = _current_module(f"replicafit.{module_name}")
+        ours = importlib.import_module(name)
     except (ImportError, ValueError):
         return None
-    return f"replicafit.{module_name}:{attribute}" if hasattr(ours, attribute) else None
+    return f"{name}:{attribute}" if hasattr(ours, attribute) else None

@@ -12,7 +12,7 @@ import pathlib
 
 import pytest
 
-from replicafit.trainer import cli
+from replicafit import cli
 
 FUZZ = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "fuzz_recipes.py"
 

@@ -1,4 +1,4 @@
-"""Reading a recipe file (trainer/recipe_loader.py): what is not a sound small YAML file is one line,
+"""Reading a recipe file (recipes/loader.py): what is not a sound small YAML file is one line,
 ``file:line[:column]: [key.path:] problem``, exit status 2, never a traceback, in bounded time and memory.
 
 Each of these used to print a Python traceback (invalid UTF-8, NUL, deep nesting, a recursive anchor),
@@ -12,8 +12,8 @@ import textwrap
 
 import pytest
 
-from replicafit.trainer import cli, recipes
-from replicafit.trainer.recipe_loader import MAX_BYTES, MAX_DEPTH, MAX_NODES, parse
+from replicafit import cli, recipes
+from replicafit.recipes.loader import MAX_BYTES, MAX_DEPTH, MAX_NODES, parse
 
 GOOD = "model: mlp\ndata: digits\n"
 

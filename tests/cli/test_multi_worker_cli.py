@@ -11,7 +11,9 @@ import sys
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+# The workers import the recipe's mw_fit_scenarios:... callbacks from tests/trainer/, where the module lives
+# beside the trainer's multi-worker tests that share it.
+SCENARIOS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "trainer")
 SHORT = ["--set", "fit.epochs=2", "--set", "callbacks=[]", "--set", "fit.verbose=0"]
 MULTI = ["--set", "strategy={type: multi_worker_mirrored, timeout_seconds: 20}"]
 
@@ -19,7 +21,9 @@ MULTI = ["--set", "strategy={type: multi_worker_mirrored, timeout_seconds: 20}"]
 def replicafit(*argv, timeout=120):
     # One intra-op thread everywhere (the launcher's choice for 2 workers on 2 cores): a matmul's
     # result can differ in the last bit with the thread count, which is not what is compared here.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([SCENARIOS, os.environ.get("PYTHONPATH", "")])
+    )
     return subprocess.run(
         [sys.executable, "-m", "replicafit", *argv], capture_output=True, text=True, timeout=timeout, env=env
     )
