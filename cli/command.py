@@ -65,7 +65,7 @@ def _import_from_the_working_directory() -> None:
 
 
 def _main(argv) -> int:
-    from replicafit._lifeline import watch_launcher
+    from replicafit.lifeline import watch_launcher
 
     watch_launcher()  # a launched worker: from the start, not only once it joins its cluster
     from replicafit.recipes import RecipeError

@@ -96,7 +96,7 @@ def fit(args) -> int:
 
     from replicafit import recipes
     from replicafit.recipes.builder import TENSORBOARD_DIR
-    from replicafit.trainer import CSVLogger, ModelCheckpoint, TensorBoard, summary
+    from replicafit.trainer import BackupAndRestore, CSVLogger, ModelCheckpoint, TensorBoard, summary
     from replicafit.trainer.preemption import noting
 
     recipe, checked = load_recipe(args)
@@ -109,7 +109,7 @@ def fit(args) -> int:
         run_dir = _agreed(run.strategy, run_dir)
     # Only the chief (worker 0; the one process of a single-process strategy) writes files and
     # prints; every worker still builds the same callbacks and saves (gathering state is collective).
-    chief = run.strategy.extended.should_checkpoint
+    chief = run.strategy.cluster.is_chief
     if chief:
         os.makedirs(os.path.join(run_dir, "checkpoints"), exist_ok=True)
         with open(os.path.join(run_dir, "recipe.yaml"), "w") as file:
@@ -131,7 +131,8 @@ def fit(args) -> int:
     ]
     # With save_before_preemption: a signal before the first step stops the fit after it; one after the fit
     # is complete waits until the run's files are written (preemption.noting).
-    signals = sorted({signum for cb in callbacks for signum in getattr(cb, "preemption_signals", ())})
+    backups = [cb for cb in callbacks if isinstance(cb, BackupAndRestore)]
+    signals = sorted({signum for cb in backups for signum in cb.preemption_signals})
     with noting(signals) as noted:
         history = run.trainer.fit(run.model, run.train, callbacks=callbacks, **run.fit_kwargs)
         final = run.trainer.save_checkpoint(os.path.join(run_dir, "checkpoints", "last.pt"))
@@ -146,7 +147,7 @@ def fit(args) -> int:
 
 def _write_fit_results(run_dir, recipe, history, callbacks, validating, final, optimizer) -> None:
     """metrics.json, history.png and the console report of a finished fit (the chief's)."""
-    use_ema = bool(getattr(optimizer, "use_ema", False))
+    use_ema = optimizer.use_ema
     report = fit_report(history, callbacks, "val_loss" if validating else "loss", use_ema)
     with open(os.path.join(run_dir, "metrics.json"), "w") as file:
         json.dump({"recipe": recipe.name, **report, "checkpoint": final}, file, indent=2)

@@ -32,7 +32,7 @@ environment that ``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
   launcher (forwarded likewise, then ``SystemExit(128 + signal)``). A launcher that cannot
   clean up (``SIGKILL``, the OOM killer) leaves no worker behind either: each worker holds a
   pipe whose other end only the launcher holds, and ends itself and its group when that end
-  closes (``replicafit._lifeline.watch_launcher``; torchrun's workers do not). Every wait is
+  closes (``replicafit.lifeline.watch_launcher``; torchrun's workers do not). Every wait is
   bounded; the launcher uses no threads (one ``selectors`` loop reads the pipes). POSIX only.
 
 **Environment variables.** They are read by the recipe loader and the cluster resolvers
@@ -65,7 +65,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
-from replicafit._lifeline import LIFELINE_ENV
+from replicafit.lifeline import LIFELINE_ENV
 from replicafit.trainer import PREEMPTED_EXIT_STATUS
 
 __all__ = ["PEER_FAILED_EXIT_STATUS", "TAIL_LINES", "free_port", "launch_local", "launched_worker"]
@@ -168,7 +168,7 @@ def launch_local(
     base = dict(os.environ if env is None else env)
     cores = cpu_count if cpu_count is not None else _usable_cores()
     # The lifeline: the workers watch the read end; its write end closes when this process exits,
-    # however it exits, and a worker seeing that ends itself (replicafit._lifeline.watch_launcher).
+    # however it exits, and a worker seeing that ends itself (replicafit.lifeline.watch_launcher).
     lifeline, held = os.pipe()
     base[LIFELINE_ENV] = str(lifeline)
     try:

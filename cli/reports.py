@@ -117,9 +117,9 @@ def format_number(value) -> str:
         >>> format_number(0.97493), format_number(3e-05), format_number("n/a")
         ('0.9749', '3.0000e-05', 'n/a')
     """
-    from replicafit.trainer.callbacks.progbar_logger import _format_value
+    from replicafit.trainer.callbacks.progbar_logger import format_value
 
-    return _format_value(float(value)) if isinstance(value, (int, float)) else str(value)
+    return format_value(float(value)) if isinstance(value, (int, float)) else str(value)
 
 
 def report_lines(report: dict, checkpoint: str = "last.pt") -> list:

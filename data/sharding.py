@@ -173,17 +173,6 @@ def loaders_of(source) -> list:
     return [source, *(sharded.loader for sharded in rebuilt.values())]
 
 
-def drop_persistent_iterator(loader) -> None:
-    """Ends a ``DataLoader``'s live persistent iterator (its worker processes), so that the next pass makes a
-    new one, drawing its workers' base seed again as the first pass did."""
-    iterator = getattr(loader, "_iterator", None)
-    if iterator is not None:
-        shutdown = getattr(iterator, "_shutdown_workers", None)
-        if callable(shutdown):
-            shutdown()
-        loader._iterator = None
-
-
 def _no_rows(leaf):
     return leaf[:0] if isinstance(leaf, torch.Tensor) else leaf
 

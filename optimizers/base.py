@@ -233,7 +233,7 @@ class Optimizer:
     )
     gradient_accumulation_steps = property(
         lambda self: self._accumulation.steps if self._accumulation is not None else None,
-        doc="Steps accumulated per update (None: every step updates).",
+        doc="Steps accumulated per update, or None where every step updates.",
     )
 
     # --- learning rate ----------------------------------------------------------------------
@@ -832,6 +832,39 @@ class Optimizer:
 
     def _average_slot(self, target):
         return self._slots.of(target, "average")
+
+    # --- what a torch scheduler may cycle ------------------------------------------------------------
+    def torch_hyperparameters(self) -> dict:
+        """The hyper-parameters besides the learning rate that a ``torch.optim.lr_scheduler`` scheduler may cycle,
+        under torch's names and with their values now: ``{"momentum": ...}`` (``SGD``, ``RMSprop``),
+        ``{"betas": (beta_1, beta_2)}`` (``Adam``, ``AdamW``), a ``from_torch`` optimizer's own; ``{}`` where there
+        are none. ``TorchLRScheduler`` gives them to the torch optimizer it hands the scheduler (``OneCycleLR``
+        cycles the momentum against the rate) and writes them back with ``set_torch_hyperparameters``.
+
+        Example::
+
+            optimizers.SGD(0.1, momentum=0.9).torch_hyperparameters()   # {"momentum": 0.9}
+        """
+        return {}
+
+    def set_torch_hyperparameters(self, **values) -> None:
+        """Sets hyper-parameters ``torch_hyperparameters()`` names, given under torch's names (a scheduler's
+        cycle); ``ValueError`` for another name.
+
+        Example::
+
+            optimizer.set_torch_hyperparameters(momentum=0.85)
+        """
+        unknown = sorted(set(values) - set(self.torch_hyperparameters()))
+        if unknown:
+            raise ValueError(
+                f"{type(self).__name__} {self.name!r} has no hyper-parameters {unknown} a scheduler may set; it has "
+                f"{sorted(self.torch_hyperparameters())}."
+            )
+        self._set_torch_hyperparameters(values)
+
+    def _set_torch_hyperparameters(self, values: dict) -> None:
+        """Sets the ``torch_hyperparameters`` a subclass has (checked by ``set_torch_hyperparameters``)."""
 
     # --- around the pipeline: other entry points, and the variables it is given ------------------
     def scale_loss(self, loss):

@@ -197,6 +197,12 @@ class LossScaleOptimizer(Optimizer):
     def build(self, variables) -> None:
         self.inner_optimizer.build(variables)
 
+    def torch_hyperparameters(self) -> dict:
+        return self.inner_optimizer.torch_hyperparameters()
+
+    def set_torch_hyperparameters(self, **values) -> None:
+        self.inner_optimizer.set_torch_hyperparameters(**values)
+
     def build_for(self, variables) -> None:
         self.inner_optimizer.build_for(variables)
 

@@ -160,6 +160,12 @@ class TorchOptimizer(Optimizer):
         """
         return dict(self._torch_kwargs)
 
+    def torch_hyperparameters(self) -> dict:
+        """The torch class's ``momentum`` or ``betas`` (a scheduler may cycle them), as the torch optimizers have
+        them now."""
+        defaults = self._torch_class([torch.zeros(1, requires_grad=True)], **self._torch_kwargs).defaults
+        return {k: defaults[k] for k in ("momentum", "betas") if k in defaults}
+
     def set_torch_hyperparameters(self, **values) -> None:
         """Sets hyper-parameters of torch's param groups (``momentum``, ``betas``, ...) in every copy's torch
         optimizer, and in ``torch_kwargs`` for the copies built later. The learning rate is

@@ -105,7 +105,7 @@ def build(recipe: Recipe, checked: dict | None = None, run_dir=None) -> Run:
         build_entry(recipe, ("callbacks", i), "callback", f, _in_run_dir(f, a, run_dir))
         for i, (f, a) in enumerate(checked["callbacks"])
     ]
-    if getattr(optimizer, "use_ema", False) and not any(isinstance(c, SwapEMAWeights) for c in callbacks):
+    if optimizer.use_ema and not any(isinstance(c, SwapEMAWeights) for c in callbacks):
         # With use_ema the averaged model is the result: validation, best checkpoints and early stopping
         # judge (and keep) the averages. A recipe that lists swap_ema_weights itself decides.
         callbacks.insert(0, SwapEMAWeights(swap_on_epoch=True))

@@ -12,6 +12,7 @@ import inspect
 import math
 import re
 
+from replicafit.trainer.callbacks import Callback
 from replicafit.trainer.spelling import did_you_mean
 
 from . import kinds
@@ -27,7 +28,7 @@ def factory_parameters(factory) -> tuple:
     """``(parameters by name, accepts **kwargs)`` of a function or class, following ``**kwargs`` to bases.
 
     A class's ``self`` and ``*args`` are left out; a class whose ``**kwargs`` go elsewhere
-    (``_open_kwargs``: ``TorchLRScheduler``'s go to the scheduler) keeps them open.
+    (``forwards_kwargs``: ``TorchLRScheduler``'s go to the scheduler) keeps them open.
 
     Example::
 
@@ -44,7 +45,7 @@ def factory_parameters(factory) -> tuple:
     except (TypeError, ValueError):
         return {}, True
     var_keyword = False
-    if getattr(factory, "_open_kwargs", False):  # its **kwargs go elsewhere (TorchLRScheduler: the scheduler)
+    if inspect.isclass(factory) and issubclass(factory, Callback) and factory.forwards_kwargs:  # TorchLRScheduler
         return {n: p for n, p in signature.parameters.items() if n != "self" and p.kind is not p.VAR_KEYWORD}, True
     for name, param in signature.parameters.items():
         if name == "self" or param.kind is param.VAR_POSITIONAL:

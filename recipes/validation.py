@@ -213,7 +213,8 @@ def check_batchnorm_to_sync(recipe: Recipe, model) -> None:
     """
     from torch import nn
 
-    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+    batch_norm = nn.modules.batchnorm._BatchNorm  # private: torch's one base class of every batch norm
+    if any(isinstance(m, batch_norm) for m in model.modules()):
         return
     builtin = entry_name(recipe.data["model"]) in ("cnn", "mlp")
     hint = "; the built-in cnn and mlp have them with `batch_norm: true`" if builtin else ""

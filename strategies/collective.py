@@ -39,7 +39,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from replicafit._lifeline import watch_launcher
+from replicafit.lifeline import watch_launcher
 
 __all__ = ["Collective", "WorkerFailedError"]
 

@@ -112,7 +112,8 @@ def _snapshot() -> tuple:
     if _any_autocast is None or _any_autocast():
         autocast = tuple((d, _autocast_enabled(d), _autocast_dtype(d)) for d in ("cpu", "cuda"))
     depth = torch._C._len_torch_function_stack()  # private: the function-mode stack has no public reader
-    modes = tuple(torch._C._get_function_stack_at(i) for i in range(depth)) if depth else ()  # private: as above
+    stack_at = torch._C._get_function_stack_at  # private: the function-mode stack has no public reader
+    modes = tuple(stack_at(i) for i in range(depth)) if depth else ()
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, modes)
 
 
@@ -133,8 +134,8 @@ def _put_in_force(wanted: tuple, current: tuple):
                 torch.set_autocast_enabled(device_type, enabled)
     if wanted[3] != current[3]:
         # private: torch has no public way to swap a thread's function-mode stack (the default device is a mode)
-        for _ in range(torch._C._len_torch_function_stack()):  # private: as the line above says
-            torch._C._pop_torch_function_stack()  # private: as above
+        for _ in range(torch._C._len_torch_function_stack()):  # private: see the comment above
+            torch._C._pop_torch_function_stack()  # private: see the comment above
         for mode in wanted[3]:
-            torch._C._push_on_torch_function_stack(mode)  # private: as above
+            torch._C._push_on_torch_function_stack(mode)  # private: see the comment above
     return guard

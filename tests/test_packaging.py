@@ -8,7 +8,6 @@ same with a built wheel in a fresh virtual environment.)
 
 from __future__ import annotations
 
-import ast
 import configparser
 import importlib
 import importlib.metadata
@@ -159,70 +158,6 @@ def test_the_old_import_pattern_catches_what_it_should():
     for text in ("import replicafit.strategies as ds", "from replicafit.data import datasets",
                  "from replicafit import optimizers", "from . import data"):  # fmt: skip
         assert not _OLD_IMPORT.search(text), text
-
-
-# --- the layers point down ---------------------------------------------------------------------------
-# The recipe system builds Trainers and the command runs recipes: the training core (strategies, data,
-# optimizers and trainer, whose imports among themselves DESIGN.md describes) never imports either, and the
-# recipes never import the command (lazy imports inside functions count). __main__.py files are entry
-# points, outside the rule.
-LAYERS = {"strategies": 0, "data": 0, "optimizers": 0, "trainer": 0, "recipes": 1, "cli": 2}
-
-
-def _imported(path: pathlib.Path, module: str) -> list:
-    """``(line, full module name)`` of every import in the file, relative ones resolved from ``module``."""
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                base = ".".join(parent + ([base] if base else []))
-            # `from replicafit import recipes` imports the package named by the alias
-            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
-    return found
-
-
-def _layer_of(name: str):
-    parts = name.split(".")
-    return LAYERS.get(parts[1]) if len(parts) > 1 and parts[0] == "replicafit" else None
-
-
-def _upward_imports() -> list:
-    offenders = []
-    for package, folder in MAPPED.items():
-        layer = LAYERS[package.split(".")[1]]
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            if path.name == "__main__.py":
-                continue
-            parts = path.relative_to(ROOT / folder).with_suffix("").parts
-            module = ".".join((package, *(parts[:-1] if parts[-1] == "__init__" else parts)))
-            for line, name in _imported(path, module):
-                above = _layer_of(name)
-                if above is not None and above > layer:
-                    offenders.append(f"{path.relative_to(ROOT)}:{line}: imports {name}")
-    return offenders
-
-
-def test_the_layers_point_down():
-    assert _upward_imports() == []
-
-
-def test_the_layer_check_sees_lazy_and_relative_imports(tmp_path, monkeypatch):
-    folder = tmp_path / "trainer"
-    folder.mkdir()
-    (folder / "__init__.py").write_text("")
-    (folder / "late.py").write_text("def f():\n    from replicafit.cli import main\n    from .. import recipes\n")
-    (folder / "__main__.py").write_text("from replicafit.cli import main\n")  # an entry point: allowed
-    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    monkeypatch.setattr(sys.modules[__name__], "MAPPED", {"replicafit.trainer": "trainer"})
-    assert _upward_imports() == [
-        "trainer/late.py:2: imports replicafit.cli.main",
-        "trainer/late.py:3: imports replicafit.recipes",
-    ]
 
 
 # --- what the distribution installs ---------------------------------------------------------------

@@ -15,7 +15,7 @@ import math
 import torch
 
 import replicafit.data as data_layer
-from replicafit.data import sharding
+from replicafit.data import loader_internals, sharding
 from replicafit.strategies import nest
 
 __all__ = [
@@ -249,7 +249,7 @@ class Cursor:
         """``{"torch": torch's generator state, "generators": [state of each of ``generators``], "live": [whether
         each loader iterated had a live persistent iterator]}``: a loader with persistent worker processes
         draws their base seed only as its first pass begins, and the order of every pass."""
-        live = [getattr(loader, "_iterator", None) is not None for loader in sharding.loaders_of(self.source)]
+        live = [loader_internals.has_live_iterator(loader) for loader in sharding.loaders_of(self.source)]
         return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in self.generators], "live": live}
 
     def _match_persistent_iterators(self, saved_live) -> None:
@@ -260,8 +260,8 @@ class Cursor:
         if not isinstance(saved_live, list) or len(saved_live) != len(loaders):
             return
         for loader, was_live in zip(loaders, saved_live):
-            if not was_live and getattr(loader, "_iterator", None) is not None:
-                sharding.drop_persistent_iterator(loader)
+            if not was_live and loader_internals.has_live_iterator(loader):
+                loader_internals.end_persistent_iterator(loader)
 
     def set_random_state(self, state: dict) -> None:
         """Sets what ``random_state`` returned (the source's generators only where they are as many)."""

@@ -234,7 +234,7 @@ time.sleep(60)
 def test_workers_end_themselves_and_their_children_when_the_launcher_is_killed(tmp_path):
     # SIGKILL (or the OOM killer) gives the launcher no chance to stop its workers: they watch it.
     body = """
-from replicafit._lifeline import watch_launcher
+from replicafit.lifeline import watch_launcher
 assert watch_launcher() and not watch_launcher()  # one watch per process
 assert "REPLICAFIT_LAUNCHER_FD" not in os.environ  # the worker's own children do not watch
 import subprocess
@@ -267,7 +267,7 @@ time.sleep(60)
 
 
 def test_watching_the_launcher_needs_the_launchers_pipe(monkeypatch, tmp_path):
-    from replicafit import _lifeline
+    from replicafit import lifeline as _lifeline
 
     monkeypatch.setattr(_lifeline, "_lifeline_watched", False)
     monkeypatch.delenv(_lifeline.LIFELINE_ENV, raising=False)

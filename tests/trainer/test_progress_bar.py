@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from replicafit.trainer import ProgbarLogger, Trainer
-from replicafit.trainer.callbacks.progbar_logger import _format_value
+from replicafit.trainer.callbacks.progbar_logger import format_value as _format_value
 
 CHILD = os.path.join(os.path.dirname(__file__), "progbar_child.py")
 

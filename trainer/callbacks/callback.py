@@ -58,6 +58,11 @@ class Callback:
     #:             self.times.append(time.perf_counter())
     leaves_variables_alone = False
 
+    #: Set ``True`` in a callback class whose ``**kwargs`` go elsewhere than to its base class (``TorchLRScheduler``:
+    #: the scheduler's arguments): a recipe's checks then let keyword arguments through that its signature does
+    #: not name, for the code they go to to check.
+    forwards_kwargs = False
+
     # Whether ``on_epoch_end`` puts ``learning_rate`` into the epoch's logs, and when: ``"before_monitor"``
     # (before this callback reads its own monitor, which may then be ``learning_rate``), ``"after_step"`` (after
     # its own step: the callbacks after it see the value), or None. Recipes check a monitor of it with this.
@@ -101,7 +106,7 @@ class Callback:
     def _is_chief(self) -> bool:
         """Whether this process writes files and prints (worker 0 of a multi-worker run; always in one process)."""
         trainer = self.trainer
-        return trainer is None or trainer.strategy.extended.should_checkpoint
+        return trainer is None or trainer.strategy.cluster.is_chief
 
     def _print(self, message: str) -> None:
         if self._is_chief:

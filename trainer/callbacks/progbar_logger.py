@@ -11,20 +11,25 @@ import time
 from .callback import Callback
 
 
-def _format_value(value) -> str:
+def format_value(value) -> str:
     """Keras' rule: 4 decimals, or 4 significant digits in scientific notation below 1e-3 (a learning
-    rate of 3e-5 stays readable)."""
+    rate of 3e-5 stays readable).
+
+    Example::
+
+        format_value(0.97491), format_value(3e-5)   # ('0.9749', '3.0000e-05')
+    """
     if isinstance(value, float):
         return f"{value:.4f}" if value == 0 or abs(value) >= 1e-3 or not math.isfinite(value) else f"{value:.4e}"
     return str(value)
 
 
 def _format_logs(logs: dict) -> str:
-    return " - ".join(f"{k}: {_format_value(v)}" for k, v in logs.items())
+    return " - ".join(f"{k}: {format_value(v)}" for k, v in logs.items())
 
 
 def _log_items(logs) -> list:
-    return [f"{k}: {_format_value(v)}" for k, v in (logs or {}).items() if isinstance(v, (float, int))]
+    return [f"{k}: {format_value(v)}" for k, v in (logs or {}).items() if isinstance(v, (float, int))]
 
 
 def _duration(seconds: float) -> str:

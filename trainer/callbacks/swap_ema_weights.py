@@ -43,7 +43,7 @@ class SwapEMAWeights(Callback):
 
     def _optimizer(self):
         optimizer = self.trainer.optimizer
-        if not getattr(optimizer, "use_ema", False):
+        if not optimizer.use_ema:
             raise ValueError(
                 "SwapEMAWeights needs an optimizer with use_ema=True (e.g. optimizers.Adam(1e-3, use_ema=True)); "
                 f"the trainer's {type(optimizer).__name__} keeps no moving averages."

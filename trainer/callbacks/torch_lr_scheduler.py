@@ -8,13 +8,14 @@ import inspect
 
 import torch
 
+from replicafit import optimizers
+
 from .monitor_callback import MonitorCallback
 
 
 def _updates(optimizer) -> int:
-    """The optimizer's update count, from its host copy where it keeps one (no read from the device)."""
-    count = getattr(optimizer, "updates_so_far", None)
-    return count() if count is not None else int(optimizer.iterations)
+    """The optimizer's update count, from its host copy (no read from the device)."""
+    return optimizer.updates_so_far()
 
 
 class TorchLRScheduler(MonitorCallback):
@@ -91,7 +92,7 @@ class TorchLRScheduler(MonitorCallback):
     # --- the scheduler and the optimizer it stands for -------------------------------------------
     def _optimizer(self):
         optimizer = self.trainer.optimizer
-        return getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's inner one
+        return optimizer.inner_optimizer if isinstance(optimizer, optimizers.LossScaleOptimizer) else optimizer
 
     def _make(self) -> None:
         optimizer = self._optimizer()
@@ -125,7 +126,7 @@ class TorchLRScheduler(MonitorCallback):
             raise ValueError(
                 "OneCycleLR needs total_steps: the training data has no length, so pass total_steps yourself."
             )
-        window = getattr(self._optimizer(), "gradient_accumulation_steps", None) or 1
+        window = self._optimizer().gradient_accumulation_steps or 1
         return int(epochs) * -(-int(steps) // window)
 
     def _step(self, logs) -> None:
@@ -143,7 +144,7 @@ class TorchLRScheduler(MonitorCallback):
 
     # --- hooks -------------------------------------------------------------------------------
     _keeps_state = True
-    _open_kwargs = True  # recipes: the keyword arguments are the scheduler's
+    forwards_kwargs = True  # the keyword arguments are the scheduler's (``{type: torch_lr_scheduler, max_lr: ...}``)
 
     def _wants_logs(self, hook: str) -> bool:
         # The batch-begin hook (whose logs are always empty: nothing is read) notes the update count under
@@ -171,7 +172,7 @@ class TorchLRScheduler(MonitorCallback):
             self._load(state)
 
     def _accumulating(self) -> bool:
-        return self.interval == "step" and bool(getattr(self._optimizer(), "gradient_accumulation_steps", None))
+        return self.interval == "step" and bool(self._optimizer().gradient_accumulation_steps)
 
     def on_train_batch_begin(self, batch, logs=None):
         """With ``interval="step"`` and gradient accumulation, notes the optimizer's update count, to tell
@@ -243,7 +244,7 @@ class _OptimizerView(torch.optim.Optimizer):
     has them, its momentum (SGD, RMSprop) or betas (Adam), which schedulers read and change."""
 
     def __init__(self, optimizer):
-        defaults = {"lr": float(optimizer.learning_rate)} | _hyper_parameters(optimizer)
+        defaults = {"lr": float(optimizer.learning_rate)} | optimizer.torch_hyperparameters()
         super().__init__([torch.zeros((), requires_grad=True)], defaults)
 
     def step(self, closure=None):
@@ -259,26 +260,4 @@ class _OptimizerView(torch.optim.Optimizer):
     def write_back(self, optimizer) -> None:
         group = self.param_groups[0]
         optimizer.learning_rate = float(group["lr"])
-        if hasattr(optimizer, "set_torch_hyperparameters"):  # from_torch: every copy, and those built later
-            optimizer.set_torch_hyperparameters(**{k: group[k] for k in ("momentum", "betas") if k in group})
-        elif "betas" in group:
-            optimizer.beta_1, optimizer.beta_2 = (float(b) for b in group["betas"])
-        elif "momentum" in group:
-            optimizer.momentum = float(group["momentum"])
-
-
-def _hyper_parameters(optimizer) -> dict:
-    """The momentum or betas of ``optimizer`` a scheduler may cycle: those its torch counterpart has.
-
-    A momentum of 0 is one too, as in ``torch.optim.SGD(params, lr)``: ``OneCycleLR`` sets it, and
-    our ``SGD`` and ``RMSprop`` make their momentum slots at the next update.
-    """
-    if hasattr(optimizer, "torch_class"):
-        defaults = optimizer.torch_class([torch.zeros(1, requires_grad=True)], **optimizer.torch_kwargs).defaults
-        return {k: defaults[k] for k in ("momentum", "betas") if k in defaults}
-    if hasattr(optimizer, "beta_1") and hasattr(optimizer, "beta_2"):
-        return {"betas": (optimizer.beta_1, optimizer.beta_2)}
-    momentum = getattr(optimizer, "momentum", None)
-    if isinstance(momentum, (int, float)) and not isinstance(momentum, bool):  # SGD, RMSprop
-        return {"momentum": momentum}
-    return {}
+        optimizer.set_torch_hyperparameters(**{k: group[k] for k in optimizer.torch_hyperparameters() if k in group})

@@ -1,6 +1,8 @@
 """A worker whose launcher is gone ends itself (``replicafit fit --workers N``, ``launch_local``).
 
-Torch-free, so the ``replicafit`` command can start the watch before anything heavy is imported.
+Torch-free, so the ``replicafit`` command can start the watch before anything heavy is imported; it sits
+below every layer (the strategies start it when a worker joins its cluster, the command line when it
+starts), which is why it lives at the root of the package rather than in one of them.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def watch_launcher() -> bool:
 
     Example::
 
-        from replicafit._lifeline import watch_launcher
+        from replicafit.lifeline import watch_launcher
         watch_launcher()   # False outside a launched worker
     """
     global _lifeline_watched
