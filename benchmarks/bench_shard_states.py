@@ -95,8 +95,9 @@ def worker(rank, workers, port, mode, model, steps, warmup, batch, min_bytes=Non
             pass
         swaps.append(time.perf_counter() - start)
     operations = (clock.operations[-1] - clock.operations[warmup - 1]) / len(timed)
-    shards = optimizer._shards
-    slot_bytes = sum(s._read().numel() * s._read().element_size() for s in optimizer._slots.values())
+    layout = optimizer._layout  # the optimizer's state layout: StateShards where the strategy cut the variables
+    shards = layout if layout is not None and layout.slices_variables else None
+    slot_bytes = sum(s.value().numel() * s.value().element_size() for s in optimizer.variables[1:])  # the slots
     params = sum(p.numel() for p in net.parameters())
     if shards is None:
         moved = {"all_reduce": 4 * params}

@@ -135,11 +135,11 @@ class GradientAccumulation:
             return int(self.pending["count"])
         return window.count if window is not None else 0
 
-    def add(self, ctx, grads, variables, strategy_of, positions):
+    def add(self, ctx, grads, variables, strategy_of, positions_of):
         """Adds this step's gradients (``ctx``: the replica context; ``None`` in cross-replica context, where the
         gradients are reduced already) to the open window, opening one if needed. Returns ``(window, this
         replica's sums)`` when the step is the window's last, else ``None``."""
-        window = self.open(variables, ctx is None, strategy_of, positions)
+        window = self.open(variables, ctx is None, strategy_of, positions_of)
         if ctx is None:  # cross-replica context: the gradients are reduced already, one value each
             grads, replica = [_first_tensor(g) for g in grads], 0
         else:
@@ -148,14 +148,15 @@ class GradientAccumulation:
             return None
         return window, window.sums[replica]
 
-    def open(self, variables, aggregated: bool, strategy_of, positions) -> GradientWindow:
-        """The open window for ``variables`` (opened now, from a loaded one where there is one)."""
+    def open(self, variables, aggregated: bool, strategy_of, positions_of) -> GradientWindow:
+        """The open window for ``variables`` (opened now, from a loaded one where there is one: ``positions_of()``
+        gives ``{id(variable): position}`` to find its sums)."""
         with self._lock:
             window = self.window
             if window is None:
                 window = self.window = GradientWindow(variables, aggregated)
                 if self.pending is not None:
-                    self._restore(window, strategy_of(variables), positions)
+                    self._restore(window, strategy_of(variables), positions_of())
         if not window.matches(variables):
             raise ValueError(
                 f"{self.owner} accumulates gradients over {self.steps} steps, but this step gave gradients for other "
@@ -174,12 +175,12 @@ class GradientAccumulation:
         window, self.window = self.window, None
         return window
 
-    def ready_to_apply(self, strategy_of, positions) -> GradientWindow | None:
+    def ready_to_apply(self, strategy_of, positions_of) -> GradientWindow | None:
         """The window ``apply_accumulated_gradients`` applies now (an open one with steps, or a loaded one not
         stepped since), or ``None``."""
         window, pending = self.window, self.pending
         if window is None and pending is not None and pending["variables"] is not None:
-            window = self.open(pending["variables"], pending["aggregated"], strategy_of, positions)
+            window = self.open(pending["variables"], pending["aggregated"], strategy_of, positions_of)
         if window is None or not window.count:
             return None
         return window

@@ -47,14 +47,6 @@ class Adam(Optimizer):
         self.beta_1, self.beta_2, self.epsilon, self.amsgrad = float(beta_1), float(beta_2), float(epsilon), amsgrad
         self._alpha = 0.0
 
-    def torch_hyperparameters(self) -> dict:
-        """``{"betas": (beta_1, beta_2)}``, as ``torch.optim.Adam`` names them (``OneCycleLR`` cycles ``beta_1``)."""
-        return {"betas": (self.beta_1, self.beta_2)}
-
-    def _set_torch_hyperparameters(self, values: dict) -> None:
-        if "betas" in values:
-            self.beta_1, self.beta_2 = (float(b) for b in values["betas"])
-
     def build(self, variables) -> None:
         super().build(variables)
         for variable in variables:

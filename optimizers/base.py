@@ -86,16 +86,14 @@ from replicafit.strategies import context
 from replicafit.strategies.state_layout import WholeVariables
 from replicafit.strategies.values import local_results, value_container
 
-from . import schedules, stages
+from . import options, schedules, stages
 from . import state as state_format
 from .accumulation import (
-    GradientAccumulation,
     GradientDenominator,
-    check_accumulation_steps,
     checked_window_state,
     window_state,
 )
-from .ema import MovingAverages, check_ema, move_averages
+from .ema import move_averages
 from .multi_tensor import MultiTensorPlans
 from .resolve import VariableResolver
 from .slots import Slots, initial_value
@@ -180,11 +178,23 @@ class Optimizer:
         name=None,
     ):
         stages.check_one_clipping(clipnorm, clipvalue, global_clipnorm)
-        self._weight_decay = stages.WeightDecay(weight_decay)
-        self._clipping = stages.clipping(clipnorm, clipvalue, global_clipnorm)
-        steps = check_accumulation_steps(gradient_accumulation_steps)
-        use_ema, ema_momentum, ema_overwrite_frequency = check_ema(use_ema, ema_momentum, ema_overwrite_frequency)
+        # The shared arguments (SHARED_ARGUMENTS), the one place they are kept: the stages are made from them,
+        # and made again when one is set later (``optimizer.clipnorm = 1.0``).
+        self._options = {
+            "weight_decay": weight_decay,
+            "clipnorm": clipnorm,
+            "clipvalue": clipvalue,
+            "global_clipnorm": global_clipnorm,
+            "use_ema": use_ema,
+            "ema_momentum": ema_momentum,
+            "ema_overwrite_frequency": ema_overwrite_frequency,
+            "gradient_accumulation_steps": gradient_accumulation_steps,
+        }
+        self._weight_decay = stages.WeightDecay(None)
+        self._accumulation = None
+        self._averages = None
         self.name = name or type(self).__name__.lower()
+        options.configure(self)
         self._learning_rate = self._check_learning_rate(learning_rate)
         #: How many updates were applied (a mirrored ``int64`` variable, saved with the optimizer): one per
         #: ``apply_gradients``, not one per replica; with gradient accumulation one per window. Schedules
@@ -196,10 +206,6 @@ class Optimizer:
             name=f"{self.name}/iterations",
             aggregation=ds.VariableAggregation.ONLY_FIRST_REPLICA,
         )
-        owner = f"{type(self).__name__} {self.name!r}"
-        self._accumulation = GradientAccumulation(steps, owner) if steps else None
-        self._averages = MovingAverages(ema_momentum, ema_overwrite_frequency) if use_ema else None
-        self._ema_settings = (ema_momentum, ema_overwrite_frequency)  # (kept for get_config without use_ema)
         self._gradient_stages: dict = {}  # name -> stage on the reduced gradients, before clipping (loss scaling)
         self._gradient_denominator: GradientDenominator | None = None
         self._layout = None  # the StateLayout the strategy gave for the variables (made at the first build)
@@ -215,25 +221,20 @@ class Optimizer:
         self._resolver = VariableResolver()  # what apply_gradients is given, as variables (plain tensors wrapped)
         self._slots_outdated = False  # a hyper-parameter asks for slots build() did not make (_slots_changed)
 
-    # --- the shared arguments, as read-only attributes (the stages hold them) --------------------------
-    weight_decay = property(lambda self: self._weight_decay.rate, doc="The decoupled weight decay's rate (or None).")
-    clipnorm = property(
-        lambda self: _clip(self, stages.ClipByNorm, "norm"), doc="The L2 norm each gradient is clipped to (or None)."
+    # --- the shared arguments, as attributes: setting one makes the stages again -----------------------
+    weight_decay = options.option("weight_decay", "The decoupled weight decay's rate (or None).")
+    clipnorm = options.option("clipnorm", "The L2 norm each aggregated gradient is clipped to (or None).")
+    clipvalue = options.option("clipvalue", "The bound each aggregated gradient's entries are clipped to (or None).")
+    global_clipnorm = options.option(
+        "global_clipnorm", "The joint L2 norm the aggregated gradients are clipped to (or None)."
     )
-    clipvalue = property(
-        lambda self: _clip(self, stages.ClipByValue, "value"), doc="The bound of each gradient entry (or None)."
+    use_ema = options.option("use_ema", "Whether a moving average of every variable updated is kept.")
+    ema_momentum = options.option("ema_momentum", "The moving averages' momentum.")
+    ema_overwrite_frequency = options.option(
+        "ema_overwrite_frequency", "Every how many updates the averages overwrite."
     )
-    global_clipnorm = property(
-        lambda self: _clip(self, stages.ClipByGlobalNorm, "norm"), doc="The joint L2 norm of the gradients (or None)."
-    )
-    use_ema = property(lambda self: self._averages is not None, doc="Whether moving averages are kept.")
-    ema_momentum = property(lambda self: self._ema_settings[0], doc="The moving averages' momentum.")
-    ema_overwrite_frequency = property(
-        lambda self: self._ema_settings[1], doc="Every how many updates the averages overwrite the variables (or None)."
-    )
-    gradient_accumulation_steps = property(
-        lambda self: self._accumulation.steps if self._accumulation is not None else None,
-        doc="Steps accumulated per update, or None where every step updates.",
+    gradient_accumulation_steps = options.option(
+        "gradient_accumulation_steps", "Steps accumulated per update (or None)."
     )
 
     # --- learning rate ----------------------------------------------------------------------
@@ -462,7 +463,7 @@ class Optimizer:
         ctx = ds.get_replica_context() if in_replica else None
         window = None
         if self._accumulation is not None:  # step 2
-            full = self._accumulation.add(ctx, grads, variables, self._strategy_of, self._positions())
+            full = self._accumulation.add(ctx, grads, variables, self._strategy_of, self._positions)
             if full is None:
                 return self.iterations
             window, grads = full
@@ -682,7 +683,7 @@ class Optimizer:
             optimizer.apply_accumulated_gradients()  # ... and the last 2
         """
         accumulation = self._accumulation
-        window = None if accumulation is None else accumulation.ready_to_apply(self._strategy_of, self._positions())
+        window = None if accumulation is None else accumulation.ready_to_apply(self._strategy_of, self._positions)
         if window is None:
             return self.iterations
         if context.in_replica_function():
@@ -836,15 +837,22 @@ class Optimizer:
     # --- what a torch scheduler may cycle ------------------------------------------------------------
     def torch_hyperparameters(self) -> dict:
         """The hyper-parameters besides the learning rate that a ``torch.optim.lr_scheduler`` scheduler may cycle,
-        under torch's names and with their values now: ``{"momentum": ...}`` (``SGD``, ``RMSprop``),
-        ``{"betas": (beta_1, beta_2)}`` (``Adam``, ``AdamW``), a ``from_torch`` optimizer's own; ``{}`` where there
-        are none. ``TorchLRScheduler`` gives them to the torch optimizer it hands the scheduler (``OneCycleLR``
-        cycles the momentum against the rate) and writes them back with ``set_torch_hyperparameters``.
+        under torch's names and with their values now: ``{"betas": (beta_1, beta_2)}`` for an optimizer with
+        ``beta_1`` and ``beta_2`` (``Adam``, ``AdamW``, a ``Lion`` of one's own), else ``{"momentum": ...}`` for one
+        with a numeric ``momentum`` (``SGD``, ``RMSprop``; 0 too, as ``torch.optim.SGD``'s), a ``from_torch``
+        optimizer's own; ``{}`` where there are none. ``TorchLRScheduler`` gives them to the torch optimizer it
+        hands the scheduler (``OneCycleLR`` cycles the momentum against the rate) and writes them back with
+        ``set_torch_hyperparameters``. A subclass names others by overriding both methods.
 
         Example::
 
             optimizers.SGD(0.1, momentum=0.9).torch_hyperparameters()   # {"momentum": 0.9}
         """
+        if hasattr(self, "beta_1") and hasattr(self, "beta_2"):
+            return {"betas": (self.beta_1, self.beta_2)}
+        momentum = getattr(self, "momentum", None)
+        if isinstance(momentum, (int, float)) and not isinstance(momentum, bool):
+            return {"momentum": momentum}
         return {}
 
     def set_torch_hyperparameters(self, **values) -> None:
@@ -864,7 +872,11 @@ class Optimizer:
         self._set_torch_hyperparameters(values)
 
     def _set_torch_hyperparameters(self, values: dict) -> None:
-        """Sets the ``torch_hyperparameters`` a subclass has (checked by ``set_torch_hyperparameters``)."""
+        """Sets what ``torch_hyperparameters`` named (checked by ``set_torch_hyperparameters``)."""
+        if "betas" in values:
+            self.beta_1, self.beta_2 = (float(b) for b in values["betas"])
+        if "momentum" in values:
+            self.momentum = float(values["momentum"])
 
     # --- around the pipeline: other entry points, and the variables it is given ------------------
     def scale_loss(self, loss):
@@ -995,12 +1007,6 @@ class Optimizer:
 SHARED_ARGUMENTS = tuple(
     name for name in inspect.signature(Optimizer.__init__).parameters if name not in ("self", "learning_rate", "name")
 )
-
-
-def _clip(optimizer, kind, attribute):
-    """The clipping stage's setting where it is of ``kind``, else ``None``."""
-    stage = optimizer._clipping
-    return getattr(stage, attribute) if isinstance(stage, kind) else None
 
 
 def _is_target(optimizer, variable) -> bool:

@@ -62,14 +62,6 @@ class RMSprop(Optimizer):
             self._slots_changed()
         self._momentum = float(value)
 
-    def torch_hyperparameters(self) -> dict:
-        """``{"momentum": momentum}``, as ``torch.optim.RMSprop`` names it (a scheduler may cycle it, from 0 too)."""
-        return {"momentum": self.momentum}
-
-    def _set_torch_hyperparameters(self, values: dict) -> None:
-        if "momentum" in values:
-            self.momentum = float(values["momentum"])
-
     def build(self, variables) -> None:
         super().build(variables)
         for variable in variables:

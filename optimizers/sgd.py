@@ -57,14 +57,6 @@ class SGD(Optimizer):
             self._slots_changed()
         self._momentum = float(value)
 
-    def torch_hyperparameters(self) -> dict:
-        """``{"momentum": momentum}``, as ``torch.optim.SGD`` names it (a scheduler may cycle it, from 0 too)."""
-        return {"momentum": self.momentum}
-
-    def _set_torch_hyperparameters(self, values: dict) -> None:
-        if "momentum" in values:
-            self.momentum = float(values["momentum"])
-
     def build(self, variables) -> None:
         super().build(variables)
         if self.momentum:

@@ -38,6 +38,7 @@ __all__ = [
     "ClipByValue",
     "GradientStage",
     "WeightDecay",
+    "check_decay",
     "check_one_clipping",
     "check_positive",
     "clipping",
@@ -216,6 +217,15 @@ def clipping(clipnorm=None, clipvalue=None, global_clipnorm=None) -> GradientSta
     return None
 
 
+def check_decay(rate):
+    """``weight_decay`` checked: ``None`` (no decay) or a number >= 0, as a float."""
+    if rate is None:
+        return None
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate < 0:
+        raise ValueError(f"`weight_decay` must be >= 0, got {rate!r}.")
+    return float(rate)
+
+
 class WeightDecay:
     """Decoupled weight decay (Keras 3, AdamW): before the update rule, ``w -= w * rate * learning_rate`` on
     every copy of every variable not excluded.
@@ -230,9 +240,7 @@ class WeightDecay:
     """
 
     def __init__(self, rate):
-        self.rate = None if rate is None else float(rate)
-        if self.rate is not None and self.rate < 0:
-            raise ValueError(f"`weight_decay` must be >= 0, got {rate!r}.")
+        self.rate = check_decay(rate)
         self._exclusions: tuple = ((), ())  # (variables or tensors, name substrings) not decayed
         self.excluded: set = set()  # ids of the built variables (and their targets) excluded
 

@@ -287,10 +287,17 @@ def plan_restore(optimizer, pending) -> tuple:
         return {}, []
     taken = pending.match(optimizer._variables)
     layout = optimizer._layout
+    firsts: dict = {}  # position -> its first target here (one pass, not one per variable)
+    for target in layout.targets:
+        firsts.setdefault(layout.position_of(target), target)
+    any_target = layout.targets[0] if layout.targets else None
     assignments = []
     for position, entry in taken.items():
         variable = optimizer._variables[position]
-        names = _slot_names_of(optimizer, layout, position)
+        # The slot names of its targets here (those of any target here when this worker holds none of the
+        # variable: every target of an element-wise rule has the same); None without any target.
+        first = firsts.get(position, any_target)
+        names = None if first is None else list(optimizer._slots.names_of(first))
         if names is None:  # this worker holds no part of this variable: nothing here to check or keep
             continue
         entry = with_average(entry, names, variable)
@@ -320,15 +327,6 @@ def plan_restore(optimizer, pending) -> tuple:
 
 def _first_value(slot):
     return None if slot is None else local_results(slot)[0].value().detach()
-
-
-def _slot_names_of(optimizer, layout, position: int):
-    """The slot names of variable ``position``'s targets here (those of any target here when this worker holds
-    none of that variable: every target of an element-wise rule has the same), or ``None`` without targets."""
-    targets = [t for t in layout.targets if layout.position_of(t) == position] or list(layout.targets)
-    if not targets:
-        return None
-    return list(optimizer._slots.names_of(targets[0]))
 
 
 def _slot_names_by_position(optimizer, layout) -> dict:

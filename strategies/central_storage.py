@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from . import variable_factory
 from .cross_device_ops import ReductionToOneDevice
 from .devices import canonicalize, canonicalize_list, torch_device
 from .distribute_lib import Strategy
@@ -23,18 +22,15 @@ class CentralStorageExtended(StrategyExtended):
 
     def _create_variable(self, spec):
         if spec.synchronization is VariableSynchronization.ON_READ:
-            return variable_factory.distributed_variable(self._strategy, spec, self._worker_devices)
+            return self._create_distributed_variable(spec, self._worker_devices)
         spec.check_distributable()
         colocated = self._colocated_devices()
         device = colocated[0] if colocated else self._parameter_devices[0]
-        primary = variable_factory.local_variable(self._strategy, spec.initial_value, spec, device)
-        return CentralStorageVariable(self._strategy, primary)
+        return CentralStorageVariable(self._strategy, self._local_variable(spec.initial_value, spec, device))
 
     def _module_variable(self, name, tensors, trainable, synchronization, aggregation):
         if synchronization is VariableSynchronization.ON_READ:
-            return variable_factory.replicated_module_variable(
-                self._strategy, name, tensors, self._worker_devices, trainable, synchronization, aggregation
-            )
+            return self._replicated_module_variable(name, tensors, trainable, synchronization, aggregation)
         device = self._parameter_devices[0]
         first = tensors[0]
         if torch_device(device) == first.device:

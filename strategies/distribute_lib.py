@@ -311,7 +311,7 @@ class Strategy:
     # --- v1 and housekeeping (v1.py) ---------------------------------------------------------
     def group(self, value, name=None) -> None:
         """Waits until pending work on every device is done; returns ``None``."""
-        v1.group(value, self._extended._torch_devices)
+        self._extended._group(value)
         return None
 
     def experimental_initialize(self) -> list:

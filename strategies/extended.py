@@ -28,7 +28,9 @@ hook                                           what it must do (default)
 ``release_gradient_hooks()``                   fit ends (nothing to overlap, nothing deferred)
 =============================================  =================================================================
 
-Across processes a strategy also overrides the worker-level hooks (``_num_replicas_in_sync``,
+The variable hooks build on ``_create_distributed_variable``, ``_replicated_module_variable`` and
+``_local_variable`` (``variable_factory`` has the kinds they make), as ``mirrored.py`` does. Across
+processes a strategy also overrides the worker-level hooks (``_num_replicas_in_sync``,
 ``_as_local_replicas``, ``_all_workers_sizes``, ``_from_first_worker``/``_from_first_worker_many``,
 ``_sync_module_state``, ``_reduce_with_step_values``): ``multi_worker_mirrored.py`` is the example.
 
@@ -47,7 +49,7 @@ import weakref
 
 import torch
 
-from . import context, nest, variable_factory
+from . import context, nest, v1, variable_factory
 from .capabilities import StrategyCapabilities
 from .cluster import Cluster
 from .cross_device_ops import CrossDeviceOps, ReductionToOneDevice, destination_devices
@@ -500,6 +502,26 @@ class StrategyExtended:
         return variable_factory.module_variable(
             self._strategy, name, tensors[0], self._worker_devices[0], trainable, synchronization, aggregation
         )
+
+    # Building blocks for the two variable hooks (``variable_factory`` has the kinds).
+    def _local_variable(self, tensor, spec, device, replica_id=0, name=None):
+        """One ``LocalVariable`` of this strategy holding ``tensor`` on ``device`` (``variable_factory``)."""
+        return variable_factory.local_variable(self._strategy, tensor, spec, device, replica_id, name)
+
+    def _create_distributed_variable(self, spec, devices):
+        """A mirrored (or, ``ON_READ``, sync-on-read) variable over ``devices`` (``variable_factory``)."""
+        return variable_factory.distributed_variable(self._strategy, spec, devices)
+
+    def _replicated_module_variable(self, name, tensors, trainable, synchronization, aggregation):
+        """A module tensor per replica as one distributed variable over the replicas' devices (a
+        ``_module_variable`` for strategies that mirror parameters)."""
+        return variable_factory.replicated_module_variable(
+            self._strategy, name, tensors, self._worker_devices, trainable, synchronization, aggregation
+        )
+
+    def _group(self, value) -> None:
+        """Hook of ``Strategy.group``: waits until the pending work on this strategy's devices is done."""
+        v1.group(value, self._torch_devices)
 
     def _colocated_devices(self) -> tuple:
         """The devices of the variable ``colocate_vars_with`` is in force for on this thread (a slot being

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from . import variable_factory
 from .cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice
 from .devices import canonicalize_list, list_logical_devices, torch_device
 from .distribute_lib import Strategy
@@ -37,13 +36,9 @@ class MirroredExtended(StrategyExtended):
     """Variables are mirrored: one copy per replica device, equal after every write."""
 
     def _create_variable(self, spec):
-        devices = self._colocated_devices() or self._worker_devices
-        return variable_factory.distributed_variable(self._strategy, spec, devices)
+        return self._create_distributed_variable(spec, self._colocated_devices() or self._worker_devices)
 
-    def _module_variable(self, name, tensors, trainable, synchronization, aggregation):
-        return variable_factory.replicated_module_variable(
-            self._strategy, name, tensors, self._worker_devices, trainable, synchronization, aggregation
-        )
+    _module_variable = StrategyExtended._replicated_module_variable
 
 
 class MirroredStrategy(Strategy):

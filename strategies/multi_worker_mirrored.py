@@ -27,7 +27,6 @@ import pickle
 
 import torch
 
-from . import variable_factory
 from .buckets import GradientBuckets
 from .capabilities import StrategyCapabilities
 from .cluster import Cluster, CollectiveCluster
@@ -335,12 +334,9 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             value = value.detach().clone().contiguous()
             _broadcast_in_place(self._collective, [value], f"broadcasting the initial value of {spec.name!r}")
             spec.initial_value = value
-        return variable_factory.distributed_variable(self._strategy, spec, devices)
+        return self._create_distributed_variable(spec, devices)
 
-    def _module_variable(self, name, tensors, trainable, synchronization, aggregation):
-        return variable_factory.replicated_module_variable(
-            self._strategy, name, tensors, self._worker_devices, trainable, synchronization, aggregation
-        )
+    _module_variable = StrategyExtended._replicated_module_variable
 
 
 def _gpu_identities(devices) -> tuple:

@@ -187,7 +187,9 @@ class WholeVariables(StateLayout):
     """Every worker holds whole variables and whole slots: each target is a variable, the slots are variables of
     the strategy colocated with it (mirrored under ``MirroredStrategy``, on the parameter device under
     ``CentralStorageStrategy``), the reduction is one ``batch_reduce_to(SUM)`` and every copy is updated
-    through ``extended.update``. The default ``state_layout`` of every strategy.
+    through ``extended.update``. The default ``state_layout`` of every strategy. Each call works under the
+    strategy of the variables it is given (the current one for plain variables), as an optimizer may be used
+    under several.
 
     Example::
 
@@ -195,10 +197,9 @@ class WholeVariables(StateLayout):
         layout.extend(model.trainable_variables)    # the targets: the variables themselves
     """
 
-    def __init__(self, strategy):
+    def __init__(self, strategy=None):
         super().__init__(strategy)
         self._positions: dict = {}  # id(variable) -> position
-        self._local: dict = {}  # id(variables list) -> whether each is a plain LocalVariable (no copies to feed)
 
     def extend(self, variables) -> list:
         new = [v for v in variables if id(v) not in self._positions]
@@ -214,31 +215,31 @@ class WholeVariables(StateLayout):
         return self._positions[id(target)]
 
     def reduce(self, grads: list, variables: list) -> ReducedGradients:
-        reduced = self.strategy.extended.batch_reduce_to(ReduceOp.SUM, list(zip(grads, variables)))
+        reduced = _strategy_of(variables).extended.batch_reduce_to(ReduceOp.SUM, list(zip(grads, variables)))
         return self.take(reduced, variables)
 
     def take(self, grads: list, variables: list) -> ReducedGradients:
-        if all(type(g) is torch.Tensor for g in grads):  # one copy each (the default strategy): no copies to keep
-            return ReducedGradients(list(grads), list(grads))
-        return ReducedGradients([_first_tensor(g) for g in grads], list(grads))
+        plain = all(type(g) is torch.Tensor for g in grads)
+        values = list(grads) if plain else [_first_tensor(g) for g in grads]
+        return ReducedGradients(values, self.per_copy(list(grads), variables))
 
     def per_copy(self, values: list, variables: list) -> list:
         if all(type(g) is torch.Tensor for g in values) and all(type(v) is LocalVariable for v in variables):
             return values  # one copy each: nothing to spread
-        extended = self.strategy.extended
+        extended = _strategy_of(variables).extended
         return [_per_copy(extended, g, v) for g, v in zip(values, variables)]
 
     def make_slot(self, target, name: str, value: torch.Tensor) -> Variable:
-        strategy = target.distribute_strategy or context.get_strategy()
+        strategy = _strategy_of([target])
         with context.enter_or_assert_strategy(strategy), strategy.extended.colocate_vars_with(target):
             return Variable(value, trainable=False, name=f"{target.name}/{name}")
 
     def update(self, target, fn, args: tuple) -> None:
-        self.strategy.extended.update(target, fn, args=args, group=False)
+        _strategy_of([target]).extended.update(target, fn, args=args, group=False)
 
     def finish(self, reduced: ReducedGradients, variables: list, direct: bool) -> None:
         if direct:
-            self.strategy.extended.after_direct_update(variables)
+            _strategy_of(variables).extended.after_direct_update(variables)
 
     def whole(self, per_target: list, what: str) -> list:
         return [
@@ -251,8 +252,13 @@ class WholeVariables(StateLayout):
 
     def copy_from_slots(self, variables: list, slot_of) -> None:
         for variable in variables:
-            slot = slot_of(variable)
-            self.strategy.extended.update(variable, _copy_from, args=(slot,), group=False)
+            _strategy_of([variable]).extended.update(variable, _copy_from, args=(slot_of(variable),), group=False)
+
+
+def _strategy_of(variables):
+    """The strategy of ``variables`` (the first one's), or the current one for plain variables."""
+    owner = variables[0].distribute_strategy if variables else None
+    return owner if owner is not None else context.get_strategy()
 
 
 def _copy_from(component, slot) -> None:

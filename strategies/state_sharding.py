@@ -195,7 +195,6 @@ class StateShards(StateLayout):
         self._extended = extended  # the strategy's: the reductions of a step (its gradient buckets) are its
         self._collective = collective
         self.variables = list(variables)
-        self._registered = False
         copies = [[component.value() for component in local_results(v)] for v in self.variables]
         layout = bucket_layout(copies, bucket_bytes)
         # One segment per bucket (a bucket of empty variables only is an empty segment: indices stay aligned).
@@ -471,13 +470,13 @@ class StateShards(StateLayout):
 
     # --- the StateLayout an optimizer talks to ----------------------------------------------------
     def extend(self, variables) -> list:
-        """The piece variables, the first time the optimizer registers this layout's variables (every one of
-        them: the pieces were cut for exactly these); nothing for variables registered already."""
+        """The piece variables, when an optimizer registers this layout's variables (every one of them: the pieces
+        were cut for exactly these). The strategy gives the same layout to every optimizer of these variables,
+        and each builds its own slots for the same pieces."""
         variables = list(variables)
-        if not variables or (self._registered and all(id(v) in self._ids for v in variables)):
+        if not variables:
             return []
         self._check(variables)
-        self._registered = True
         return list(self.piece_variables)
 
     def targets_of(self, variables) -> list:

@@ -346,3 +346,32 @@ def _shards_of(optimizer):
     """The optimizer's ``StateShards`` (its state layout where that cuts the variables into slices), else None."""
     layout = getattr(optimizer, "_layout", None)
     return layout if layout is not None and layout.slices_variables else None
+
+
+def second_optimizers(rank, num_workers, port):
+    """Two optimizers, one after the other, on the same variables (the strategy hands both the same shards):
+    a second ``fit`` with a new optimizer, and a custom loop whose second optimizer excludes the bias from
+    weight decay; sharded and unsharded."""
+    out = {}
+    for shard in (True, False):
+        strategy = strategy_for(rank, num_workers, port, shard)
+        model = model_of()
+        trainer = Trainer(strategy=strategy, optimizer=optimizers.Adam(1e-2), loss="cross_entropy", seed=3)
+        trainer.fit(model, data(), batch_size=24, epochs=1, verbose=0)
+        trainer.optimizer = optimizers.from_torch(torch.optim.SGD, lr=0.05, momentum=0.9)
+        trainer.fit(model, data(), batch_size=24, epochs=1, verbose=0)
+        with strategy.scope():
+            distributed = strategy.distribute_module(model)
+            decayed = optimizers.SGD(0.1, momentum=0.9, weight_decay=0.5)
+        decayed.exclude_from_weight_decay(var_names=["bias"])
+        variables = distributed.trainable_variables
+        x, y = data(48)
+
+        def step(xb, yb, distributed=distributed, decayed=decayed, variables=variables):
+            loss = torch.nn.functional.cross_entropy(distributed(xb), yb, reduction="sum") / 48
+            decayed.apply_gradients(zip(torch.autograd.grad(loss, [v.value() for v in variables]), variables))
+
+        for _ in range(2):
+            strategy.run(step, args=(x[rank * 24 : rank * 24 + 24], y[rank * 24 : rank * 24 + 24]))
+        out[shard] = {k: v.clone() for k, v in model.state_dict().items()}
+    return out

@@ -170,3 +170,12 @@ def test_a_step_that_fails_after_its_update_leaves_every_worker_with_the_whole_u
         assert _largest(outcome[True], outcome[False]) <= TOLERANCE
     for key, value in outcomes[0][True].items():
         assert torch.equal(outcomes[1][True][key], value), key
+
+
+@pytest.mark.timeout(120)
+def test_a_second_optimizer_of_the_same_variables_builds_its_own_slots_and_exclusions():
+    """Regression: the strategy hands every optimizer of these variables the same shards; the second one built
+    no slots (KeyError) or no exclusions (it decayed the excluded bias)."""
+    outcomes = results(run_workers(SCENARIOS, "second_optimizers", 2, timeout=100))
+    for outcome in outcomes:
+        assert _largest(outcome[True], outcome[False]) <= TOLERANCE

@@ -386,3 +386,21 @@ def test_recipe_scheduler_arguments_are_checked():
     recipe = recipes.load("digits_mlp", overrides=["callbacks=[{type: torch_lr_scheduler, factory: OneCyc}]"])
     with pytest.raises(RecipeError, match="not a scheduler of torch.optim.lr_scheduler"):
         recipes.build(recipe)
+
+
+def test_one_cycle_cycles_beta_1_of_an_optimizer_of_ones_own():
+    """Regression: an optimizer of one's own with ``beta_1``/``beta_2`` (the docstring's Lion) has them cycled, as
+    torch's Adam has its betas (the scheduler asks the optimizer's ``torch_hyperparameters``)."""
+    from conftest import Lion
+
+    seen = []
+
+    class Betas(Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.append(self.trainer.optimizer.beta_1)
+
+    trainer = Trainer(optimizer=Lion(1e-3), loss="cross_entropy", metrics=[], seed=0)
+    schedule = TorchLRScheduler(functools.partial(L.OneCycleLR, max_lr=0.1, total_steps=EPOCHS * STEPS), "step")
+    trainer.fit(torch.nn.Linear(6, 2), (X[:96], Y[:96]), batch_size=BATCH, epochs=EPOCHS, verbose=0,
+                callbacks=[schedule, Betas()])  # fmt: skip
+    assert len(set(seen)) > 1 and max(seen) == pytest.approx(0.95) and min(seen) < 0.9
