@@ -5,8 +5,8 @@ Across workers every worker makes the same collectives in the same order: the se
 level are broadcast from the chief, whether to read the logs and to stop are agreed, and reading the
 logs (aggregated metrics) is itself a collective, so each worker reads them at the same steps.
 
-``FitLoop`` is a part of ``Trainer`` (``trainer.py``), whose steps, metrics, entry checks
-(``input_checks.py``) and training state (``training_state.py``) it drives.
+``FitLoop`` is a part of ``Trainer`` (``trainer.py``), whose steps, loss (``CompileLoss``), metrics
+(``CompileMetrics``), entry checks (``input_checks.py``) and training state (``training_state.py``) it drives.
 
 Example::
 
@@ -17,23 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import random
 
 import torch
 
-from replicafit import optimizers
-from replicafit.strategies import context, nest
-from replicafit.strategies.step_values import wide_float
+from replicafit.strategies import context
 
 from . import callbacks as callbacks_module
-from . import losses
 from .arguments import FIT_ARGUMENTS, check_arguments
 from .input_checks import in_memory_labels
-from .inputs import Cursor, batch_source, rows, split_off_validation, unpack
+from .inputs import Cursor, batch_source, split_off_validation
 from .preemption import Preempted, PreemptedInValidation, PreemptionWatch
-
-_DENOMINATOR = "replicafit/loss denominator"  # the step value of an element-level loss's real elements
 
 __all__ = ["FitLoop", "FitPlan"]
 
@@ -120,7 +114,13 @@ class FitLoop:
             resume = self._resume  # where a backup restored in on_train_begin left off
             start_epoch = initial_epoch if resume is None else resume["epoch"]
             plan = self._fit_plan(callback_list, steps, validation_data, batch_size, watch)
-            self._start_element_reduction(first, cursor.batch_size)  # (survives a restore: its read-ahead is gone)
+            self._compile_loss.start_element_reduction(
+                first,
+                cursor.batch_size,  # the first global batch's rows (survives a restore: its read-ahead is gone)
+                self.optimizer,
+                single_output=self._compile_metrics.single_output,
+                builtin_step=self._is_builtin("train_step", "compute_loss"),
+            )
         except BaseException:
             cursor.close()  # the pass read ahead (its loader's worker processes, a prefetch thread)
             self._unwatch_preemption(watch)
@@ -265,7 +265,7 @@ class FitLoop:
         epoch's logs (validation's with ``val_``) and ``on_epoch_end``; returns the logs. A callback on any
         worker that sets ``stop_training`` stops every worker."""
         self._epoch = epoch
-        self._reset_metrics()
+        self._compile_metrics.reset_state()
         self._start_epoch_data(epoch, resumed, cursor)
         callback_list.call("on_epoch_begin", epoch, {})
         watch = plan.preemption
@@ -277,7 +277,7 @@ class FitLoop:
             with context.enter_or_assert_strategy(self.strategy):
                 self.optimizer.apply_accumulated_gradients()
         dm.sync_buffers()  # replica-mean statistics for validation and in the user's module
-        logs = self._logs()
+        logs = self._compile_metrics.result()
         if plan.validation_data is not None:
             rewind = self._rewind_point() if watch is not None else None
             try:
@@ -301,27 +301,24 @@ class FitLoop:
         """What validation may change and a backup of the training steps must not see (this worker's own,
         no communication): the random streams and every replica's metric accumulators."""
         streams = self.strategy.extended.replica_streams
-        local = self.strategy.experimental_local_results
         return {
             "rng": torch.get_rng_state(),
             "streams": streams.state_dict() if streams is not None else None,
-            "metrics": [[c.value().detach().clone() for c in local(v)] for v in self._metric_variables()],
+            "metrics": self._compile_metrics.local_values(),
         }
 
     def _rewind(self, point: dict) -> None:
         torch.set_rng_state(point["rng"])
         if point["streams"] is not None:
             self.strategy.extended.replica_streams.load_state_dict(point["streams"])
-        for variable, values in zip(self._metric_variables(), point["metrics"]):
-            for index, value in enumerate(values):
-                variable.assign_component(index, value)
+        self._compile_metrics.load_local_values(point["metrics"])
 
     def _start_epoch_data(self, epoch: int, resumed, cursor) -> None:
         """Puts the cursor where ``epoch``'s batches begin: where a backup left off mid-epoch (its metric
         accumulators restored too), a pass of its own per epoch, or on from where it stands when
         ``steps_per_epoch`` repeats the data."""
         if resumed is not None and resumed["step"]:
-            self._restore_metrics(resumed["metrics"], resumed.get("metric_replicas"))
+            self._compile_metrics.load_state_dict(resumed["metrics"], resumed.get("metric_replicas"))
             cursor.start(*resumed["cursor"])
         elif not cursor.repeat:
             cursor.start(epoch, 0)
@@ -353,7 +350,7 @@ class FitLoop:
             # Across workers reading the logs is a collective (agreed once: every step); in one
             # process only when a callback reads them at this step (a bar redraws now and then).
             read = plan.batch_logs and (plan.agree_logs or callback_list.wants_logs_now("on_train_batch_end"))
-            callback_list.call("on_train_batch_end", step - 1, self._logs() if read else {})
+            callback_list.call("on_train_batch_end", step - 1, self._compile_metrics.result() if read else {})
             if plan.agree_each_step:
                 self.stop_training = cluster.any(self.stop_training)
             if self.stop_training:
@@ -362,44 +359,12 @@ class FitLoop:
                 return step, True
         return step, False
 
-    def _start_element_reduction(self, first, first_rows) -> None:
-        """An element-level loss (``losses`` module docstring) in the built-in step: its real elements' weight
-        rides with each update's reduction (``optimizer.gradient_denominator``); each replica divides its
-        loss by a constant before backward, the first global batch's count of label elements (its rows
-        without labels; agreed across workers), which keeps float16 gradients in the mean's range, and the
-        optimizer divides by the global total over that constant after the reduction."""
-        self._element_denominator = None
-        restored, self._window_denominator = self._window_denominator, None  # what a restored window counted
-        x, y, _ = unpack(first)
-        if self.loss is None:  # the model's own loss: element-level where it divides by num_items_in_batch
-            element_level, self._count_floating = self._counts_items, False
-        else:
-            single_output = isinstance(self.loss, losses.Loss) and list(self._loss_trackers) == ["loss"]
-            element_level = single_output and self.loss.element_level  # several outputs: per example
-            self._count_floating = getattr(self.loss, "count_floating", None) is not False  # unknown: a float
-        if not (element_level and self._is_builtin("train_step", "compute_loss")):
-            return
-        leaves = [t for t in nest.flatten(y) if hasattr(t, "shape")] if y is not None else []
-        per_row = math.prod(leaves[0].shape[1:]) if leaves else 1
-        cluster = self.strategy.cluster
-        first_rows = rows(x) if first_rows is None else first_rows  # the whole first global batch's rows
-        prescale = cluster.broadcast(float(max(1, first_rows * per_row)), "agreeing on the loss's prescale")
-        # What an interrupted fit left is dropped, unless its open window goes on in memory (its count with it).
-        if restored is not None or not self.optimizer.accumulated_steps:
-            cluster.discard_step_value(_DENOMINATOR)
-        if restored is not None:  # a restored open window's real elements so far (counted once: the chief's)
-            value = restored if cluster.is_chief else 0.0
-            dtype = wide_float(self.strategy.extended.worker_devices[0]) if self._count_floating else torch.int64
-            cluster.add_to_step(_DENOMINATOR, torch.tensor(value, dtype=dtype))
-        self._element_denominator = optimizers.GradientDenominator(_DENOMINATOR, prescale)
-        self.optimizer.gradient_denominator = self._element_denominator
-
     def _run_train_step(self, batch, plan) -> None:
         """``train_step`` on every replica's slice of ``batch``."""
         self._set_global_batch(batch)
         if plan.accumulating:  # a window's steps weigh their examples: it equals one step on them all
             # (an element-level loss: every step alike, each replica's loss divided by the same constant)
-            weight = 1.0 if self._element_denominator is not None else float(self._global_batch)
+            weight = 1.0 if self._compile_loss.element_denominator is not None else float(self._global_batch)
             self.optimizer.step_weight = weight
         with plan.overlap(self._trainable) if plan.overlap is not None else contextlib.nullcontext():
             self.strategy.run(self.train_step, args=(batch,))
@@ -410,5 +375,4 @@ class FitLoop:
         self.strategy.extended.release_gradient_hooks()  # the model's parameters keep no hooks of ours
         if plan.accumulating:
             self.optimizer.step_weight = 1.0  # a loop of one's own after fit weighs its steps alike
-        if self._element_denominator is not None:
-            self.optimizer.gradient_denominator = self._element_denominator = None
+        self._compile_loss.end_element_reduction(self.optimizer)

@@ -4,9 +4,9 @@ the loss needs; the loss takes the first batch (labels in range, torch's argumen
 said before any replica runs, with the fix. The first batch's outputs also tell the metrics the model's
 outputs and their shapes (``"accuracy"`` is resolved from them).
 
-``InputChecks`` is a part of ``Trainer`` (``trainer.py``), which it reads: ``loss``, the metric specs,
-the model's float type, ``_prepare_metrics``, ``_is_builtin`` and ``_model_io`` (where the first batch's
-reading of the model's outputs is kept: ``model_io.py``).
+``InputChecks`` is a part of ``Trainer`` (``trainer.py``), which it reads: ``loss``, the model's float type,
+``_compile_metrics`` (the specs; built from the first batch), ``_compile_loss`` (whether the model's loss counts
+items), ``_is_builtin`` and ``_model_io`` (where the first batch's reading of the model's outputs is kept).
 
 Example::
 
@@ -43,7 +43,7 @@ class InputChecks:
     def _probes_outputs(self) -> bool:
         """Whether the metrics need the model's outputs on a first batch: to know the outputs (unless the
         loss names them), or the shapes that resolve ``"accuracy"``."""
-        resolved = any(metrics.resolved_by_shapes(spec) for spec in self._metric_specs)
+        resolved = any(metrics.resolved_by_shapes(spec) for spec in self._compile_metrics.specs)
         return resolved or not isinstance(self.loss, (Mapping, list))
 
     def _checked_validation(self, validation_data, batch_size):
@@ -74,7 +74,9 @@ class InputChecks:
         """
         cluster = self.strategy.cluster
         if cluster.num_workers == 1:
-            self._prepare_metrics(*self._first_batch_checks(first, dm, caller, all_labels))
+            self._compile_metrics.build(
+                *self._first_batch_checks(first, dm, caller, all_labels), self._compile_loss.loss_for
+            )
             return
         empty = first is not None and rows(unpack(first)[0]) == 0
         if cluster.any(empty, "agreeing whether a worker's first batch is empty"):
@@ -94,12 +96,13 @@ class InputChecks:
                 raise ValueError(
                     f"Worker {worker} found a problem in its part of the first batch of {caller}: {message}"
                 )
-        self._counts_items = cluster.broadcast(self._counts_items, "agreeing whether the model's loss counts items")
-        self._prepare_metrics(*found)  # (variables: collectives, only once every worker passed)
+        counts = cluster.broadcast(self._compile_loss.counts_items, "agreeing whether the model's loss counts items")
+        self._compile_loss.counts_items = counts
+        self._compile_metrics.build(*found, self._compile_loss.loss_for)  # (collectives, once every worker passed)
 
     def _first_batch_checks(self, first, dm, caller: str = "fit()", all_labels=None) -> tuple:
         """The checks on the first batch, and what the metrics need to know (``(structure, labels,
-        output)`` for ``_prepare_metrics``): whether the model has several outputs, and the shapes of
+        output)`` for ``CompileMetrics.build``): whether the model has several outputs, and the shapes of
         each output's labels and predictions (``"accuracy"`` is resolved from them, as in Keras 3).
 
         The model (in eval mode, no gradients) is probed with one example of the first
@@ -148,7 +151,8 @@ class InputChecks:
                     if built_in and structure is None and self.loss is not None:
                         whole = all_labels if all_labels is not None else y
                         self._check_loss_on_first_batch(whole, labels, output, caller)
-        self._counts_items = self.loss is None and first is not None and self._probe_counts_items(first, dm)
+        counts = self.loss is None and first is not None and self._probe_counts_items(first, dm)
+        self._compile_loss.counts_items = counts
         return structure, labels, output
 
     def _probe_counts_items(self, first, dm) -> bool:

@@ -48,12 +48,12 @@ import torch
 import replicafit.strategies as ds
 from replicafit import optimizers
 from replicafit.strategies import context, nest
-from replicafit.strategies.step_values import wide_float
-from replicafit.strategies.variables import aggregated_reads
 
 from . import callbacks as callbacks_module
-from . import losses, metrics
+from . import losses
 from .arguments import AUTOCAST, EVALUATE_ARGUMENTS, check_arguments, check_precision
+from .compile_loss import CompileLoss
+from .compile_metrics import CompileMetrics
 from .fit_loop import FitLoop
 from .input_checks import InputChecks, in_memory_labels
 from .inputs import Cursor, as_dtype, batch_source, batchable, rows, unpack
@@ -122,26 +122,15 @@ class Trainer(FitLoop, TrainingState, InputChecks):
             self.optimizer = optimizers.get(optimizer)
             if self.precision == "16-mixed" and not isinstance(self.optimizer, optimizers.LossScaleOptimizer):
                 self.optimizer = optimizers.LossScaleOptimizer(self.optimizer)
-        if loss is None:  # the model's own: it returns a loss when its inputs hold the labels
-            self.loss = None
-        elif isinstance(loss, (Mapping, list)):
-            self.loss = nest.map_structure(losses.get, loss)
-        else:
-            self.loss = losses.get(loss)
-        self._metric_specs = list(metrics or ())
-        self._model_io = ModelIO()  # how the model's outputs are read: decided on a fit's first batch
         self.seed = seed
         self.stop_training = False
         self.history = None
         self._module = None
         self._distributed = None
-        self._metrics: list = []
-        self._loss_trackers: dict = {}
         self._global_batch = 1
-        self._element_denominator = None  # an element-level loss's GradientDenominator, while fit runs
-        self._window_denominator = None  # a restored open window's real elements (float), until fit starts
-        self._count_floating = False  # the element-level step value's kind: float (class weights) or int
-        self._counts_items = False  # loss=None: the model divides its loss by num_items_in_batch (probed)
+        self._compile_metrics = CompileMetrics(metrics, self.strategy)
+        self._compile_loss = CompileLoss(loss, self.strategy, self._compile_metrics)
+        self._model_io = ModelIO()  # how the model's outputs are read: decided on a fit's first batch
         self._epoch = 0
         self._step = 0
         self._data_seed = seed
@@ -151,6 +140,17 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         self._float_dtype = torch.get_default_dtype()  # the model's: floating inputs are cast to it
         self._loaded_callback_states = None  # callback states of a checkpoint loaded before a fit
         self._replica_rng_loaded = False  # a checkpoint loaded before a fit gave the replicas' streams
+
+    @property
+    def loss(self):
+        """The ``loss`` argument as the built-in steps compute it (a ``losses.Loss``, or a dict or list of them for a
+        model with several outputs), or None (the loss the model returns).
+
+        Example::
+
+            Trainer(loss="cross_entropy").loss  # a losses.SparseCategoricalCrossentropy(from_logits=True)
+        """
+        return self._compile_loss.loss
 
     # --- the model ----------------------------------------------------------------------
     def _distribute(self, model: torch.nn.Module):
@@ -181,54 +181,7 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         else:
             self._module.load_state_dict(state)
 
-    # --- losses and metrics ----------------------------------------------------------------
-    def _prepare_metrics(self, outputs_structure, labels=None, outputs=None) -> None:
-        """The loss trackers and metrics, per output; ``labels``/``outputs``: one example's, for the shapes
-        that resolve ``"accuracy"`` (None when unknown: the loss decides)."""
-        multi = isinstance(outputs_structure, (Mapping, tuple, list))
-        names = self._output_names(outputs_structure) if multi else [None]
-        self._loss_trackers = {"loss": metrics.Mean(name="loss")}
-        if multi:
-            for name in names:
-                self._loss_trackers[f"{name}_loss"] = metrics.Mean(name=f"{name}_loss")
-        built = []
-        for spec in self._metric_specs:
-            for name in names:
-                loss = self._loss_for(name)
-                y_true, y_pred = labels, outputs
-                if name is not None:
-                    y_true = _part(labels, self._per_output, name)
-                    y_pred = _part(outputs, self._per_output, name)
-                metric = metrics.get(spec, loss, y_true=y_true, y_pred=y_pred)
-                if isinstance(spec, metrics.Metric) and multi:
-                    metric = type(spec)()
-                if name is not None:
-                    metric.name = f"{name}_{metric.name}"
-                built.append((name, metric))
-        self._metrics = built
-        for tracker in self._loss_trackers.values():
-            tracker.build(self.strategy)
-        for _, metric in self._metrics:
-            metric.build(self.strategy)
-
-    @staticmethod
-    def _output_names(outputs) -> list:
-        if isinstance(outputs, Mapping):
-            return list(outputs.keys())
-        return [f"output_{i}" for i in range(len(outputs))]
-
-    def _loss_for(self, name):
-        if isinstance(self.loss, Mapping):
-            return self.loss[name]
-        if isinstance(self.loss, list):
-            return self.loss[int(name.rsplit("_", 1)[1])]
-        return self.loss
-
-    def _per_output(self, structure, name):
-        if isinstance(structure, Mapping):
-            return structure[name]
-        return structure[int(name.rsplit("_", 1)[1])]
-
+    # --- the loss -----------------------------------------------------------------------------------
     def compute_loss(self, y, y_pred, sample_weight=None) -> torch.Tensor:
         """Per-example loss (summed over outputs), times ``sample_weight``; also tracked per output.
 
@@ -236,60 +189,20 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         steps reduce it over the whole global batch instead (``losses.Loss.terms``). Override it for a
         per-example loss of one's own: the built-in steps then sum it and divide by the global batch size.
         """
-        if self.loss is None:
+        if self._compile_loss.loss is None:
             raise ValueError(
                 "Trainer(loss=None) trains on the loss the model returns: compute_loss() has no loss of its own to "
                 "compute. Pass a loss to the Trainer, or read the model's output['loss']."
             )
-        return self._builtin_loss_terms(y, y_pred, sample_weight, per_example=True).per_example
+        return self._compile_loss.terms(y, y_pred, sample_weight, per_example=True).per_example
 
     def _loss_terms(self, y, y_pred, sample_weight=None, per_example: bool = False) -> losses.LossTerms:
         """This replica's ``LossTerms`` of the loss; an overridden ``compute_loss`` gives per-example losses."""
         if self._is_builtin("compute_loss"):
-            return self._builtin_loss_terms(y, y_pred, sample_weight, per_example)
+            return self._compile_loss.terms(y, y_pred, sample_weight, per_example)
         values = self.compute_loss(y, y_pred, sample_weight)  # one's own: per-example losses, summed in float32
         values = values.float() if values.dtype in (torch.float16, torch.bfloat16) else values
         return losses.LossTerms(values.sum(), values.shape[0] if values.dim() else 1, values)
-
-    def _builtin_loss_terms(self, y, y_pred, sample_weight, per_example: bool) -> losses.LossTerms:
-        """The terms of the trainer's loss (summed over the outputs of a model with several, each reduced per
-        example)."""
-        if not isinstance(y_pred, (Mapping, tuple, list)):
-            return self.loss.terms(y, y_pred, sample_weight, per_example=per_example)
-        total = None
-        for name in self._output_names(y_pred):
-            loss = self._loss_for(name)
-            terms = loss.terms(self._per_output(y, name), self._per_output(y_pred, name), sample_weight, True)
-            self._loss_trackers[f"{name}_loss"].update_state(terms.per_example.detach())
-            total = terms.per_example if total is None else total + terms.per_example
-        return losses.LossTerms(total.sum(), total.shape[0], total)
-
-    def _update_metrics(self, y, y_pred, sample_weight, terms) -> None:
-        self._loss_trackers["loss"].update_totals(terms.total, terms.count)
-        if y is None:
-            return
-        with torch.no_grad():
-            for name, metric in self._metrics:
-                target = y if name is None else self._per_output(y, name)
-                prediction = y_pred if name is None else self._per_output(y_pred, name)
-                metric.update_state(target, prediction, sample_weight)
-
-    def _all_metrics(self) -> list:
-        return list(self._loss_trackers.values()) + [m for _, m in self._metrics]
-
-    def _metric_variables(self) -> list:
-        """Every accumulator of the loss trackers and metrics (read together: ``aggregated_reads``)."""
-        return [variable for metric in self._all_metrics() for variable in metric.variables]
-
-    def _reset_metrics(self) -> None:
-        for metric in self._all_metrics():
-            metric.reset_state()
-
-    def _logs(self) -> dict:
-        metrics = self._all_metrics()
-        # One batched reduction for every accumulator (across workers: one collective, not one per read).
-        with context.enter_or_assert_strategy(self.strategy), aggregated_reads(self._metric_variables()):
-            return {metric.name: float(metric.result()) for metric in metrics}
 
     # --- per-replica steps ---------------------------------------------------------------------
     def train_step(self, data) -> None:
@@ -304,39 +217,26 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         """
         x, y, sample_weight = self._model_floats(*unpack(data))
         variables = self._trainable
-        denominator = self._element_denominator
+        compiled_loss = self._compile_loss
+        denominator = compiled_loss.element_denominator
         # An empty replica: no forward pass, zero gradients (and no real element); with SyncBatchNorm layers
         # it takes part in their collectives, forward and backward, with its zero rows.
         empty = rows(x) == 0
         if empty and not self.model.synchronizes_batchnorm:
             if denominator is not None:  # every worker carries the same step values, of one kind
-                self.strategy.cluster.add_to_step(denominator.step_value, 0.0 if self._count_floating else 0)
+                compiled_loss.add_no_elements()
             grads = [torch.zeros_like(v.value()) for v in variables]
             self.optimizer.apply_gradients(zip(grads, variables))
             return
         # Reduced per example where fit decided so (a loss per example, several outputs, or a train_step of
         # one's own that calls this one: fit cannot know it adds the step value).
         y_pred, terms = self._forward(x, y, sample_weight, per_example=denominator is None)
-        loss = self.optimizer.scale_loss(self._step_loss(terms))
+        loss = self.optimizer.scale_loss(compiled_loss.step_loss(terms, self._global_batch))
         grads = torch.autograd.grad(loss, [v.value() for v in variables], allow_unused=True)
         grads = [torch.zeros_like(v.value()) if g is None else g for g, v in zip(grads, variables)]
         self.optimizer.apply_gradients(zip(grads, variables))
         if not empty:
-            self._update_metrics(y, y_pred, sample_weight, terms)
-
-    def _step_loss(self, terms: losses.LossTerms) -> torch.Tensor:
-        """The replica's loss to differentiate: its share of the global batch's loss (the divisor of an
-        element-level loss is applied after the reduction)."""
-        denominator = self._element_denominator
-        if denominator is None:
-            return terms.total / self._global_batch
-        # One kind on every worker, decided when fit started: a count of real elements rides exactly as an
-        # integer; a sum of class weights as a float.
-        count = terms.count
-        if self._count_floating:
-            count = torch.as_tensor(count, dtype=wide_float(terms.total.device))
-        self.strategy.cluster.add_to_step(denominator.step_value, count)
-        return terms.total / denominator.prescale
+            self._compile_metrics.update_state(y, y_pred, sample_weight, terms)
 
     def test_step(self, data) -> None:
         """One replica's evaluation step: losses and metrics of its slice."""
@@ -345,16 +245,17 @@ class Trainer(FitLoop, TrainingState, InputChecks):
             return
         with torch.no_grad():
             y_pred, terms = self._forward(x, y, sample_weight)
-        self._update_metrics(y, y_pred, sample_weight, terms)
+        self._compile_metrics.update_state(y, y_pred, sample_weight, terms)
 
     def predict_step(self, data):
         """One replica's prediction: the model's output on its slice."""
         x, _, _ = self._model_floats(*unpack(data))
+        loss = self._compile_loss.loss
         with torch.no_grad():
             if self._autocast_dtype is None:
-                return prediction_of(call_model(self.model, x), self.loss)
+                return prediction_of(call_model(self.model, x), loss)
             with torch.autocast(_device_type(x), dtype=self._autocast_dtype):
-                y_pred = prediction_of(call_model(self.model, x), self.loss)
+                y_pred = prediction_of(call_model(self.model, x), loss)
         return nest.map_structure(_as_float32, y_pred)
 
     def _model_floats(self, x, y, sample_weight) -> tuple:
@@ -378,8 +279,9 @@ class Trainer(FitLoop, TrainingState, InputChecks):
     def _output_and_terms(self, x, y, sample_weight, per_example: bool = False):
         """The model's prediction (its logits, for a ``ModelOutput``) and the loss terms: of the trainer's loss,
         or (``loss=None``) of the loss the model returns, the labels being in its inputs."""
-        if self.loss is not None:
-            y_pred = self._model_io.prediction(call_model(self.model, x), self.loss, y)
+        compiled_loss = self._compile_loss
+        if compiled_loss.loss is not None:
+            y_pred = self._model_io.prediction(call_model(self.model, x), compiled_loss.loss, y)
             return y_pred, self._loss_terms(y, y_pred, sample_weight, per_example)
         if sample_weight is not None:
             raise ValueError(
@@ -387,9 +289,10 @@ class Trainer(FitLoop, TrainingState, InputChecks):
                 "of (x, y, sample_weight) need a loss of the Trainer's (pass loss=...), or drop the weights."
             )
         inputs = inputs_with_labels(self.model, x, y)
-        counted = self._counts_items and not per_example and isinstance(inputs, Mapping) and "labels" in inputs
+        counted = compiled_loss.counts_items and not per_example and isinstance(inputs, Mapping) and "labels" in inputs
         if counted:  # a Hugging Face model divides its loss's sum by num_items_in_batch: our prescale
-            prescale = 1.0 if self._element_denominator is None else self._element_denominator.prescale
+            denominator = compiled_loss.element_denominator
+            prescale = 1.0 if denominator is None else denominator.prescale
             inputs = {**inputs, "num_items_in_batch": prescale}
         output = call_model(self.model, inputs)
         y_pred = self._model_io.prediction(output, None, y)
@@ -464,7 +367,7 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         validation data once, before training, and built the metrics; validation must not disturb the
         training accumulators, so they are put back afterwards."""
         source = batch_source(validation_data, batch_size, False, None)
-        saved = {m.name: m.state_dict() for m in self._all_metrics()}
+        saved = self._compile_metrics.put_aside()
         dm = self._distributed
         was_training = dm.training
         dm.eval()
@@ -480,7 +383,7 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         (``PreemptedInValidation``)."""
         callback_list.call("on_test_begin", {})
         try:
-            self._reset_metrics()
+            self._compile_metrics.reset_state()
             cursor.start(0, 0)
             if preemption is not None:
                 preemption.begin_validation()
@@ -498,13 +401,12 @@ class Trainer(FitLoop, TrainingState, InputChecks):
                     raise PreemptedInValidation()
             if preemption is not None:
                 preemption.end_validation()
-            logs = self._logs()
+            logs = self._compile_metrics.result()
         finally:
             cursor.close()
             dm.train(was_training)
             if saved is not None:
-                for metric in self._all_metrics():
-                    metric.load_state_dict(saved[metric.name])
+                self._compile_metrics.put_back(saved)
         callback_list.call("on_test_end", logs)
         return logs
 
@@ -553,11 +455,3 @@ def _as_float32(value):
     if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float32:
         return value.float()
     return value
-
-
-def _part(structure, per_output, name):
-    """One output's part of ``structure`` (None when it has none: the shapes are then unknown)."""
-    try:
-        return per_output(structure, name) if isinstance(structure, (Mapping, tuple, list)) else None
-    except (KeyError, IndexError, ValueError, TypeError):
-        return None

@@ -21,9 +21,10 @@ import os
 import torch
 
 from replicafit.strategies import context
-from replicafit.strategies.variables import SyncOnReadVariable, VariableAggregation, aggregated_reads
+from replicafit.strategies.variables import SyncOnReadVariable, VariableAggregation
 
 from . import checkpoint
+from .replica_states import gather_replica_states, restore_replica_states
 
 __all__ = ["TrainingState"]
 
@@ -132,7 +133,8 @@ class TrainingState:
                     self.optimizer._build_missing(dm.trainable_variables)  # for its pieces under sharded states
             self.optimizer.load_state_dict(state["optimizer"])
             # An element-level loss's real elements of the open window: added back when the fit starts.
-            self._window_denominator = (state["optimizer"].get("accumulation") or {}).get("denominator")
+            window = (state["optimizer"].get("accumulation") or {}).get("denominator")
+            self._compile_loss.restore_window_count(window)
         except (ValueError, TypeError, KeyError) as error:
             dm.load_state_dict(before)
             raise checkpoint.CheckpointError(
@@ -174,8 +176,8 @@ class TrainingState:
             "data_rng": _data_rng(cursor),
             "model": self._trained_model_state(),
             "optimizer": self._optimizer_state(),
-            "metrics": self._metric_states(),
-            "metric_replicas": self._metric_replica_states(),
+            "metrics": self._compile_metrics.state_dict(),
+            "metric_replicas": self._compile_metrics.replica_states(),
             **self._buffer_replica_states(),
             "history": _history_with(self.history, epoch_logs),
             "rng": torch.get_rng_state(),
@@ -200,13 +202,9 @@ class TrainingState:
         state = self.optimizer.state_dict()
         window = state.get("accumulation")
         cluster = self.strategy.cluster
-        denominator = self._element_denominator
-        if window is not None and denominator is not None:
-            # The window's real elements so far: read (a collective, as this whole state is) and added back,
-            # once (the chief's; the others add 0.0, so every worker carries the same step values).
-            total = cluster.step_total(denominator.step_value)
-            cluster.add_to_step(denominator.step_value, total if cluster.is_chief else torch.zeros_like(total))
-            window = dict(window, denominator=float(total))
+        count = self._compile_loss.window_count() if window is not None else None
+        if count is not None:
+            window = dict(window, denominator=count)
             state = dict(state, accumulation=window)
         if window is not None and cluster.num_workers > 1 and not window["aggregated"] and not _whole(window):
             parts = cluster.all_gather(window["gradients"])  # every worker's replicas, in order
@@ -269,9 +267,9 @@ class TrainingState:
                         self.trainer.restore_training_state(checkpoint.load("backup.pt", kind="backup"), "backup.pt")
         """
         self._check_global_batch_size(state.get("global_batch_size"), path)
-        self._check_metric_states(state["metrics"], path)
+        self._compile_metrics.check_state_dict(state["metrics"], path)
         self._load_model_and_optimizer(state, path, "backup")
-        self._restore_replica_states(self._per_replica_buffers(), state.get("buffer_replicas") or {})
+        restore_replica_states(self.strategy, self._per_replica_buffers(), state.get("buffer_replicas") or {})
         # (restored once every callback's on_train_begin has reset it: fit's _begin_training)
         self._loaded_callback_states = dict(state.get("callbacks") or {}) or None
         self.history.history = {k: list(v) for k, v in state["history"]["history"].items()}
@@ -319,51 +317,6 @@ class TrainingState:
         if position and saved.get("pass") is not None and not hasattr(cursor.source, "seed"):
             cursor.replay(pass_index, position, saved["pass"], saved["generators"])
 
-    def _check_metric_states(self, states: dict, path) -> None:
-        """Each saved metric state must have this trainer's accumulators (names and shapes)."""
-        for metric in self._all_metrics():
-            saved, current = states.get(metric.name), metric.state_dict()
-            if not saved or not current:
-                continue
-            expected = {name: list(value.shape) for name, value in current.items()}
-            found = {name: list(value.shape) for name, value in saved.items()}
-            if found != expected:
-                raise checkpoint.CheckpointError(
-                    f"The backup {str(path)!r} holds metric {metric.name!r} with accumulators {found}, but this "
-                    f"trainer's has {expected}: it was written with other metrics. Delete it, or use another "
-                    "backup_dir, to start afresh."
-                )
-
-    def _metric_states(self) -> dict:
-        metrics = self._all_metrics()
-        with aggregated_reads(self._metric_variables()):
-            return {m.name: m.state_dict() for m in metrics}
-
-    def _restore_metrics(self, states: dict, replicas=None) -> None:
-        for metric in self._all_metrics():
-            if metric.name in states and states[metric.name]:
-                metric.load_state_dict(states[metric.name])
-        if replicas:
-            self._restore_metric_replicas(replicas)
-
-    def _metric_variables_by_key(self) -> dict:
-        return {
-            f"{metric.name}/{name}": variable
-            for metric in self._all_metrics()
-            for name, variable in metric.state_variables().items()
-        }
-
-    def _metric_replica_states(self) -> dict:
-        """Every replica's own metric accumulators, of every worker: ``{"metric/state": [tensor per replica]}``.
-
-        Restoring these (rather than dividing the aggregate among the replicas) makes a resumed
-        epoch's logs bit-identical to the uninterrupted run's.
-        """
-        return self._replica_states(self._metric_variables_by_key())
-
-    def _restore_metric_replicas(self, replicas: dict) -> None:
-        self._restore_replica_states(self._metric_variables_by_key(), replicas)
-
     def _per_replica_buffers(self) -> dict:
         """The model's buffers that each replica keeps for itself until the epoch's end (``SyncOnRead``: plain
         BatchNorm statistics), by name; ``{}`` with one replica in all."""
@@ -381,31 +334,7 @@ class TrainingState:
         """``{"buffer_replicas": {name: [tensor per replica]}}``: a backup mid-epoch resumes each replica's own
         statistics (the model state holds their mean); ``{}`` where there are none (alike on every worker)."""
         buffers = self._per_replica_buffers()
-        return {"buffer_replicas": self._replica_states(buffers)} if buffers else {}
-
-    def _replica_states(self, variables: dict) -> dict:
-        """``{key: [every replica's value, in global replica order]}`` of ``{key: distributed variable}``
-        (gathered across workers: every worker calls it)."""
-        own = {
-            key: [c.value().detach().clone() for c in self.strategy.experimental_local_results(variable)]
-            for key, variable in variables.items()
-        }
-        parts = self.strategy.cluster.all_gather(own)  # every worker's replicas, in order
-        return {key: [t for part in parts for t in part[key]] for key in own}
-
-    def _restore_replica_states(self, variables: dict, saved: dict) -> None:
-        """Gives this worker's replicas their values in ``saved`` (``_replica_states``), where it was written
-        with this number of replicas; otherwise what was loaded (the aggregate) stands."""
-        cluster = self.strategy.cluster
-        first, count = cluster.first_replica_id, cluster.num_local_replicas
-        for key, variable in variables.items():
-            values = saved.get(key)
-            components = self.strategy.experimental_local_results(variable)
-            if not isinstance(values, list) or len(values) != self.strategy.num_replicas_in_sync:
-                continue  # another replica count: the aggregate, divided among the replicas, stands
-            for index, (component, value) in enumerate(zip(components, values[first : first + count])):
-                if isinstance(value, torch.Tensor) and value.shape == component.shape:
-                    variable.assign_component(index, value)
+        return {"buffer_replicas": gather_replica_states(self.strategy, buffers)} if buffers else {}
 
 
 def _history_with(history, epoch_logs) -> dict:
