@@ -32,15 +32,20 @@ A dict of inputs goes to ``forward`` as keyword arguments when ``forward`` names
 Face's convention), and a Hugging Face ``ModelOutput`` (or a dict with ``logits``) gives its logits to
 losses, metrics and ``predict``: ``model_io.py`` has the exact rules.
 
-This file holds the public ``Trainer`` and its steps: the model, losses and metrics, the
-per-replica ``train_step``/``test_step``/``predict_step``, ``evaluate`` and ``predict``. Its other
-parts have files of their own: the fit loop (``fit_loop.py``), the training state that checkpoints
-and backups keep (``training_state.py``), the checks at the entry (``arguments.py`` for the plain
-arguments, ``input_checks.py`` for the data) and the data as the trainer reads it (``inputs.py``).
+This file holds the public ``Trainer``: its arguments, the model, the per-replica ``train_step``/``test_step``/
+``predict_step`` and ``compute_loss``, ``fit``/``evaluate``/``predict``, and the doors to checkpoints and backups.
+``Trainer`` composes a few objects, each with its own state, as Keras 3's trainer does: ``CompileLoss``
+(``compile_loss.py``: the loss per output and an element-level loss's reduction), ``CompileMetrics``
+(``compile_metrics.py``: the loss trackers and metrics), ``InputChecks`` (``input_checks.py``: the checks on the
+first batch), ``TrainingState`` (``training_state.py``: where training stands and what checkpoints and backups
+keep), and per fit a ``FitLoop`` (``fit_loop.py``: the epochs, steps, validation and preemption, under a
+``FitPlan``), which reads the data through an ``inputs.Cursor``. ``arguments.py`` checks the plain arguments and
+``model_io.py`` reads the model's outputs.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 
 import torch
@@ -50,13 +55,13 @@ from replicafit import optimizers
 from replicafit.strategies import context, nest
 
 from . import callbacks as callbacks_module
-from . import losses
-from .arguments import AUTOCAST, EVALUATE_ARGUMENTS, check_arguments, check_precision
+from . import checkpoint, losses
+from .arguments import AUTOCAST, EVALUATE_ARGUMENTS, FIT_ARGUMENTS, check_arguments, check_precision
 from .compile_loss import CompileLoss
 from .compile_metrics import CompileMetrics
-from .fit_loop import FitLoop
-from .input_checks import InputChecks, in_memory_labels
-from .inputs import Cursor, as_dtype, batch_source, batchable, rows, unpack
+from .fit_loop import FitLoop, FitPlan, fit_callbacks, unwatch_preemption, watch_preemption
+from .input_checks import InputChecks, checked_validation, first_look, in_memory_labels
+from .inputs import Cursor, as_dtype, batch_source, batchable, rows, split_off_validation, unpack
 from .model_io import ModelIO, call_model, inputs_with_labels, model_loss, prediction_of, real_items
 from .preemption import PreemptedInValidation
 from .training_state import TrainingState
@@ -64,7 +69,7 @@ from .training_state import TrainingState
 __all__ = ["Trainer"]
 
 
-class Trainer(FitLoop, TrainingState, InputChecks):
+class Trainer:
     """Trains, evaluates and runs a torch ``nn.Module`` under a strategy, Keras-style.
 
     Args:
@@ -127,19 +132,14 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         self.history = None
         self._module = None
         self._distributed = None
+        self._float_dtype = torch.get_default_dtype()  # the model's: floating inputs are cast to it
+        self._trainable = None  # the trainable variables of the model a fit trains
         self._global_batch = 1
         self._compile_metrics = CompileMetrics(metrics, self.strategy)
         self._compile_loss = CompileLoss(loss, self.strategy, self._compile_metrics)
         self._model_io = ModelIO()  # how the model's outputs are read: decided on a fit's first batch
-        self._epoch = 0
-        self._step = 0
-        self._data_seed = seed
-        self._resume = None
-        self._cursor = None
-        self._callback_list = None  # the running (or last) fit's callbacks
-        self._float_dtype = torch.get_default_dtype()  # the model's: floating inputs are cast to it
-        self._loaded_callback_states = None  # callback states of a checkpoint loaded before a fit
-        self._replica_rng_loaded = False  # a checkpoint loaded before a fit gave the replicas' streams
+        self._input_checks = InputChecks(self.strategy, self._compile_loss, self._compile_metrics, self._model_io)
+        self._training_state = TrainingState(self, self._compile_metrics, self._compile_loss)
 
     @property
     def loss(self):
@@ -308,14 +308,21 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         """The number of examples in the current step, over all replicas."""
         return self._global_batch
 
-    def _set_global_batch(self, batch) -> None:
-        first = nest.flatten(batch)[0]
-        rows = sum(t.shape[0] for t in self.strategy.experimental_local_results(first))
+    def _run_train_step(self, batch, plan: FitPlan) -> None:
+        """``train_step`` on every replica's slice of ``batch``, under the fit's ``plan`` (the fit loop's
+        ``train_function``); the step's global batch size is known from here on."""
+        rows_here = sum(t.shape[0] for t in self.strategy.experimental_local_results(nest.flatten(batch)[0]))
         cluster = self.strategy.cluster
         if cluster.num_workers > 1:  # every worker's rows: the data layer knows them
-            known = getattr(self._cursor, "global_batch_size", None)
-            rows = known or cluster.sum(rows, "reduce (the global row count)")
-        self._global_batch = max(1, rows)
+            known = getattr(self._training_state.cursor, "global_batch_size", None)
+            rows_here = known or cluster.sum(rows_here, "reduce (the global row count)")
+        self._global_batch = max(1, rows_here)
+        if plan.accumulating:  # a window's steps weigh their examples: it equals one step on them all
+            # (an element-level loss: every step alike, each replica's loss divided by the same constant)
+            weight = 1.0 if self._compile_loss.element_denominator is not None else float(self._global_batch)
+            self.optimizer.step_weight = weight
+        with plan.overlap(self._trainable) if plan.overlap is not None else contextlib.nullcontext():
+            self.strategy.run(self.train_step, args=(batch,))
 
     def _distribute_data(self, source):
         """``source`` split across the replicas, with this trainer's ``input_options``."""
@@ -324,6 +331,193 @@ class Trainer(FitLoop, TrainingState, InputChecks):
     def _is_builtin(self, *methods: str) -> bool:
         """Whether these methods are ``Trainer``'s own, not a subclass's overrides."""
         return all(getattr(type(self), name) is getattr(Trainer, name) for name in methods)
+
+    def _check_first_batch(self, first, dm, caller: str, all_labels=None) -> None:
+        """The entry checks on the first batch (``InputChecks``), then the loss trackers and metrics built from
+        what it tells (the model's outputs, the shapes that resolve ``"accuracy"``)."""
+        step = "test_step" if caller.startswith("evaluate") else "train_step"
+        builtin = self._is_builtin(step, "compute_loss")  # only then must batches meet the loss
+        found = self._input_checks.check_first_batch(
+            first, dm, caller, all_labels, float_dtype=self._float_dtype, builtin_step=builtin
+        )
+        self._compile_loss.counts_items = found.counts_items
+        self._compile_metrics.build(found.structure, found.labels, found.outputs, self._compile_loss.loss_for)
+
+    # --- fit -----------------------------------------------------------------------------------------
+    def fit(
+        self,
+        model,
+        dataset,
+        epochs: int = 1,
+        batch_size=None,
+        validation_data=None,
+        validation_split=0.0,
+        callbacks=None,
+        steps_per_epoch=None,
+        initial_epoch: int = 0,
+        shuffle: bool = True,
+        verbose="auto",
+    ):
+        """Trains ``model`` on ``dataset``; returns a ``History`` (``history.history["loss"]``, ...).
+
+        ``dataset``: arrays/tensors (``(x, y)`` or ``(x, y, sample_weight)``) or a torch
+        ``Dataset`` with ``batch_size`` (shuffled per epoch when ``shuffle``), or a
+        ``DataLoader``/iterable of batches. ``steps_per_epoch`` repeats the data when it
+        runs out. ``validation_split`` keeps the last fraction of arrays/datasets for
+        validation (both parts need at least one example).
+
+        Floating inputs, targets and sample weights of another float type (NumPy's float64) are
+        cast to the model's float type, as Keras casts them to its own (integer labels are kept).
+
+        Training or validation data with no batch at all raises ``ValueError`` before any
+        callback runs (as ``predict`` does): an empty run has no loss to report. Arguments of
+        the wrong type are refused here, with the fix (Keras' ``fit(x, y)`` habit puts ``y``
+        into ``epochs``: pass ``fit(model, (x, y), ...)``).
+        """
+        check_arguments(
+            "fit",
+            FIT_ARGUMENTS,
+            epochs=epochs,
+            batch_size=batch_size,
+            validation_split=validation_split,
+            steps_per_epoch=steps_per_epoch,
+            initial_epoch=initial_epoch,
+            shuffle=shuffle,
+        )
+        loop = self._begin_fit(
+            model,
+            dataset,
+            callbacks,
+            epochs=epochs,
+            batch_size=batch_size,
+            validation_data=validation_data,
+            validation_split=validation_split,
+            steps_per_epoch=steps_per_epoch,
+            initial_epoch=initial_epoch,
+            shuffle=shuffle,
+            verbose=verbose,
+        )
+        logs: dict = {}
+        try:
+            try:
+                for epoch in range(loop.first_epoch, epochs):
+                    logs = loop.run_epoch(epoch)
+                    if self.stop_training:
+                        break
+            finally:
+                loop.close()  # before on_train_end: its callbacks may save, or train on in a loop of their own
+            loop.finish(logs)
+        finally:
+            unwatch_preemption(loop.plan.preemption)
+        return self.history
+
+    def _begin_fit(
+        self,
+        model,
+        dataset,
+        callbacks,
+        *,
+        epochs,
+        batch_size,
+        validation_data,
+        validation_split,
+        steps_per_epoch,
+        initial_epoch,
+        shuffle,
+        verbose,
+    ) -> FitLoop:
+        """Everything before a fit's first epoch, ``fit``'s arguments checked: the seeds (alike on every worker),
+        the data, the preemption watch, the first batch read and checked, the model, the callbacks and their
+        ``on_train_begin`` (a backup may be restored there), the plan; the ``FitLoop`` of its epochs. What it
+        opened is closed if it raises."""
+        state = self._training_state
+        state.seed_fit(self.seed)
+        train_data, split_validation = split_off_validation(dataset, validation_split)
+        validation_data = validation_data if validation_data is not None else split_validation
+        source = batch_source(train_data, batch_size, shuffle, state.data_seed)
+        if validation_data is not None:
+            validation_data = checked_validation(validation_data, batch_size)
+        distributed = self._distribute_data(source)
+        repeat = steps_per_epoch is not None
+        # Before the first batch is read: a DataLoader's worker processes forked from now on inherit the handler.
+        watch = watch_preemption(callbacks, self.strategy.cluster)
+        state.cursor = cursor = Cursor(source, distributed, repeat=repeat)
+        try:
+            # The first step of the first epoch, read once: the entry checks look at it, the first step trains on it.
+            first = first_look(cursor, 0 if repeat else initial_epoch, "training data", "fit()")
+            dm = self._distribute(model)
+            dm.train()
+            self._trainable = dm.trainable_variables
+            steps = steps_per_epoch if steps_per_epoch is not None else distributed.steps
+            history, callback_list = fit_callbacks(callbacks, self, model, epochs, steps, verbose)
+            self.history, self.stop_training = history, False
+            self._check_first_batch(first, dm, "fit()", in_memory_labels(train_data))
+            resume = state.begin_training(callback_list)  # where a backup restored in on_train_begin left off
+            plan = self._fit_plan(callback_list, steps, validation_data, batch_size, watch)
+            self._compile_loss.start_element_reduction(
+                first,
+                cursor.batch_size,  # the first global batch's rows (survives a restore: its read-ahead is gone)
+                self.optimizer,
+                single_output=self._compile_metrics.single_output,
+                builtin_step=self._is_builtin("train_step", "compute_loss"),
+            )
+        except BaseException:
+            cursor.close()  # the pass read ahead (its loader's worker processes, a prefetch thread)
+            unwatch_preemption(watch)
+            raise
+        return FitLoop(
+            self,
+            model=dm,
+            plan=plan,
+            cursor=cursor,
+            callbacks=callback_list,
+            resume=resume,
+            initial_epoch=initial_epoch,
+            training_state=state,
+            compiled_metrics=self._compile_metrics,
+            compiled_loss=self._compile_loss,
+            train_function=self._run_train_step,
+            validate=self._validate,
+        )
+
+    def _fit_plan(self, callback_list, steps, validation_data, batch_size, watch=None) -> FitPlan:
+        """This fit's decisions, taken once before its first epoch, alike on every worker."""
+        cluster = self.strategy.cluster
+        batch_logs = callback_list.wants_batch_logs["on_train_batch_end"]
+        # Reading the logs is a collective across workers: every worker reads them, or none.
+        agree_logs = cluster.num_workers > 1
+        if agree_logs:  # (with whether each worker saves before preemption: every worker must, or none)
+            logs_wanted, watching = cluster.sum([int(batch_logs), int(watch is not None)], "agreeing on the plan")
+            batch_logs = logs_wanted > 0
+            if watching not in (0, cluster.num_workers):
+                raise ValueError(
+                    f"BackupAndRestore saves before preemption on {watching} of {cluster.num_workers} workers: every "
+                    "worker must run the same fit with the same callbacks (save_before_preemption alike everywhere)."
+                )
+        # Logs are global, so built-in callbacks decide alike on every worker; a user's callback
+        # might not (in any hook), so its stop_training is agreed after every step.
+        agree_each_step = cluster.num_workers > 1 and callbacks_module.may_stop_training_alone(callback_list)
+        # The built-in step applies its gradients once: across workers they can be reduced in buckets
+        # started during backward (a custom train_step reduces after backward). An accumulating
+        # optimizer reduces once per window, after the window's last backward.
+        accumulating = bool(getattr(self.optimizer, "gradient_accumulation_steps", None))
+        builtin_step = self._is_builtin("train_step")
+        overlap = self.strategy.extended.gradient_step if builtin_step and not accumulating else None
+        # Sharded optimizer states gather a step's updated values while the loop moves on, unless a callback's
+        # batch hooks might read the variables (then they are settled before those hooks).
+        settle = callbacks_module.may_touch_variables_between_steps(callback_list)
+        return FitPlan(
+            steps=steps,
+            validation_data=validation_data,
+            batch_size=batch_size,
+            batch_logs=batch_logs,
+            agree_logs=agree_logs,
+            agree_each_step=agree_each_step,
+            accumulating=accumulating,
+            overlap=overlap,
+            preemption=watch,
+            settle_each_step=settle,
+        )
 
     # --- evaluate / predict ----------------------------------------------------------------------
     def evaluate(
@@ -345,9 +539,9 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         source = batch_source(dataset, batch_size, False, None)
         cursor = Cursor(source, self._distribute_data(source), repeat=False)
         try:
-            first = self._first_look(cursor, 0, "evaluation data", "evaluate()")  # read once: evaluated too
+            first = first_look(cursor, 0, "evaluation data", "evaluate()")  # read once: evaluated too
             dm = self._distribute(model)
-            self._first_batch_structure(first, dm, "evaluate()", in_memory_labels(dataset))
+            self._check_first_batch(first, dm, "evaluate()", in_memory_labels(dataset))
         except BaseException:
             cursor.close()
             raise
@@ -443,6 +637,82 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         if not outputs:
             raise ValueError("predict() got no data.")
         return nest.map_structure(lambda *parts: torch.cat([p.detach() for p in parts]), *outputs)
+
+    # --- checkpoints and backups: the training state (training_state.py) -------------------------------
+    def write_on_chief(self, what: str, write, default=None):
+        """``write()`` on the chief only (the one worker that writes files), then every worker waits
+        for it, so none races ahead of a file being written. Returns ``write()``'s result (``default``
+        elsewhere). ``what`` names the barrier (in the error when a worker never arrives). Every
+        worker calls it, in the same order (the barrier is a collective); in one process it is ``write()``.
+
+        Example::
+
+            state = trainer.model_state_dict()  # every worker takes part in the read
+            trainer.write_on_chief("my weights", lambda: checkpoint.save(state, "weights.pt"))
+        """
+        return self._training_state.write_on_chief(what, write, default)
+
+    def save_checkpoint(self, path) -> str:
+        """Writes model, optimizer (slots, iterations), epoch/step, RNG state and the state of callbacks that
+        keep one (``TorchLRScheduler``), atomically.
+
+        Strategy-independent; loads with ``torch.load(path, weights_only=True)``.
+        """
+        return self._training_state.save_checkpoint(path)
+
+    def load_checkpoint(self, path, model=None) -> dict:
+        """Restores a ``save_checkpoint`` file into ``model`` (or the model last used) and the optimizer.
+
+        All or nothing: a file that is missing, damaged or lacks an entry (or holds one of
+        the wrong type) raises ``CheckpointError`` saying which; a model state that does not
+        fit the model raises torch's ``RuntimeError``/``ValueError``; an optimizer state that
+        does not fit the optimizer raises ``CheckpointError`` naming the variable and slot.
+        In every case the model and optimizer are left as they were.
+        """
+        state = checkpoint.load(path, kind="checkpoint")
+        if model is not None:
+            self._distribute(model)
+        if self._distributed is None:
+            raise ValueError("load_checkpoint() needs the model: pass model=... (or fit/evaluate it first).")
+        self._training_state.restore_checkpoint(state, path, self._distributed)
+        return state
+
+    def training_state(self, epoch: int, step: int, epoch_logs=None) -> dict:
+        """Everything a resumed fit needs, as a backup holds it (``BackupAndRestore`` saves it): model,
+        optimizer, metric accumulators (aggregated and per replica), history, random streams, the
+        callbacks' states, where the data stands (the pass, the global batches consumed, the random state
+        the pass began with) and the global batch size; to resume at ``step`` of ``epoch`` (``step=0``:
+        that epoch's start), on any number of workers or replicas with that global batch size.
+        ``epoch_logs`` is ``(epoch, logs)`` of an epoch that ends now and that the History callback
+        (which runs last) has not recorded yet. Called during a ``fit``, on every
+        worker alike (it gathers across workers).
+
+        Example::
+
+            class Backup(Callback):
+                def on_epoch_end(self, epoch, logs=None):
+                    state = self.trainer.training_state(epoch + 1, 0, (epoch, dict(logs)))
+                    self.trainer.write_on_chief("Backup", lambda: checkpoint.save(state, "backup.pt"))
+        """
+        return self._training_state.backup(epoch, step, epoch_logs, model=self._distributed)
+
+    def restore_training_state(self, state: dict, path) -> None:
+        """Restores a backup read by ``checkpoint.load(path, kind="backup")`` (its structure is checked there):
+        the running ``fit`` goes on from the epoch and step of ``training_state``. Called from
+        ``on_train_begin`` (before the first step), on every worker alike; ``path`` names the file in errors.
+
+        A backup that does not fit this model, optimizer or metrics, or that was written with another
+        global batch size, raises ``CheckpointError`` before anything is restored (docs/guides/resume.md has
+        the rules of a resume on another number of workers or replicas).
+
+        Example::
+
+            class Resume(Callback):
+                def on_train_begin(self, logs=None):
+                    if os.path.exists("backup.pt"):
+                        self.trainer.restore_training_state(checkpoint.load("backup.pt", kind="backup"), "backup.pt")
+        """
+        self._training_state.restore_backup(state, path, model=self._distributed)
 
 
 def _device_type(x) -> str:
