@@ -6,9 +6,14 @@ Example::
     trainer = Trainer(strategy=strategy, optimizer="adam", loss="cross_entropy", metrics=["accuracy"], seed=0)
     history = trainer.fit(model, (x, y), batch_size=64, epochs=10, validation_split=0.2)
 
-Rooms: ``trainer.py`` (``Trainer`` and its steps, evaluate, predict), ``fit_loop.py`` (fit and its
-per-fit plan), ``training_state.py`` (what checkpoints and backups keep), ``arguments.py`` and
-``input_checks.py`` (the checks at the entry), ``inputs.py`` (the data as the trainer reads it),
+Rooms: the training core is ``trainer.py`` (``Trainer``: its steps, ``fit``, ``evaluate``, ``predict``), which
+composes a few objects of their own: ``compile_loss.py`` (``CompileLoss``: the loss per output, an element-level
+loss's reduction), ``compile_metrics.py`` (``CompileMetrics``: the loss trackers and metrics),
+``input_checks.py`` (``InputChecks``: the checks on the first batch), ``training_state.py``
+(``TrainingState``: where training stands, what checkpoints and backups keep, with ``replica_states.py``) and,
+per fit, ``fit_loop.py`` (``FitLoop``: the epochs, steps, validation and preemption under a ``FitPlan``);
+beside them ``arguments.py`` (the plain arguments at the entry), ``inputs.py`` (the data as the trainer
+reads it, its ``Cursor``) and ``model_io.py`` (the model's inputs and outputs). Then
 ``callbacks/`` (one callback per file, a shared monitor base), ``losses.py``, ``metrics.py``,
 ``checkpoint.py`` (the file format), the recipes (``recipes.py``, the public entry;
 ``recipe_source.py``, ``recipe_entries.py``, ``recipe_calls.py``, ``recipe_monitors.py``,
