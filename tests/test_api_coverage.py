@@ -84,7 +84,7 @@ def test_members_inherited_from_internal_classes_are_documented_under_the_public
 
     every = api_coverage.public_names()
     public = {id(value) for value in every.values()}
-    assert "fit" in api_coverage.members_to_document(trainer.Trainer, public)  # FitLoop's, an internal base
+    assert "fit" in api_coverage.members_to_document(trainer.Trainer, public)  # Trainer's own
     assert "averaged_weights" in api_coverage.members_to_document(optimizers.Optimizer, public)
     # a public base documents its own: SGD does not repeat Optimizer's (or its internal bases')
     assert "averaged_weights" not in api_coverage.members_to_document(optimizers.SGD, public)

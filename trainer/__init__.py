@@ -6,15 +6,19 @@ Example::
     trainer = Trainer(strategy=strategy, optimizer="adam", loss="cross_entropy", metrics=["accuracy"], seed=0)
     history = trainer.fit(model, (x, y), batch_size=64, epochs=10, validation_split=0.2)
 
-Rooms: ``trainer.py`` (``Trainer`` and its steps, evaluate, predict), ``fit_loop.py`` (fit and its
-per-fit plan), ``training_state.py`` (what checkpoints and backups keep), ``arguments.py`` and
-``input_checks.py`` (the checks at the entry), ``inputs.py`` (the data as the trainer reads it),
-``model_io.py`` (how the trainer calls a model), ``callbacks/`` (every callback, one per file, a shared
-monitor base; ``TensorBoard`` among them), ``losses.py``, ``metrics.py``, ``checkpoint.py`` (the file
-format), ``model_summary.py`` (``summary``), ``preemption.py`` (saving before preemption) and
-``spelling.py`` (the did-you-mean hint of error messages). The recipe system (``replicafit.recipes``)
-and the ``replicafit`` command with its launcher (``replicafit.cli``) live in packages of their own
-above this one.
+Rooms: the training core is ``trainer.py`` (``Trainer``: its steps, ``fit``, ``evaluate``, ``predict``), which
+composes a few objects of their own: ``compile_loss.py`` (``CompileLoss``: the loss per output, an element-level
+loss's reduction), ``compile_metrics.py`` (``CompileMetrics``: the loss trackers and metrics),
+``input_checks.py`` (``InputChecks``: the checks on the first batch), ``training_state.py``
+(``TrainingState``: where training stands, what checkpoints and backups keep, with ``replica_states.py``) and,
+per fit, ``fit_loop.py`` (``FitLoop``: the epochs, steps, validation and preemption under a ``FitPlan``);
+beside them ``arguments.py`` (the plain arguments at the entry), ``inputs.py`` (the data as the trainer
+reads it, its ``Cursor``) and ``model_io.py`` (the model's inputs and outputs). Then ``callbacks/`` (every
+callback, one per file, a shared monitor base; ``TensorBoard`` among them), ``losses.py``, ``metrics.py``,
+``checkpoint.py`` (the file format), ``model_summary.py`` (``summary``), ``preemption.py`` (saving before
+preemption) and ``spelling.py`` (the did-you-mean hint of error messages). The recipe system
+(``replicafit.recipes``) and the ``replicafit`` command with its launcher (``replicafit.cli``) live in packages
+of their own above this one.
 """
 
 from . import callbacks, checkpoint, losses, metrics

@@ -1,12 +1,15 @@
-"""The fit loop: ``fit``'s setup (seeding alike on every worker, the data, the callbacks, the per-fit
-decisions of a ``FitPlan``) and its epochs of steps, with validation and the callbacks' hooks.
+"""``FitLoop``: one ``fit``'s epochs of steps, with validation, the callbacks' hooks and saving before a
+preemption, under a ``FitPlan`` decided before the first epoch alike on every worker.
 
 Across workers every worker makes the same collectives in the same order: the seeds and the verbose
 level are broadcast from the chief, whether to read the logs and to stop are agreed, and reading the
 logs (aggregated metrics) is itself a collective, so each worker reads them at the same steps.
 
-``FitLoop`` is a part of ``Trainer`` (``trainer.py``), whose steps, metrics, entry checks
-(``input_checks.py``) and training state (``training_state.py``) it drives.
+``Trainer.fit`` makes one per fit, once the fit's setup is done (seeding, the data, the callbacks of
+``fit_callbacks``, the preemption watch of ``watch_preemption``, the entry checks), runs its epochs, then
+``close``s and ``finish``es it. The loop runs the trainer's steps through the ``train_function`` and
+``validate`` it is given, resets and reads the metrics (``CompileMetrics``) and moves where training
+stands (``TrainingState``) on.
 
 Example::
 
@@ -15,32 +18,27 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import math
-import random
 
 import torch
 
-from replicafit import optimizers
-from replicafit.strategies import context, nest
-from replicafit.strategies.step_values import wide_float
+from replicafit.strategies import context
 
 from . import callbacks as callbacks_module
-from . import losses
-from .arguments import FIT_ARGUMENTS, check_arguments
-from .input_checks import in_memory_labels
-from .inputs import Cursor, batch_source, rows, split_off_validation, unpack
 from .preemption import Preempted, PreemptedInValidation, PreemptionWatch
 
-_DENOMINATOR = "replicafit/loss denominator"  # the step value of an element-level loss's real elements
-
-__all__ = ["FitLoop", "FitPlan"]
+__all__ = ["FitLoop", "FitPlan", "fit_callbacks", "unwatch_preemption", "watch_preemption"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class FitPlan:
-    """What each epoch of one ``fit`` does, decided before the first and alike on every worker."""
+    """What each epoch of one ``fit`` does, decided before the first and alike on every worker.
+
+    Example::
+
+        plan = FitPlan(steps=100, validation_data=None, batch_size=64, batch_logs=True, agree_logs=False,
+                       agree_each_step=False, accumulating=False, overlap=None)
+    """
 
     steps: int | None  # steps per epoch (None: until the data runs out)
     validation_data: object  # None: no validation
@@ -54,274 +52,195 @@ class FitPlan:
     settle_each_step: bool = True  # a step's deferred update (sharded optimizer states) is settled before batch hooks
 
 
+def fit_callbacks(callbacks, trainer, model, epochs, steps, verbose) -> tuple:
+    """``(History, CallbackList)`` of a fit: the user's ``callbacks``, then History, then the progress bar
+    (``verbose``: resolved, and the chief's on every worker).
+
+    Example::
+
+        history, callback_list = fit_callbacks([EarlyStopping()], trainer, model, 10, 100, "auto")
+    """
+    history = callbacks_module.History()
+    verbose_level = callbacks_module.resolve_verbose(verbose)
+    # "auto" depends on each process's terminal; the per-step work must not (chief decides).
+    verbose_level = trainer.strategy.cluster.broadcast(verbose_level)
+    cbs = list(callbacks or []) + [history]  # History last, as in Keras: it sees what callbacks add to logs
+    if verbose_level:
+        cbs.append(callbacks_module.ProgbarLogger(verbose_level))
+    callback_list = callbacks_module.CallbackList(
+        cbs, trainer=trainer, model=model, params={"epochs": epochs, "steps": steps, "verbose": verbose_level}
+    )
+    return history, callback_list
+
+
+def watch_preemption(callbacks, cluster):
+    """The ``PreemptionWatch`` of the ``BackupAndRestore(save_before_preemption=...)`` among ``callbacks``,
+    installed (None without one); ``unwatch_preemption`` removes it.
+
+    Example::
+
+        watch = watch_preemption(callbacks, strategy.cluster)  # before the first batch is read
+    """
+    backups = [cb for cb in callbacks or () if getattr(cb, "preemption_signals", ())]
+    if not backups:
+        return None
+    if len(backups) > 1:
+        raise ValueError(
+            f"{len(backups)} BackupAndRestore callbacks save before preemption; one backup is written at a "
+            "preemption: keep save_before_preemption on one of them."
+        )
+    watch = PreemptionWatch(backups[0].preemption_signals, cluster)
+    watch.backup, backups[0].watch = backups[0], watch
+    watch.start()
+    watch.install()
+    return watch
+
+
+def unwatch_preemption(watch) -> None:
+    """Removes what ``watch_preemption`` installed (nothing for None)."""
+    if watch is not None:
+        watch.uninstall()
+        watch.backup.watch = None
+
+
 class FitLoop:
-    """``fit`` and its loop (a part of ``Trainer``)."""
+    """The epochs of one ``fit``: made by ``Trainer.fit`` once everything before the first epoch is done.
 
-    def fit(
+    Args:
+      trainer: the ``Trainer`` (its public ``strategy``, ``optimizer`` and ``stop_training``).
+      model: the distributed model this fit trains.
+      plan: this fit's ``FitPlan``.
+      cursor: the fit's ``inputs.Cursor``, its first step read ahead by the entry checks.
+      callbacks: the fit's ``CallbackList``.
+      resume: where a backup restored in ``on_train_begin`` left off (``TrainingState.begin_training``), or
+        None; the fit starts at its epoch, else at ``initial_epoch``.
+      initial_epoch: ``fit``'s argument.
+      training_state: the trainer's ``TrainingState``, whose ``epoch`` and ``step`` the loop moves on.
+      compiled_metrics: the trainer's ``CompileMetrics``, reset per epoch and read for the logs.
+      compiled_loss: the trainer's ``CompileLoss``, whose element-level reduction ends with the fit.
+      train_function: ``train_function(batch, plan)`` runs ``train_step`` on every replica's slice of a step.
+      validate: ``validate(validation_data, batch_size, callbacks, preemption)``: the validation logs.
+
+    Example::
+
+        loop = FitLoop(trainer, model=dm, plan=plan, cursor=cursor, ...)
+        for epoch in range(loop.first_epoch, epochs):
+            logs = loop.run_epoch(epoch)
+    """
+
+    def __init__(
         self,
+        trainer,
+        *,
         model,
-        dataset,
-        epochs: int = 1,
-        batch_size=None,
-        validation_data=None,
-        validation_split=0.0,
-        callbacks=None,
-        steps_per_epoch=None,
-        initial_epoch: int = 0,
-        shuffle: bool = True,
-        verbose="auto",
+        plan: FitPlan,
+        cursor,
+        callbacks,
+        resume,
+        initial_epoch: int,
+        training_state,
+        compiled_metrics,
+        compiled_loss,
+        train_function,
+        validate,
     ):
-        """Trains ``model`` on ``dataset``; returns a ``History`` (``history.history["loss"]``, ...).
+        self._trainer = trainer
+        self.strategy = trainer.strategy
+        self._model = model
+        self.plan = plan
+        self._cursor = cursor
+        self._callbacks = callbacks
+        self._resume = resume
+        self.first_epoch = initial_epoch if resume is None else resume["epoch"]
+        self._state = training_state
+        self._metrics = compiled_metrics
+        self._loss = compiled_loss
+        self._train_function = train_function
+        self._validate = validate
 
-        ``dataset``: arrays/tensors (``(x, y)`` or ``(x, y, sample_weight)``) or a torch
-        ``Dataset`` with ``batch_size`` (shuffled per epoch when ``shuffle``), or a
-        ``DataLoader``/iterable of batches. ``steps_per_epoch`` repeats the data when it
-        runs out. ``validation_split`` keeps the last fraction of arrays/datasets for
-        validation (both parts need at least one example).
+    @property
+    def optimizer(self):
+        """The trainer's optimizer (read at each use, as ``Trainer.optimizer`` is)."""
+        return self._trainer.optimizer
 
-        Floating inputs, targets and sample weights of another float type (NumPy's float64) are
-        cast to the model's float type, as Keras casts them to its own (integer labels are kept).
+    def run_epoch(self, epoch: int) -> dict:
+        """One epoch: its steps (the first epoch from where a restored backup left off), then the epoch's logs
+        (validation's with ``val_``) and ``on_epoch_end``; returns the logs. A callback on any worker that
+        sets ``stop_training`` stops every worker.
 
-        Training or validation data with no batch at all raises ``ValueError`` before any
-        callback runs (as ``predict`` does): an empty run has no loss to report. Arguments of
-        the wrong type are refused here, with the fix (Keras' ``fit(x, y)`` habit puts ``y``
-        into ``epochs``: pass ``fit(model, (x, y), ...)``).
+        Example::
+
+            logs = loop.run_epoch(epoch)
         """
-        check_arguments(
-            "fit",
-            FIT_ARGUMENTS,
-            epochs=epochs,
-            batch_size=batch_size,
-            validation_split=validation_split,
-            steps_per_epoch=steps_per_epoch,
-            initial_epoch=initial_epoch,
-            shuffle=shuffle,
-        )
-        self._seed_fit()
-        train_data, source, validation_data = self._fit_data(
-            dataset, batch_size, validation_data, validation_split, shuffle
-        )
-        distributed = self._distribute_data(source)
-        repeat = steps_per_epoch is not None
-        # Before the first batch is read: a DataLoader's worker processes forked from now on inherit the handler.
-        watch = self._watch_preemption(callbacks)
-        self._cursor = cursor = Cursor(source, distributed, repeat=repeat)
-        try:
-            # The first step of the first epoch, read once: the entry checks look at it, the first step trains on it.
-            first = self._first_look(cursor, 0 if repeat else initial_epoch, "training data", "fit()")
-            dm = self._distribute(model)
-            dm.train()
-            self._trainable = dm.trainable_variables
-            steps = steps_per_epoch if steps_per_epoch is not None else distributed.steps
-            history, callback_list = self._fit_callbacks(callbacks, model, epochs, steps, verbose)
-            self.history, self.stop_training, self._resume = history, False, None
-            self._first_batch_structure(first, dm, "fit()", in_memory_labels(train_data))
-            self._begin_training(callback_list)
-            resume = self._resume  # where a backup restored in on_train_begin left off
-            start_epoch = initial_epoch if resume is None else resume["epoch"]
-            plan = self._fit_plan(callback_list, steps, validation_data, batch_size, watch)
-            self._start_element_reduction(first, cursor.batch_size)  # (survives a restore: its read-ahead is gone)
-        except BaseException:
-            cursor.close()  # the pass read ahead (its loader's worker processes, a prefetch thread)
-            self._unwatch_preemption(watch)
-            raise
-        logs: dict = {}
-        try:
-            try:
-                for epoch in range(start_epoch, epochs):
-                    resumed = resume if epoch == start_epoch else None
-                    logs = self._fit_epoch(epoch, resumed, dm, cursor, callback_list, plan)
-                    if self.stop_training:
-                        break
-            finally:
-                self._end_fit(cursor, plan)
-            if getattr(self.optimizer, "use_ema", False):  # as Keras' fit: the model ends with the averages
-                self.optimizer.finalize_variable_values(self._trainable)
-            # (a signal from the last agreed boundary on is noted and ignored: the fit is complete, and its
-            # backup is not deleted by on_train_end under a default action)
-            callback_list.call("on_train_end", logs)
-        finally:
-            self._unwatch_preemption(watch)
-        return history
-
-    def _seed_fit(self) -> None:
-        """Seeds this fit alike on every worker: torch's generator, the data's shuffles (``_data_seed``) and
-        each replica's own random stream (dropout...)."""
-        if self.seed is not None:
-            torch.manual_seed(self.seed)
-        self._data_seed = self.seed if self.seed is not None else random.randrange(2**31)
-        # Every worker must shuffle alike: a seed drawn per process would train on other rows.
-        cluster = self.strategy.cluster
-        self._data_seed = cluster.broadcast(self._data_seed)
-        if self.seed is None and cluster.num_workers > 1:
-            # torch's generator too (a DataLoader's shuffle draws from it): the chief's on every
-            # worker, as a seed would make it.
-            torch.set_rng_state(cluster.broadcast(torch.get_rng_state()))
-        # Each replica's own random stream (dropout...), from (seed, global replica id); a checkpoint
-        # loaded before a seedless fit keeps the streams it held, as it keeps torch's generator.
-        streams = self.strategy.extended.replica_streams
-        if streams is not None and (self.seed is not None or not self._replica_rng_loaded):
-            streams.seed(self._data_seed)
-        self._replica_rng_loaded = False
-
-    def _fit_data(self, dataset, batch_size, validation_data, validation_split, shuffle) -> tuple:
-        """``(training data, its source of global batches, validation data)``, the validation data checked
-        to yield a batch (a one-shot validation iterator comes back re-chained)."""
-        train_data, split_validation = split_off_validation(dataset, validation_split)
-        validation_data = validation_data if validation_data is not None else split_validation
-        source = batch_source(train_data, batch_size, shuffle, self._data_seed)
-        if validation_data is not None:
-            validation_data = self._checked_validation(validation_data, batch_size)
-        return train_data, source, validation_data
-
-    def _fit_callbacks(self, callbacks, model, epochs, steps, verbose) -> tuple:
-        """``(History, CallbackList)`` of this fit: the user's callbacks, then History, then the progress bar."""
-        history = callbacks_module.History()
-        verbose_level = callbacks_module.resolve_verbose(verbose)
-        # "auto" depends on each process's terminal; the per-step work must not (chief decides).
-        verbose_level = self.strategy.cluster.broadcast(verbose_level)
-        cbs = list(callbacks or []) + [history]  # History last, as in Keras: it sees what callbacks add to logs
-        if verbose_level:
-            cbs.append(callbacks_module.ProgbarLogger(verbose_level))
-        callback_list = callbacks_module.CallbackList(
-            cbs, trainer=self, model=model, params={"epochs": epochs, "steps": steps, "verbose": verbose_level}
-        )
-        return history, callback_list
-
-    def _begin_training(self, callback_list) -> None:
-        """Makes ``callback_list`` this fit's and calls ``on_train_begin``, where ``BackupAndRestore`` may
-        restore a backup (``_resume``); then the callbacks' saved states (the backup's, else those of a
-        checkpoint loaded before this fit) are restored, after every callback's ``on_train_begin`` has
-        reset its own (whatever their order)."""
-        self._callback_list = callback_list
-        callback_list.call("on_train_begin", {})
-        states, self._loaded_callback_states = self._loaded_callback_states, None
-        if states:
-            self._restore_callback_states(states)
-        callback_list.refresh()
-
-    def _watch_preemption(self, callbacks):
-        """The ``PreemptionWatch`` of the ``BackupAndRestore(save_before_preemption=...)`` among ``callbacks``,
-        installed (None without one)."""
-        backups = [cb for cb in callbacks or () if getattr(cb, "preemption_signals", ())]
-        if not backups:
-            return None
-        if len(backups) > 1:
-            raise ValueError(
-                f"{len(backups)} BackupAndRestore callbacks save before preemption; one backup is written at a "
-                "preemption: keep save_before_preemption on one of them."
-            )
-        watch = PreemptionWatch(backups[0].preemption_signals, self.strategy.cluster)
-        watch.backup, backups[0].watch = backups[0], watch
-        watch.start()
-        watch.install()
-        return watch
-
-    @staticmethod
-    def _unwatch_preemption(watch) -> None:
-        if watch is not None:
-            watch.uninstall()
-            watch.backup.watch = None
-
-    def _preempted(self, watch, epoch: int, step: int, epoch_logs=None):
-        """Every worker agreed to stop: the chief writes the backup of ``step`` steps of ``epoch`` done, then
-        ``Preempted`` (a ``SystemExit``) ends the fit on every worker."""
-        path = watch.backup.save_for_preemption(epoch, step, epoch_logs)
-        raise Preempted(watch.received.name if watch.received is not None else None, path, epoch, step)
-
-    def _fit_plan(self, callback_list, steps, validation_data, batch_size, watch=None) -> FitPlan:
-        """This fit's decisions, taken once before its first epoch, alike on every worker."""
-        cluster = self.strategy.cluster
-        batch_logs = callback_list.wants_batch_logs["on_train_batch_end"]
-        # Reading the logs is a collective across workers: every worker reads them, or none.
-        agree_logs = cluster.num_workers > 1
-        if agree_logs:  # (with whether each worker saves before preemption: every worker must, or none)
-            logs_wanted, watching = cluster.sum([int(batch_logs), int(watch is not None)], "agreeing on the plan")
-            batch_logs = logs_wanted > 0
-            if watching not in (0, cluster.num_workers):
-                raise ValueError(
-                    f"BackupAndRestore saves before preemption on {watching} of {cluster.num_workers} workers: every "
-                    "worker must run the same fit with the same callbacks (save_before_preemption alike everywhere)."
-                )
-        # Logs are global, so built-in callbacks decide alike on every worker; a user's callback
-        # might not (in any hook), so its stop_training is agreed after every step.
-        agree_each_step = cluster.num_workers > 1 and callbacks_module.may_stop_training_alone(callback_list)
-        # The built-in step applies its gradients once: across workers they can be reduced in buckets
-        # started during backward (a custom train_step reduces after backward). An accumulating
-        # optimizer reduces once per window, after the window's last backward.
-        accumulating = bool(getattr(self.optimizer, "gradient_accumulation_steps", None))
-        builtin_step = self._is_builtin("train_step")
-        overlap = self.strategy.extended.gradient_step if builtin_step and not accumulating else None
-        # Sharded optimizer states gather a step's updated values while the loop moves on, unless a callback's
-        # batch hooks might read the variables (then they are settled before those hooks).
-        settle = callbacks_module.may_touch_variables_between_steps(callback_list)
-        return FitPlan(
-            steps, validation_data, batch_size, batch_logs, agree_logs, agree_each_step, accumulating, overlap, watch,
-            settle,
-        )  # fmt: skip
-
-    def _fit_epoch(self, epoch: int, resumed, dm, cursor, callback_list, plan) -> dict:
-        """One epoch of ``fit``: its steps (from where the backup ``resumed`` left off, if given), then the
-        epoch's logs (validation's with ``val_``) and ``on_epoch_end``; returns the logs. A callback on any
-        worker that sets ``stop_training`` stops every worker."""
-        self._epoch = epoch
-        self._reset_metrics()
-        self._start_epoch_data(epoch, resumed, cursor)
-        callback_list.call("on_epoch_begin", epoch, {})
+        trainer, plan = self._trainer, self.plan
+        resumed = self._resume if epoch == self.first_epoch else None
+        self._state.epoch = epoch
+        self._metrics.reset_state()
+        self._start_epoch_data(epoch, resumed)
+        self._callbacks.call("on_epoch_begin", epoch, {})
         watch = plan.preemption
-        step, preempted = self._train_steps(resumed["step"] if resumed is not None else 0, cursor, callback_list, plan)
+        step, preempted = self._train_steps(resumed["step"] if resumed is not None else 0)
         self.strategy.extended.settle_updates()  # every variable holds the last update from here on
         if preempted:
-            self._preempted(watch, epoch, step)
+            self._preempted(epoch, step)
         if plan.accumulating:  # a partial window is applied, not dropped
             with context.enter_or_assert_strategy(self.strategy):
                 self.optimizer.apply_accumulated_gradients()
-        dm.sync_buffers()  # replica-mean statistics for validation and in the user's module
-        logs = self._logs()
+        self._model.sync_buffers()  # replica-mean statistics for validation and in the user's module
+        logs = self._metrics.result()
         if plan.validation_data is not None:
-            rewind = self._rewind_point() if watch is not None else None
-            try:
-                val_logs = self._validate(plan.validation_data, plan.batch_size, callback_list, watch)
-            except PreemptedInValidation:
-                # The backup of the epoch's training steps done: the resumed fit validates from the start.
-                self._rewind(rewind)
-                self._preempted(watch, epoch, step)
-            logs.update({f"val_{k}": v for k, v in val_logs.items()})
-        callback_list.call("on_epoch_end", epoch, logs)
+            logs.update({f"val_{k}": v for k, v in self._validation_logs(epoch, step).items()})
+        self._callbacks.call("on_epoch_end", epoch, logs)
         cluster = self.strategy.cluster
         if watch is not None:  # stop_training and the preemption flags agreed in one sum
-            self.stop_training, preempted = watch.at_epoch_end(self.stop_training)
-            if preempted and not self.stop_training:  # (a fit that stops here has ended: nothing to resume)
-                self._preempted(watch, epoch + 1, 0, (epoch, logs))
+            trainer.stop_training, preempted = watch.at_epoch_end(trainer.stop_training)
+            if preempted and not trainer.stop_training:  # (a fit that stops here has ended: nothing to resume)
+                self._preempted(epoch + 1, 0, (epoch, logs))
         elif cluster.num_workers > 1:  # a callback on any worker stops every worker
-            self.stop_training = cluster.any(self.stop_training)
+            trainer.stop_training = cluster.any(trainer.stop_training)
         return logs
+
+    def _validation_logs(self, epoch: int, step: int) -> dict:
+        """The epoch's validation logs; a preemption agreed during validation writes the backup of the epoch's
+        training steps (the resumed fit validates from the start)."""
+        watch = self.plan.preemption
+        rewind = self._rewind_point() if watch is not None else None
+        try:
+            return self._validate(self.plan.validation_data, self.plan.batch_size, self._callbacks, watch)
+        except PreemptedInValidation:
+            self._rewind(rewind)
+            self._preempted(epoch, step)
+
+    def _preempted(self, epoch: int, step: int, epoch_logs=None):
+        """Every worker agreed to stop: the chief writes the backup of ``step`` steps of ``epoch`` done, then
+        ``Preempted`` (a ``SystemExit``) ends the fit on every worker."""
+        watch = self.plan.preemption
+        path = watch.backup.save_for_preemption(epoch, step, epoch_logs)
+        raise Preempted(watch.received.name if watch.received is not None else None, path, epoch, step)
 
     def _rewind_point(self) -> dict:
         """What validation may change and a backup of the training steps must not see (this worker's own,
         no communication): the random streams and every replica's metric accumulators."""
         streams = self.strategy.extended.replica_streams
-        local = self.strategy.experimental_local_results
         return {
             "rng": torch.get_rng_state(),
             "streams": streams.state_dict() if streams is not None else None,
-            "metrics": [[c.value().detach().clone() for c in local(v)] for v in self._metric_variables()],
+            "metrics": self._metrics.local_values(),
         }
 
     def _rewind(self, point: dict) -> None:
         torch.set_rng_state(point["rng"])
         if point["streams"] is not None:
             self.strategy.extended.replica_streams.load_state_dict(point["streams"])
-        for variable, values in zip(self._metric_variables(), point["metrics"]):
-            for index, value in enumerate(values):
-                variable.assign_component(index, value)
+        self._metrics.load_local_values(point["metrics"])
 
-    def _start_epoch_data(self, epoch: int, resumed, cursor) -> None:
+    def _start_epoch_data(self, epoch: int, resumed) -> None:
         """Puts the cursor where ``epoch``'s batches begin: where a backup left off mid-epoch (its metric
         accumulators restored too), a pass of its own per epoch, or on from where it stands when
         ``steps_per_epoch`` repeats the data."""
+        cursor = self._cursor
         if resumed is not None and resumed["step"]:
-            self._restore_metrics(resumed["metrics"], resumed.get("metric_replicas"))
+            self._metrics.load_state_dict(resumed["metrics"], resumed.get("metric_replicas"))
             cursor.start(*resumed["cursor"])
         elif not cursor.repeat:
             cursor.start(epoch, 0)
@@ -330,9 +249,11 @@ class FitLoop:
         elif not cursor.started:
             cursor.start(0, 0)
 
-    def _train_steps(self, step: int, cursor, callback_list, plan) -> tuple:
+    def _train_steps(self, step: int) -> tuple:
         """The epoch's training steps from ``step`` on, until ``plan.steps``, the data's end, ``stop_training``
         or an agreed preemption; ``(steps done, preempted)``."""
+        trainer, plan, cursor = self._trainer, self.plan, self._cursor
+        callback_list, state = self._callbacks, self._state
         cluster = self.strategy.cluster
         watch = plan.preemption
         while plan.steps is None or step < plan.steps:
@@ -340,75 +261,51 @@ class FitLoop:
                 batch = cursor.next()
             except StopIteration:
                 break
-            self._step = step
+            state.step = step
             if callback_list.wants_batch_logs["on_train_batch_begin"]:
                 callback_list.call("on_train_batch_begin", step, {})
             if watch is not None:  # this worker's flag rides with the step's reduction
                 watch.before_step()
-            self._run_train_step(batch, plan)
+            self._train_function(batch, plan)
             if plan.settle_each_step:
                 self.strategy.extended.settle_updates()
             step += 1
-            self._step = step
+            state.step = step
             # Across workers reading the logs is a collective (agreed once: every step); in one
             # process only when a callback reads them at this step (a bar redraws now and then).
             read = plan.batch_logs and (plan.agree_logs or callback_list.wants_logs_now("on_train_batch_end"))
-            callback_list.call("on_train_batch_end", step - 1, self._logs() if read else {})
+            callback_list.call("on_train_batch_end", step - 1, self._metrics.result() if read else {})
             if plan.agree_each_step:
-                self.stop_training = cluster.any(self.stop_training)
-            if self.stop_training:
+                trainer.stop_training = cluster.any(trainer.stop_training)
+            if trainer.stop_training:
                 break
             if watch is not None and watch.after_step():
                 return step, True
         return step, False
 
-    def _start_element_reduction(self, first, first_rows) -> None:
-        """An element-level loss (``losses`` module docstring) in the built-in step: its real elements' weight
-        rides with each update's reduction (``optimizer.gradient_denominator``); each replica divides its
-        loss by a constant before backward, the first global batch's count of label elements (its rows
-        without labels; agreed across workers), which keeps float16 gradients in the mean's range, and the
-        optimizer divides by the global total over that constant after the reduction."""
-        self._element_denominator = None
-        restored, self._window_denominator = self._window_denominator, None  # what a restored window counted
-        x, y, _ = unpack(first)
-        if self.loss is None:  # the model's own loss: element-level where it divides by num_items_in_batch
-            element_level, self._count_floating = self._counts_items, False
-        else:
-            single_output = isinstance(self.loss, losses.Loss) and list(self._loss_trackers) == ["loss"]
-            element_level = single_output and self.loss.element_level  # several outputs: per example
-            self._count_floating = getattr(self.loss, "count_floating", None) is not False  # unknown: a float
-        if not (element_level and self._is_builtin("train_step", "compute_loss")):
-            return
-        leaves = [t for t in nest.flatten(y) if hasattr(t, "shape")] if y is not None else []
-        per_row = math.prod(leaves[0].shape[1:]) if leaves else 1
-        cluster = self.strategy.cluster
-        first_rows = rows(x) if first_rows is None else first_rows  # the whole first global batch's rows
-        prescale = cluster.broadcast(float(max(1, first_rows * per_row)), "agreeing on the loss's prescale")
-        # What an interrupted fit left is dropped, unless its open window goes on in memory (its count with it).
-        if restored is not None or not self.optimizer.accumulated_steps:
-            cluster.discard_step_value(_DENOMINATOR)
-        if restored is not None:  # a restored open window's real elements so far (counted once: the chief's)
-            value = restored if cluster.is_chief else 0.0
-            dtype = wide_float(self.strategy.extended.worker_devices[0]) if self._count_floating else torch.int64
-            cluster.add_to_step(_DENOMINATOR, torch.tensor(value, dtype=dtype))
-        self._element_denominator = optimizers.GradientDenominator(_DENOMINATOR, prescale)
-        self.optimizer.gradient_denominator = self._element_denominator
+    def close(self) -> None:
+        """What a fit leaves behind, however it ends: no open data, no hooks, one's own loop weighing alike.
 
-    def _run_train_step(self, batch, plan) -> None:
-        """``train_step`` on every replica's slice of ``batch``."""
-        self._set_global_batch(batch)
-        if plan.accumulating:  # a window's steps weigh their examples: it equals one step on them all
-            # (an element-level loss: every step alike, each replica's loss divided by the same constant)
-            weight = 1.0 if self._element_denominator is not None else float(self._global_batch)
-            self.optimizer.step_weight = weight
-        with plan.overlap(self._trainable) if plan.overlap is not None else contextlib.nullcontext():
-            self.strategy.run(self.train_step, args=(batch,))
+        Example::
 
-    def _end_fit(self, cursor, plan) -> None:
-        """What a fit leaves behind, however it ends: no open data, no hooks, one's own loop weighing alike."""
-        cursor.close()
+            loop.close()  # in a finally, before on_train_end
+        """
+        self._cursor.close()
         self.strategy.extended.release_gradient_hooks()  # the model's parameters keep no hooks of ours
-        if plan.accumulating:
+        if self.plan.accumulating:
             self.optimizer.step_weight = 1.0  # a loop of one's own after fit weighs its steps alike
-        if self._element_denominator is not None:
-            self.optimizer.gradient_denominator = self._element_denominator = None
+        self._loss.end_element_reduction(self.optimizer)
+
+    def finish(self, logs: dict) -> None:
+        """A fit that ran its epochs: the model ends with the moving averages (where the optimizer keeps
+        them), then ``on_train_end`` with the last epoch's ``logs``.
+
+        Example::
+
+            loop.finish(logs)  # after close()
+        """
+        if getattr(self.optimizer, "use_ema", False):  # as Keras' fit: the model ends with the averages
+            self.optimizer.finalize_variable_values(self._model.trainable_variables)
+        # (a signal from the last agreed boundary on is noted and ignored: the fit is complete, and its
+        # backup is not deleted by on_train_end under a default action)
+        self._callbacks.call("on_train_end", logs)

@@ -4,13 +4,16 @@ the loss needs; the loss takes the first batch (labels in range, torch's argumen
 said before any replica runs, with the fix. The first batch's outputs also tell the metrics the model's
 outputs and their shapes (``"accuracy"`` is resolved from them).
 
-``InputChecks`` is a part of ``Trainer`` (``trainer.py``), which it reads: ``loss``, the metric specs,
-the model's float type, ``_prepare_metrics``, ``_is_builtin`` and ``_model_io`` (where the first batch's
-reading of the model's outputs is kept: ``model_io.py``).
+``InputChecks`` holds what the checks ask: the strategy (across workers the checks agree), the trainer's
+``CompileLoss`` (the loss to meet) and ``CompileMetrics`` (whose specs may need the outputs' shapes), and
+the ``model_io.ModelIO`` where the first batch's reading of the model's outputs is kept. ``Trainer`` makes
+one and calls ``check_first_batch`` as ``fit`` and ``evaluate`` begin, then builds the metrics from what it
+returns; ``first_look`` and ``checked_validation`` are the checks that need nothing of the trainer.
 
 Example::
 
-    first = self._first_look(cursor, 0, "training data", "fit()")  # ValueError if empty; the first step keeps it
+    first = first_look(cursor, 0, "training data", "fit()")  # ValueError if empty; the first step keeps it
+    found = checks.check_first_batch(first, dm, "fit()", float_dtype=torch.float32, builtin_step=True)
     source = checked_nonempty(source, "validation data", "fit()")  # by its length where it has one
     labels = in_memory_labels((x, y))  # y: every label of in-memory data is checked against the loss
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -32,50 +36,113 @@ from . import losses, metrics
 from .inputs import as_dtype, batch_source, length_of, rows, unpack
 from .model_io import call_model, counts_items, inputs_with_labels, model_loss, passes_keywords
 
-__all__ = ["InputChecks", "checked_nonempty", "in_memory_labels", "one_shot"]
+__all__ = [
+    "FirstBatch",
+    "InputChecks",
+    "checked_nonempty",
+    "checked_validation",
+    "first_look",
+    "in_memory_labels",
+    "one_shot",
+]
 
 _NOTHING = object()
 
 
+class FirstBatch(NamedTuple):
+    """What the first batch tells, once every check passed (alike on every worker): the model's outputs
+    (``structure``: a dict, tuple or list of several, else None), one example's ``labels`` and ``outputs``
+    (the shapes that resolve ``"accuracy"``; None when unknown) and whether the model's own loss counts
+    items (``loss=None``: ``CompileLoss.counts_items``)."""
+
+    structure: object
+    labels: object
+    outputs: object
+    counts_items: bool
+
+
+def first_look(cursor, pass_index: int, what: str, caller: str):
+    """The host batch of the first step of pass ``pass_index`` (across workers this worker's part of the
+    first global batch), read once: the cursor's next step is that batch. ``ValueError`` if the data
+    yields no batch at all.
+
+    Example::
+
+        first = first_look(cursor, 0, "training data", "fit()")
+    """
+    first = cursor.peek(pass_index, 0)
+    if first is None:
+        raise ValueError(
+            f"The {what} of {caller} is empty: it yields no batch. Pass at least one example "
+            "(check the arrays, Dataset or iterable, and any filtering or splitting before it)."
+        )
+    return first
+
+
+def checked_validation(validation_data, batch_size):
+    """``validation_data``, checked to yield a batch (a one-shot iterator comes back re-chained).
+
+    Example::
+
+        validation_data = checked_validation((x_val, y_val), 64)
+    """
+    source = batch_source(validation_data, batch_size, False, None)
+    checked = checked_nonempty(source, "validation data", "fit()")
+    return checked if one_shot(source) else validation_data
+
+
 class InputChecks:
-    """The entry checks on the data, and the metrics built from the first batch (a part of ``Trainer``)."""
+    """The entry checks on the first batch, and what it tells the metrics.
+
+    Args:
+      strategy: the trainer's strategy (across workers every worker checks its part, and they agree).
+      compiled_loss: the trainer's ``CompileLoss``: the loss the batches must meet.
+      compiled_metrics: the trainer's ``CompileMetrics``: its specs say whether the outputs' shapes are needed.
+      model_io: the trainer's ``model_io.ModelIO``, which the first batch's outputs decide.
+
+    Example::
+
+        checks = InputChecks(strategy, compiled_loss, compiled_metrics, ModelIO())
+        found = checks.check_first_batch(first, dm, "fit()", float_dtype=torch.float32, builtin_step=True)
+    """
+
+    def __init__(self, strategy, compiled_loss, compiled_metrics, model_io):
+        self._strategy = strategy
+        self._compiled_loss = compiled_loss
+        self._compiled_metrics = compiled_metrics
+        self._model_io = model_io
+
+    @property
+    def _loss(self):
+        return self._compiled_loss.loss
 
     def _probes_outputs(self) -> bool:
         """Whether the metrics need the model's outputs on a first batch: to know the outputs (unless the
         loss names them), or the shapes that resolve ``"accuracy"``."""
-        resolved = any(metrics.resolved_by_shapes(spec) for spec in self._metric_specs)
-        return resolved or not isinstance(self.loss, (Mapping, list))
+        resolved = any(metrics.resolved_by_shapes(spec) for spec in self._compiled_metrics.specs)
+        return resolved or not isinstance(self._loss, (Mapping, list))
 
-    def _checked_validation(self, validation_data, batch_size):
-        """``validation_data``, checked to yield a batch (a one-shot iterator comes back re-chained)."""
-        source = batch_source(validation_data, batch_size, False, None)
-        checked = checked_nonempty(source, "validation data", "fit()")
-        return checked if one_shot(source) else validation_data
-
-    def _first_look(self, cursor, pass_index: int, what: str, caller: str):
-        """The host batch of the first step of pass ``pass_index`` (across workers this worker's part of the
-        first global batch), read once: the cursor's next step is that batch. ``ValueError`` if the data
-        yields no batch at all."""
-        first = cursor.peek(pass_index, 0)
-        if first is None:
-            raise ValueError(
-                f"The {what} of {caller} is empty: it yields no batch. Pass at least one example "
-                "(check the arrays, Dataset or iterable, and any filtering or splitting before it)."
-            )
-        return first
-
-    def _first_batch_structure(self, first, dm, caller: str = "fit()", all_labels=None) -> None:
-        """The entry checks and the metrics of ``_first_batch_checks``, alike on every worker.
+    def check_first_batch(
+        self, first, dm, caller: str = "fit()", all_labels=None, *, float_dtype, builtin_step: bool
+    ) -> FirstBatch:
+        """The entry checks on ``first`` (``first_look``), alike on every worker, and what it tells the
+        metrics (``_first_batch_checks``). ``dm``: the distributed model; ``all_labels``: every label of
+        in-memory data (``in_memory_labels``); ``float_dtype``: the model's float type; ``builtin_step``:
+        whether ``caller`` runs the built-in step and ``compute_loss`` (only then must batches meet the loss).
 
         Across workers each worker checks its own part of the first global batch; one whose part has no
         row checks the chief's first row instead (the chief's replicas come first in the split rule, so it
         always has rows). A problem found on any worker is an error on every worker, and the decision
         that probes the model's loss (``loss=None``) is the chief's.
+
+        Example::
+
+            found = checks.check_first_batch(first, dm, "evaluate()", float_dtype=torch.float32, builtin_step=True)
+            compiled_metrics.build(found.structure, found.labels, found.outputs, compiled_loss.loss_for)
         """
-        cluster = self.strategy.cluster
+        cluster = self._strategy.cluster
         if cluster.num_workers == 1:
-            self._prepare_metrics(*self._first_batch_checks(first, dm, caller, all_labels))
-            return
+            return self._first_batch_checks(first, dm, caller, all_labels, float_dtype, builtin_step)
         empty = first is not None and rows(unpack(first)[0]) == 0
         if cluster.any(empty, "agreeing whether a worker's first batch is empty"):
             head = nest.map_structure(lambda t: data_layer.as_tensor(t)[:1], first) if cluster.is_chief else None
@@ -83,7 +150,7 @@ class InputChecks:
             first = head if empty else first
         error = found = None
         try:
-            found = self._first_batch_checks(first, dm, caller, all_labels)
+            found = self._first_batch_checks(first, dm, caller, all_labels, float_dtype, builtin_step)
         except Exception as problem:  # noqa: BLE001 - every worker learns of it, then it is raised here
             error = problem
         said = cluster.all_gather(None if error is None else f"{type(error).__name__}: {error}", "the entry checks")
@@ -94,13 +161,13 @@ class InputChecks:
                 raise ValueError(
                     f"Worker {worker} found a problem in its part of the first batch of {caller}: {message}"
                 )
-        self._counts_items = cluster.broadcast(self._counts_items, "agreeing whether the model's loss counts items")
-        self._prepare_metrics(*found)  # (variables: collectives, only once every worker passed)
+        counts = cluster.broadcast(found.counts_items, "agreeing whether the model's loss counts items")
+        return found._replace(counts_items=counts)
 
-    def _first_batch_checks(self, first, dm, caller: str = "fit()", all_labels=None) -> tuple:
-        """The checks on the first batch, and what the metrics need to know (``(structure, labels,
-        output)`` for ``_prepare_metrics``): whether the model has several outputs, and the shapes of
-        each output's labels and predictions (``"accuracy"`` is resolved from them, as in Keras 3).
+    def _first_batch_checks(self, first, dm, caller, all_labels, float_dtype, built_in: bool) -> FirstBatch:
+        """The checks on the first batch, and what the metrics need to know: whether the model has several
+        outputs, and the shapes of each output's labels and predictions (``"accuracy"`` is resolved from
+        them, as in Keras 3).
 
         The model (in eval mode, no gradients) is probed with one example of the first
         batch ``first``, unless the loss is a dict or list, which names the outputs, and no
@@ -109,12 +176,12 @@ class InputChecks:
         logits...); a dict of inputs that ``forward`` names only in part is refused here.
         """
         structure = output = labels = None
+        loss = self._loss
         self._model_io.reset()  # decided anew below, else on the first step's output
-        if isinstance(self.loss, Mapping):
-            structure = dict.fromkeys(self.loss)
-        elif isinstance(self.loss, list):
-            structure = [None] * len(self.loss)
-        built_in = self._built_in_loss_step(caller)
+        if isinstance(loss, Mapping):
+            structure = dict.fromkeys(loss)
+        elif isinstance(loss, list):
+            structure = [None] * len(loss)
         if first is not None and built_in:
             self._check_labels_present(first, caller)
         if first is not None:
@@ -127,7 +194,7 @@ class InputChecks:
                 try:
                     with torch.no_grad():
                         probe = nest.map_structure(lambda t: data_layer.as_tensor(t)[:1], x)
-                        output = call_model(dm.module, as_dtype(probe, self._float_dtype))
+                        output = call_model(dm.module, as_dtype(probe, float_dtype))
                 except (TypeError, AttributeError) as error:
                     if not isinstance(x, Mapping):
                         raise
@@ -137,21 +204,21 @@ class InputChecks:
                     ) from None
                 finally:
                     dm.module.train(was_training)
-                output = self._model_io.decide(output, self.loss, y)  # a ModelOutput's logits...
-                if built_in and self.loss is not None:
-                    _check_outputs_meet_labels(output, self.loss, y, caller)
+                output = self._model_io.decide(output, loss, y)  # a ModelOutput's logits...
+                if built_in and loss is not None:
+                    _check_outputs_meet_labels(output, loss, y, caller)
                 if structure is None:
                     structure = output if isinstance(output, (Mapping, tuple, list)) else None
                 if y is not None:
                     labels = nest.map_structure(lambda t: data_layer.as_tensor(t)[:1], y)
-                    labels = as_dtype(labels, self._float_dtype)
-                    if built_in and structure is None and self.loss is not None:
+                    labels = as_dtype(labels, float_dtype)
+                    if built_in and structure is None and loss is not None:
                         whole = all_labels if all_labels is not None else y
                         self._check_loss_on_first_batch(whole, labels, output, caller)
-        self._counts_items = self.loss is None and first is not None and self._probe_counts_items(first, dm)
-        return structure, labels, output
+        counts = loss is None and first is not None and self._probe_counts_items(first, dm, float_dtype)
+        return FirstBatch(structure, labels, output, counts)
 
-    def _probe_counts_items(self, first, dm) -> bool:
+    def _probe_counts_items(self, first, dm, float_dtype) -> bool:
         """``Trainer(loss=None)``: whether the model's loss is a sum divided by the ``num_items_in_batch`` it is
         given (Hugging Face's loss kwargs). A model that takes ``**kwargs`` may ignore it (a Hugging Face
         classifier returns its own mean whatever it is given), so its signature is not enough: the loss of a
@@ -163,7 +230,7 @@ class InputChecks:
             head = functools.partial(_first_rows, count=count)
             probe_x = nest.map_structure(head, x)
             probe_y = None if y is None else nest.map_structure(head, y)
-            inputs = inputs_with_labels(module, as_dtype(probe_x, self._float_dtype), probe_y)
+            inputs = inputs_with_labels(module, as_dtype(probe_x, float_dtype), probe_y)
             if count == 0 or not counts_items(module, inputs):
                 return False
             was_training = module.training
@@ -177,16 +244,10 @@ class InputChecks:
                 return bool(torch.isclose(two * 2, one, rtol=1e-4))
         return False
 
-    def _built_in_loss_step(self, caller: str) -> bool:
-        """Whether the step that ``caller`` runs is the built-in one with the built-in ``compute_loss`` (only
-        then do batches have to be ``x``, ``(x, y)`` or ``(x, y, sample_weight)`` and meet ``loss``)."""
-        step = "test_step" if caller.startswith("evaluate") else "train_step"
-        return self._is_builtin(step, "compute_loss")
-
     def _check_labels_present(self, first, caller: str) -> None:
         """A loss that needs labels, batches without: say which structures are understood and what arrived."""
         _, y, _ = unpack(first)
-        if y is not None or not _needs_labels(self.loss):
+        if y is not None or not _needs_labels(self._loss):
             return
         named = [k for k in first if str(k).lower() in _LABEL_KEYS] if isinstance(first, Mapping) else []
         hint = (
@@ -196,7 +257,7 @@ class InputChecks:
         )
         raise ValueError(
             f"{caller} got batches without labels: the first batch is {describe_structure(first)}, which is taken as "
-            f"the model's inputs x alone, and the loss {_loss_name(self.loss)} needs labels.{hint} "
+            f"the model's inputs x alone, and the loss {_loss_name(self._loss)} needs labels.{hint} "
             f"{_structures(caller)}"
         )
 
@@ -204,7 +265,7 @@ class InputChecks:
         """The loss on one example of the first batch, before any replica runs: labels out of range for a
         class-index loss (``y``: every label of in-memory data, else the first batch's), and a callable in
         torch's ``(input, target)`` order, are said here with the fix."""
-        loss = self.loss
+        loss = self._loss
         if not isinstance(output, torch.Tensor) or not isinstance(labels, torch.Tensor):
             return
         classes = losses.class_count(loss, output)

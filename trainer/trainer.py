@@ -32,15 +32,20 @@ A dict of inputs goes to ``forward`` as keyword arguments when ``forward`` names
 Face's convention), and a Hugging Face ``ModelOutput`` (or a dict with ``logits``) gives its logits to
 losses, metrics and ``predict``: ``model_io.py`` has the exact rules.
 
-This file holds the public ``Trainer`` and its steps: the model, losses and metrics, the
-per-replica ``train_step``/``test_step``/``predict_step``, ``evaluate`` and ``predict``. Its other
-parts have files of their own: the fit loop (``fit_loop.py``), the training state that checkpoints
-and backups keep (``training_state.py``), the checks at the entry (``arguments.py`` for the plain
-arguments, ``input_checks.py`` for the data) and the data as the trainer reads it (``inputs.py``).
+This file holds the public ``Trainer``: its arguments, the model, the per-replica ``train_step``/``test_step``/
+``predict_step`` and ``compute_loss``, ``fit``/``evaluate``/``predict``, and the doors to checkpoints and backups.
+``Trainer`` composes a few objects, each with its own state, as Keras 3's trainer does: ``CompileLoss``
+(``compile_loss.py``: the loss per output and an element-level loss's reduction), ``CompileMetrics``
+(``compile_metrics.py``: the loss trackers and metrics), ``InputChecks`` (``input_checks.py``: the checks on the
+first batch), ``TrainingState`` (``training_state.py``: where training stands and what checkpoints and backups
+keep), and per fit a ``FitLoop`` (``fit_loop.py``: the epochs, steps, validation and preemption, under a
+``FitPlan``), which reads the data through an ``inputs.Cursor``. ``arguments.py`` checks the plain arguments and
+``model_io.py`` reads the model's outputs.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 
 import torch
@@ -48,15 +53,15 @@ import torch
 import replicafit.strategies as ds
 from replicafit import optimizers
 from replicafit.strategies import context, nest
-from replicafit.strategies.step_values import wide_float
-from replicafit.strategies.variables import aggregated_reads
 
 from . import callbacks as callbacks_module
-from . import losses, metrics
-from .arguments import AUTOCAST, EVALUATE_ARGUMENTS, check_arguments, check_precision
-from .fit_loop import FitLoop
-from .input_checks import InputChecks, in_memory_labels
-from .inputs import Cursor, as_dtype, batch_source, batchable, rows, unpack
+from . import checkpoint, losses
+from .arguments import AUTOCAST, EVALUATE_ARGUMENTS, FIT_ARGUMENTS, check_arguments, check_precision
+from .compile_loss import CompileLoss
+from .compile_metrics import CompileMetrics
+from .fit_loop import FitLoop, FitPlan, fit_callbacks, unwatch_preemption, watch_preemption
+from .input_checks import InputChecks, checked_validation, first_look, in_memory_labels
+from .inputs import Cursor, as_dtype, batch_source, batchable, rows, split_off_validation, unpack
 from .model_io import ModelIO, call_model, inputs_with_labels, model_loss, prediction_of, real_items
 from .preemption import PreemptedInValidation
 from .training_state import TrainingState
@@ -64,7 +69,7 @@ from .training_state import TrainingState
 __all__ = ["Trainer"]
 
 
-class Trainer(FitLoop, TrainingState, InputChecks):
+class Trainer:
     """Trains, evaluates and runs a torch ``nn.Module`` under a strategy, Keras-style.
 
     Args:
@@ -122,35 +127,30 @@ class Trainer(FitLoop, TrainingState, InputChecks):
             self.optimizer = optimizers.get(optimizer)
             if self.precision == "16-mixed" and not isinstance(self.optimizer, optimizers.LossScaleOptimizer):
                 self.optimizer = optimizers.LossScaleOptimizer(self.optimizer)
-        if loss is None:  # the model's own: it returns a loss when its inputs hold the labels
-            self.loss = None
-        elif isinstance(loss, (Mapping, list)):
-            self.loss = nest.map_structure(losses.get, loss)
-        else:
-            self.loss = losses.get(loss)
-        self._metric_specs = list(metrics or ())
-        self._model_io = ModelIO()  # how the model's outputs are read: decided on a fit's first batch
         self.seed = seed
         self.stop_training = False
         self.history = None
         self._module = None
         self._distributed = None
-        self._metrics: list = []
-        self._loss_trackers: dict = {}
-        self._global_batch = 1
-        self._element_denominator = None  # an element-level loss's GradientDenominator, while fit runs
-        self._window_denominator = None  # a restored open window's real elements (float), until fit starts
-        self._count_floating = False  # the element-level step value's kind: float (class weights) or int
-        self._counts_items = False  # loss=None: the model divides its loss by num_items_in_batch (probed)
-        self._epoch = 0
-        self._step = 0
-        self._data_seed = seed
-        self._resume = None
-        self._cursor = None
-        self._callback_list = None  # the running (or last) fit's callbacks
         self._float_dtype = torch.get_default_dtype()  # the model's: floating inputs are cast to it
-        self._loaded_callback_states = None  # callback states of a checkpoint loaded before a fit
-        self._replica_rng_loaded = False  # a checkpoint loaded before a fit gave the replicas' streams
+        self._trainable = None  # the trainable variables of the model a fit trains
+        self._global_batch = 1
+        self._compile_metrics = CompileMetrics(metrics, self.strategy)
+        self._compile_loss = CompileLoss(loss, self.strategy, self._compile_metrics)
+        self._model_io = ModelIO()  # how the model's outputs are read: decided on a fit's first batch
+        self._input_checks = InputChecks(self.strategy, self._compile_loss, self._compile_metrics, self._model_io)
+        self._training_state = TrainingState(self, self._compile_metrics, self._compile_loss)
+
+    @property
+    def loss(self):
+        """The ``loss`` argument as the built-in steps compute it (a ``losses.Loss``, or a dict or list of them for a
+        model with several outputs), or None (the loss the model returns).
+
+        Example::
+
+            Trainer(loss="cross_entropy").loss  # a losses.SparseCategoricalCrossentropy(from_logits=True)
+        """
+        return self._compile_loss.loss
 
     # --- the model ----------------------------------------------------------------------
     def _distribute(self, model: torch.nn.Module):
@@ -181,54 +181,7 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         else:
             self._module.load_state_dict(state)
 
-    # --- losses and metrics ----------------------------------------------------------------
-    def _prepare_metrics(self, outputs_structure, labels=None, outputs=None) -> None:
-        """The loss trackers and metrics, per output; ``labels``/``outputs``: one example's, for the shapes
-        that resolve ``"accuracy"`` (None when unknown: the loss decides)."""
-        multi = isinstance(outputs_structure, (Mapping, tuple, list))
-        names = self._output_names(outputs_structure) if multi else [None]
-        self._loss_trackers = {"loss": metrics.Mean(name="loss")}
-        if multi:
-            for name in names:
-                self._loss_trackers[f"{name}_loss"] = metrics.Mean(name=f"{name}_loss")
-        built = []
-        for spec in self._metric_specs:
-            for name in names:
-                loss = self._loss_for(name)
-                y_true, y_pred = labels, outputs
-                if name is not None:
-                    y_true = _part(labels, self._per_output, name)
-                    y_pred = _part(outputs, self._per_output, name)
-                metric = metrics.get(spec, loss, y_true=y_true, y_pred=y_pred)
-                if isinstance(spec, metrics.Metric) and multi:
-                    metric = type(spec)()
-                if name is not None:
-                    metric.name = f"{name}_{metric.name}"
-                built.append((name, metric))
-        self._metrics = built
-        for tracker in self._loss_trackers.values():
-            tracker.build(self.strategy)
-        for _, metric in self._metrics:
-            metric.build(self.strategy)
-
-    @staticmethod
-    def _output_names(outputs) -> list:
-        if isinstance(outputs, Mapping):
-            return list(outputs.keys())
-        return [f"output_{i}" for i in range(len(outputs))]
-
-    def _loss_for(self, name):
-        if isinstance(self.loss, Mapping):
-            return self.loss[name]
-        if isinstance(self.loss, list):
-            return self.loss[int(name.rsplit("_", 1)[1])]
-        return self.loss
-
-    def _per_output(self, structure, name):
-        if isinstance(structure, Mapping):
-            return structure[name]
-        return structure[int(name.rsplit("_", 1)[1])]
-
+    # --- the loss -----------------------------------------------------------------------------------
     def compute_loss(self, y, y_pred, sample_weight=None) -> torch.Tensor:
         """Per-example loss (summed over outputs), times ``sample_weight``; also tracked per output.
 
@@ -236,60 +189,20 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         steps reduce it over the whole global batch instead (``losses.Loss.terms``). Override it for a
         per-example loss of one's own: the built-in steps then sum it and divide by the global batch size.
         """
-        if self.loss is None:
+        if self._compile_loss.loss is None:
             raise ValueError(
                 "Trainer(loss=None) trains on the loss the model returns: compute_loss() has no loss of its own to "
                 "compute. Pass a loss to the Trainer, or read the model's output['loss']."
             )
-        return self._builtin_loss_terms(y, y_pred, sample_weight, per_example=True).per_example
+        return self._compile_loss.terms(y, y_pred, sample_weight, per_example=True).per_example
 
     def _loss_terms(self, y, y_pred, sample_weight=None, per_example: bool = False) -> losses.LossTerms:
         """This replica's ``LossTerms`` of the loss; an overridden ``compute_loss`` gives per-example losses."""
         if self._is_builtin("compute_loss"):
-            return self._builtin_loss_terms(y, y_pred, sample_weight, per_example)
+            return self._compile_loss.terms(y, y_pred, sample_weight, per_example)
         values = self.compute_loss(y, y_pred, sample_weight)  # one's own: per-example losses, summed in float32
         values = values.float() if values.dtype in (torch.float16, torch.bfloat16) else values
         return losses.LossTerms(values.sum(), values.shape[0] if values.dim() else 1, values)
-
-    def _builtin_loss_terms(self, y, y_pred, sample_weight, per_example: bool) -> losses.LossTerms:
-        """The terms of the trainer's loss (summed over the outputs of a model with several, each reduced per
-        example)."""
-        if not isinstance(y_pred, (Mapping, tuple, list)):
-            return self.loss.terms(y, y_pred, sample_weight, per_example=per_example)
-        total = None
-        for name in self._output_names(y_pred):
-            loss = self._loss_for(name)
-            terms = loss.terms(self._per_output(y, name), self._per_output(y_pred, name), sample_weight, True)
-            self._loss_trackers[f"{name}_loss"].update_state(terms.per_example.detach())
-            total = terms.per_example if total is None else total + terms.per_example
-        return losses.LossTerms(total.sum(), total.shape[0], total)
-
-    def _update_metrics(self, y, y_pred, sample_weight, terms) -> None:
-        self._loss_trackers["loss"].update_totals(terms.total, terms.count)
-        if y is None:
-            return
-        with torch.no_grad():
-            for name, metric in self._metrics:
-                target = y if name is None else self._per_output(y, name)
-                prediction = y_pred if name is None else self._per_output(y_pred, name)
-                metric.update_state(target, prediction, sample_weight)
-
-    def _all_metrics(self) -> list:
-        return list(self._loss_trackers.values()) + [m for _, m in self._metrics]
-
-    def _metric_variables(self) -> list:
-        """Every accumulator of the loss trackers and metrics (read together: ``aggregated_reads``)."""
-        return [variable for metric in self._all_metrics() for variable in metric.variables]
-
-    def _reset_metrics(self) -> None:
-        for metric in self._all_metrics():
-            metric.reset_state()
-
-    def _logs(self) -> dict:
-        metrics = self._all_metrics()
-        # One batched reduction for every accumulator (across workers: one collective, not one per read).
-        with context.enter_or_assert_strategy(self.strategy), aggregated_reads(self._metric_variables()):
-            return {metric.name: float(metric.result()) for metric in metrics}
 
     # --- per-replica steps ---------------------------------------------------------------------
     def train_step(self, data) -> None:
@@ -304,39 +217,26 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         """
         x, y, sample_weight = self._model_floats(*unpack(data))
         variables = self._trainable
-        denominator = self._element_denominator
+        compiled_loss = self._compile_loss
+        denominator = compiled_loss.element_denominator
         # An empty replica: no forward pass, zero gradients (and no real element); with SyncBatchNorm layers
         # it takes part in their collectives, forward and backward, with its zero rows.
         empty = rows(x) == 0
         if empty and not self.model.synchronizes_batchnorm:
             if denominator is not None:  # every worker carries the same step values, of one kind
-                self.strategy.cluster.add_to_step(denominator.step_value, 0.0 if self._count_floating else 0)
+                compiled_loss.add_no_elements()
             grads = [torch.zeros_like(v.value()) for v in variables]
             self.optimizer.apply_gradients(zip(grads, variables))
             return
         # Reduced per example where fit decided so (a loss per example, several outputs, or a train_step of
         # one's own that calls this one: fit cannot know it adds the step value).
         y_pred, terms = self._forward(x, y, sample_weight, per_example=denominator is None)
-        loss = self.optimizer.scale_loss(self._step_loss(terms))
+        loss = self.optimizer.scale_loss(compiled_loss.step_loss(terms, self._global_batch))
         grads = torch.autograd.grad(loss, [v.value() for v in variables], allow_unused=True)
         grads = [torch.zeros_like(v.value()) if g is None else g for g, v in zip(grads, variables)]
         self.optimizer.apply_gradients(zip(grads, variables))
         if not empty:
-            self._update_metrics(y, y_pred, sample_weight, terms)
-
-    def _step_loss(self, terms: losses.LossTerms) -> torch.Tensor:
-        """The replica's loss to differentiate: its share of the global batch's loss (the divisor of an
-        element-level loss is applied after the reduction)."""
-        denominator = self._element_denominator
-        if denominator is None:
-            return terms.total / self._global_batch
-        # One kind on every worker, decided when fit started: a count of real elements rides exactly as an
-        # integer; a sum of class weights as a float.
-        count = terms.count
-        if self._count_floating:
-            count = torch.as_tensor(count, dtype=wide_float(terms.total.device))
-        self.strategy.cluster.add_to_step(denominator.step_value, count)
-        return terms.total / denominator.prescale
+            self._compile_metrics.update_state(y, y_pred, sample_weight, terms)
 
     def test_step(self, data) -> None:
         """One replica's evaluation step: losses and metrics of its slice."""
@@ -345,16 +245,17 @@ class Trainer(FitLoop, TrainingState, InputChecks):
             return
         with torch.no_grad():
             y_pred, terms = self._forward(x, y, sample_weight)
-        self._update_metrics(y, y_pred, sample_weight, terms)
+        self._compile_metrics.update_state(y, y_pred, sample_weight, terms)
 
     def predict_step(self, data):
         """One replica's prediction: the model's output on its slice."""
         x, _, _ = self._model_floats(*unpack(data))
+        loss = self._compile_loss.loss
         with torch.no_grad():
             if self._autocast_dtype is None:
-                return prediction_of(call_model(self.model, x), self.loss)
+                return prediction_of(call_model(self.model, x), loss)
             with torch.autocast(_device_type(x), dtype=self._autocast_dtype):
-                y_pred = prediction_of(call_model(self.model, x), self.loss)
+                y_pred = prediction_of(call_model(self.model, x), loss)
         return nest.map_structure(_as_float32, y_pred)
 
     def _model_floats(self, x, y, sample_weight) -> tuple:
@@ -378,8 +279,9 @@ class Trainer(FitLoop, TrainingState, InputChecks):
     def _output_and_terms(self, x, y, sample_weight, per_example: bool = False):
         """The model's prediction (its logits, for a ``ModelOutput``) and the loss terms: of the trainer's loss,
         or (``loss=None``) of the loss the model returns, the labels being in its inputs."""
-        if self.loss is not None:
-            y_pred = self._model_io.prediction(call_model(self.model, x), self.loss, y)
+        compiled_loss = self._compile_loss
+        if compiled_loss.loss is not None:
+            y_pred = self._model_io.prediction(call_model(self.model, x), compiled_loss.loss, y)
             return y_pred, self._loss_terms(y, y_pred, sample_weight, per_example)
         if sample_weight is not None:
             raise ValueError(
@@ -387,9 +289,10 @@ class Trainer(FitLoop, TrainingState, InputChecks):
                 "of (x, y, sample_weight) need a loss of the Trainer's (pass loss=...), or drop the weights."
             )
         inputs = inputs_with_labels(self.model, x, y)
-        counted = self._counts_items and not per_example and isinstance(inputs, Mapping) and "labels" in inputs
+        counted = compiled_loss.counts_items and not per_example and isinstance(inputs, Mapping) and "labels" in inputs
         if counted:  # a Hugging Face model divides its loss's sum by num_items_in_batch: our prescale
-            prescale = 1.0 if self._element_denominator is None else self._element_denominator.prescale
+            denominator = compiled_loss.element_denominator
+            prescale = 1.0 if denominator is None else denominator.prescale
             inputs = {**inputs, "num_items_in_batch": prescale}
         output = call_model(self.model, inputs)
         y_pred = self._model_io.prediction(output, None, y)
@@ -405,14 +308,21 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         """The number of examples in the current step, over all replicas."""
         return self._global_batch
 
-    def _set_global_batch(self, batch) -> None:
-        first = nest.flatten(batch)[0]
-        rows = sum(t.shape[0] for t in self.strategy.experimental_local_results(first))
+    def _run_train_step(self, batch, plan: FitPlan) -> None:
+        """``train_step`` on every replica's slice of ``batch``, under the fit's ``plan`` (the fit loop's
+        ``train_function``); the step's global batch size is known from here on."""
+        rows_here = sum(t.shape[0] for t in self.strategy.experimental_local_results(nest.flatten(batch)[0]))
         cluster = self.strategy.cluster
         if cluster.num_workers > 1:  # every worker's rows: the data layer knows them
-            known = getattr(self._cursor, "global_batch_size", None)
-            rows = known or cluster.sum(rows, "reduce (the global row count)")
-        self._global_batch = max(1, rows)
+            known = getattr(self._training_state.cursor, "global_batch_size", None)
+            rows_here = known or cluster.sum(rows_here, "reduce (the global row count)")
+        self._global_batch = max(1, rows_here)
+        if plan.accumulating:  # a window's steps weigh their examples: it equals one step on them all
+            # (an element-level loss: every step alike, each replica's loss divided by the same constant)
+            weight = 1.0 if self._compile_loss.element_denominator is not None else float(self._global_batch)
+            self.optimizer.step_weight = weight
+        with plan.overlap(self._trainable) if plan.overlap is not None else contextlib.nullcontext():
+            self.strategy.run(self.train_step, args=(batch,))
 
     def _distribute_data(self, source):
         """``source`` split across the replicas, with this trainer's ``input_options``."""
@@ -421,6 +331,193 @@ class Trainer(FitLoop, TrainingState, InputChecks):
     def _is_builtin(self, *methods: str) -> bool:
         """Whether these methods are ``Trainer``'s own, not a subclass's overrides."""
         return all(getattr(type(self), name) is getattr(Trainer, name) for name in methods)
+
+    def _check_first_batch(self, first, dm, caller: str, all_labels=None) -> None:
+        """The entry checks on the first batch (``InputChecks``), then the loss trackers and metrics built from
+        what it tells (the model's outputs, the shapes that resolve ``"accuracy"``)."""
+        step = "test_step" if caller.startswith("evaluate") else "train_step"
+        builtin = self._is_builtin(step, "compute_loss")  # only then must batches meet the loss
+        found = self._input_checks.check_first_batch(
+            first, dm, caller, all_labels, float_dtype=self._float_dtype, builtin_step=builtin
+        )
+        self._compile_loss.counts_items = found.counts_items
+        self._compile_metrics.build(found.structure, found.labels, found.outputs, self._compile_loss.loss_for)
+
+    # --- fit -----------------------------------------------------------------------------------------
+    def fit(
+        self,
+        model,
+        dataset,
+        epochs: int = 1,
+        batch_size=None,
+        validation_data=None,
+        validation_split=0.0,
+        callbacks=None,
+        steps_per_epoch=None,
+        initial_epoch: int = 0,
+        shuffle: bool = True,
+        verbose="auto",
+    ):
+        """Trains ``model`` on ``dataset``; returns a ``History`` (``history.history["loss"]``, ...).
+
+        ``dataset``: arrays/tensors (``(x, y)`` or ``(x, y, sample_weight)``) or a torch
+        ``Dataset`` with ``batch_size`` (shuffled per epoch when ``shuffle``), or a
+        ``DataLoader``/iterable of batches. ``steps_per_epoch`` repeats the data when it
+        runs out. ``validation_split`` keeps the last fraction of arrays/datasets for
+        validation (both parts need at least one example).
+
+        Floating inputs, targets and sample weights of another float type (NumPy's float64) are
+        cast to the model's float type, as Keras casts them to its own (integer labels are kept).
+
+        Training or validation data with no batch at all raises ``ValueError`` before any
+        callback runs (as ``predict`` does): an empty run has no loss to report. Arguments of
+        the wrong type are refused here, with the fix (Keras' ``fit(x, y)`` habit puts ``y``
+        into ``epochs``: pass ``fit(model, (x, y), ...)``).
+        """
+        check_arguments(
+            "fit",
+            FIT_ARGUMENTS,
+            epochs=epochs,
+            batch_size=batch_size,
+            validation_split=validation_split,
+            steps_per_epoch=steps_per_epoch,
+            initial_epoch=initial_epoch,
+            shuffle=shuffle,
+        )
+        loop = self._begin_fit(
+            model,
+            dataset,
+            callbacks,
+            epochs=epochs,
+            batch_size=batch_size,
+            validation_data=validation_data,
+            validation_split=validation_split,
+            steps_per_epoch=steps_per_epoch,
+            initial_epoch=initial_epoch,
+            shuffle=shuffle,
+            verbose=verbose,
+        )
+        logs: dict = {}
+        try:
+            try:
+                for epoch in range(loop.first_epoch, epochs):
+                    logs = loop.run_epoch(epoch)
+                    if self.stop_training:
+                        break
+            finally:
+                loop.close()  # before on_train_end: its callbacks may save, or train on in a loop of their own
+            loop.finish(logs)
+        finally:
+            unwatch_preemption(loop.plan.preemption)
+        return self.history
+
+    def _begin_fit(
+        self,
+        model,
+        dataset,
+        callbacks,
+        *,
+        epochs,
+        batch_size,
+        validation_data,
+        validation_split,
+        steps_per_epoch,
+        initial_epoch,
+        shuffle,
+        verbose,
+    ) -> FitLoop:
+        """Everything before a fit's first epoch, ``fit``'s arguments checked: the seeds (alike on every worker),
+        the data, the preemption watch, the first batch read and checked, the model, the callbacks and their
+        ``on_train_begin`` (a backup may be restored there), the plan; the ``FitLoop`` of its epochs. What it
+        opened is closed if it raises."""
+        state = self._training_state
+        state.seed_fit(self.seed)
+        train_data, split_validation = split_off_validation(dataset, validation_split)
+        validation_data = validation_data if validation_data is not None else split_validation
+        source = batch_source(train_data, batch_size, shuffle, state.data_seed)
+        if validation_data is not None:
+            validation_data = checked_validation(validation_data, batch_size)
+        distributed = self._distribute_data(source)
+        repeat = steps_per_epoch is not None
+        # Before the first batch is read: a DataLoader's worker processes forked from now on inherit the handler.
+        watch = watch_preemption(callbacks, self.strategy.cluster)
+        state.cursor = cursor = Cursor(source, distributed, repeat=repeat)
+        try:
+            # The first step of the first epoch, read once: the entry checks look at it, the first step trains on it.
+            first = first_look(cursor, 0 if repeat else initial_epoch, "training data", "fit()")
+            dm = self._distribute(model)
+            dm.train()
+            self._trainable = dm.trainable_variables
+            steps = steps_per_epoch if steps_per_epoch is not None else distributed.steps
+            history, callback_list = fit_callbacks(callbacks, self, model, epochs, steps, verbose)
+            self.history, self.stop_training = history, False
+            self._check_first_batch(first, dm, "fit()", in_memory_labels(train_data))
+            resume = state.begin_training(callback_list)  # where a backup restored in on_train_begin left off
+            plan = self._fit_plan(callback_list, steps, validation_data, batch_size, watch)
+            self._compile_loss.start_element_reduction(
+                first,
+                cursor.batch_size,  # the first global batch's rows (survives a restore: its read-ahead is gone)
+                self.optimizer,
+                single_output=self._compile_metrics.single_output,
+                builtin_step=self._is_builtin("train_step", "compute_loss"),
+            )
+        except BaseException:
+            cursor.close()  # the pass read ahead (its loader's worker processes, a prefetch thread)
+            unwatch_preemption(watch)
+            raise
+        return FitLoop(
+            self,
+            model=dm,
+            plan=plan,
+            cursor=cursor,
+            callbacks=callback_list,
+            resume=resume,
+            initial_epoch=initial_epoch,
+            training_state=state,
+            compiled_metrics=self._compile_metrics,
+            compiled_loss=self._compile_loss,
+            train_function=self._run_train_step,
+            validate=self._validate,
+        )
+
+    def _fit_plan(self, callback_list, steps, validation_data, batch_size, watch=None) -> FitPlan:
+        """This fit's decisions, taken once before its first epoch, alike on every worker."""
+        cluster = self.strategy.cluster
+        batch_logs = callback_list.wants_batch_logs["on_train_batch_end"]
+        # Reading the logs is a collective across workers: every worker reads them, or none.
+        agree_logs = cluster.num_workers > 1
+        if agree_logs:  # (with whether each worker saves before preemption: every worker must, or none)
+            logs_wanted, watching = cluster.sum([int(batch_logs), int(watch is not None)], "agreeing on the plan")
+            batch_logs = logs_wanted > 0
+            if watching not in (0, cluster.num_workers):
+                raise ValueError(
+                    f"BackupAndRestore saves before preemption on {watching} of {cluster.num_workers} workers: every "
+                    "worker must run the same fit with the same callbacks (save_before_preemption alike everywhere)."
+                )
+        # Logs are global, so built-in callbacks decide alike on every worker; a user's callback
+        # might not (in any hook), so its stop_training is agreed after every step.
+        agree_each_step = cluster.num_workers > 1 and callbacks_module.may_stop_training_alone(callback_list)
+        # The built-in step applies its gradients once: across workers they can be reduced in buckets
+        # started during backward (a custom train_step reduces after backward). An accumulating
+        # optimizer reduces once per window, after the window's last backward.
+        accumulating = bool(getattr(self.optimizer, "gradient_accumulation_steps", None))
+        builtin_step = self._is_builtin("train_step")
+        overlap = self.strategy.extended.gradient_step if builtin_step and not accumulating else None
+        # Sharded optimizer states gather a step's updated values while the loop moves on, unless a callback's
+        # batch hooks might read the variables (then they are settled before those hooks).
+        settle = callbacks_module.may_touch_variables_between_steps(callback_list)
+        return FitPlan(
+            steps=steps,
+            validation_data=validation_data,
+            batch_size=batch_size,
+            batch_logs=batch_logs,
+            agree_logs=agree_logs,
+            agree_each_step=agree_each_step,
+            accumulating=accumulating,
+            overlap=overlap,
+            preemption=watch,
+            settle_each_step=settle,
+        )
 
     # --- evaluate / predict ----------------------------------------------------------------------
     def evaluate(
@@ -442,9 +539,9 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         source = batch_source(dataset, batch_size, False, None)
         cursor = Cursor(source, self._distribute_data(source), repeat=False)
         try:
-            first = self._first_look(cursor, 0, "evaluation data", "evaluate()")  # read once: evaluated too
+            first = first_look(cursor, 0, "evaluation data", "evaluate()")  # read once: evaluated too
             dm = self._distribute(model)
-            self._first_batch_structure(first, dm, "evaluate()", in_memory_labels(dataset))
+            self._check_first_batch(first, dm, "evaluate()", in_memory_labels(dataset))
         except BaseException:
             cursor.close()
             raise
@@ -464,7 +561,7 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         validation data once, before training, and built the metrics; validation must not disturb the
         training accumulators, so they are put back afterwards."""
         source = batch_source(validation_data, batch_size, False, None)
-        saved = {m.name: m.state_dict() for m in self._all_metrics()}
+        saved = self._compile_metrics.put_aside()
         dm = self._distributed
         was_training = dm.training
         dm.eval()
@@ -480,7 +577,7 @@ class Trainer(FitLoop, TrainingState, InputChecks):
         (``PreemptedInValidation``)."""
         callback_list.call("on_test_begin", {})
         try:
-            self._reset_metrics()
+            self._compile_metrics.reset_state()
             cursor.start(0, 0)
             if preemption is not None:
                 preemption.begin_validation()
@@ -498,13 +595,12 @@ class Trainer(FitLoop, TrainingState, InputChecks):
                     raise PreemptedInValidation()
             if preemption is not None:
                 preemption.end_validation()
-            logs = self._logs()
+            logs = self._compile_metrics.result()
         finally:
             cursor.close()
             dm.train(was_training)
             if saved is not None:
-                for metric in self._all_metrics():
-                    metric.load_state_dict(saved[metric.name])
+                self._compile_metrics.put_back(saved)
         callback_list.call("on_test_end", logs)
         return logs
 
@@ -542,6 +638,82 @@ class Trainer(FitLoop, TrainingState, InputChecks):
             raise ValueError("predict() got no data.")
         return nest.map_structure(lambda *parts: torch.cat([p.detach() for p in parts]), *outputs)
 
+    # --- checkpoints and backups: the training state (training_state.py) -------------------------------
+    def write_on_chief(self, what: str, write, default=None):
+        """``write()`` on the chief only (the one worker that writes files), then every worker waits
+        for it, so none races ahead of a file being written. Returns ``write()``'s result (``default``
+        elsewhere). ``what`` names the barrier (in the error when a worker never arrives). Every
+        worker calls it, in the same order (the barrier is a collective); in one process it is ``write()``.
+
+        Example::
+
+            state = trainer.model_state_dict()  # every worker takes part in the read
+            trainer.write_on_chief("my weights", lambda: checkpoint.save(state, "weights.pt"))
+        """
+        return self._training_state.write_on_chief(what, write, default)
+
+    def save_checkpoint(self, path) -> str:
+        """Writes model, optimizer (slots, iterations), epoch/step, RNG state and the state of callbacks that
+        keep one (``TorchLRScheduler``), atomically.
+
+        Strategy-independent; loads with ``torch.load(path, weights_only=True)``.
+        """
+        return self._training_state.save_checkpoint(path)
+
+    def load_checkpoint(self, path, model=None) -> dict:
+        """Restores a ``save_checkpoint`` file into ``model`` (or the model last used) and the optimizer.
+
+        All or nothing: a file that is missing, damaged or lacks an entry (or holds one of
+        the wrong type) raises ``CheckpointError`` saying which; a model state that does not
+        fit the model raises torch's ``RuntimeError``/``ValueError``; an optimizer state that
+        does not fit the optimizer raises ``CheckpointError`` naming the variable and slot.
+        In every case the model and optimizer are left as they were.
+        """
+        state = checkpoint.load(path, kind="checkpoint")
+        if model is not None:
+            self._distribute(model)
+        if self._distributed is None:
+            raise ValueError("load_checkpoint() needs the model: pass model=... (or fit/evaluate it first).")
+        self._training_state.restore_checkpoint(state, path, self._distributed)
+        return state
+
+    def training_state(self, epoch: int, step: int, epoch_logs=None) -> dict:
+        """Everything a resumed fit needs, as a backup holds it (``BackupAndRestore`` saves it): model,
+        optimizer, metric accumulators (aggregated and per replica), history, random streams, the
+        callbacks' states, where the data stands (the pass, the global batches consumed, the random state
+        the pass began with) and the global batch size; to resume at ``step`` of ``epoch`` (``step=0``:
+        that epoch's start), on any number of workers or replicas with that global batch size.
+        ``epoch_logs`` is ``(epoch, logs)`` of an epoch that ends now and that the History callback
+        (which runs last) has not recorded yet. Called during a ``fit``, on every
+        worker alike (it gathers across workers).
+
+        Example::
+
+            class Backup(Callback):
+                def on_epoch_end(self, epoch, logs=None):
+                    state = self.trainer.training_state(epoch + 1, 0, (epoch, dict(logs)))
+                    self.trainer.write_on_chief("Backup", lambda: checkpoint.save(state, "backup.pt"))
+        """
+        return self._training_state.backup(epoch, step, epoch_logs, model=self._distributed)
+
+    def restore_training_state(self, state: dict, path) -> None:
+        """Restores a backup read by ``checkpoint.load(path, kind="backup")`` (its structure is checked there):
+        the running ``fit`` goes on from the epoch and step of ``training_state``. Called from
+        ``on_train_begin`` (before the first step), on every worker alike; ``path`` names the file in errors.
+
+        A backup that does not fit this model, optimizer or metrics, or that was written with another
+        global batch size, raises ``CheckpointError`` before anything is restored (docs/guides/resume.md has
+        the rules of a resume on another number of workers or replicas).
+
+        Example::
+
+            class Resume(Callback):
+                def on_train_begin(self, logs=None):
+                    if os.path.exists("backup.pt"):
+                        self.trainer.restore_training_state(checkpoint.load("backup.pt", kind="backup"), "backup.pt")
+        """
+        self._training_state.restore_backup(state, path, model=self._distributed)
+
 
 def _device_type(x) -> str:
     """The device type (``"cpu"``, ``"cuda"``) of a replica's inputs: where its autocast applies."""
@@ -553,11 +725,3 @@ def _as_float32(value):
     if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float32:
         return value.float()
     return value
-
-
-def _part(structure, per_output, name):
-    """One output's part of ``structure`` (None when it has none: the shapes are then unknown)."""
-    try:
-        return per_output(structure, name) if isinstance(structure, (Mapping, tuple, list)) else None
-    except (KeyError, IndexError, ValueError, TypeError):
-        return None

@@ -1,11 +1,15 @@
-"""The training state that checkpoints and backups keep, saved and restored: the model (with the trained
-values where moving averages are swapped in), the optimizer's state (an open accumulation window's sums
-of every worker), the metrics' accumulators (aggregated and per replica), the history, the random streams
-of torch, of every worker and of every replica, the stateful callbacks' states and where the data stands.
+"""``TrainingState``: the training state that checkpoints and backups keep, saved and restored: the model
+(with the trained values where moving averages are swapped in), the optimizer's state (an open
+accumulation window's sums of every worker), the metrics' accumulators (aggregated and per replica), the
+history, the random streams of torch, of every worker and of every replica, the stateful callbacks'
+states and where the data stands; and where training stands (epoch, step, the data seed, the running
+fit's cursor and callbacks).
 
-``TrainingState`` is a part of ``Trainer`` (``trainer.py``): ``save_checkpoint``/``load_checkpoint``, and
-``training_state``/``restore_training_state`` for ``BackupAndRestore``; only the chief writes files
-(``write_on_chief``). Across workers saving is a collective: every worker saves, in the same order.
+``Trainer`` makes one and keeps it for its life: its ``save_checkpoint``/``load_checkpoint``,
+``training_state``/``restore_training_state`` (``BackupAndRestore``) and ``write_on_chief`` ask it. The
+fit's setup seeds through it and begins the callbacks with it (``begin_training``), and ``FitLoop`` moves
+``epoch`` and ``step`` on. Only the chief writes files (``write_on_chief``); across workers saving is a
+collective: every worker saves, in the same order.
 
 Example::
 
@@ -17,13 +21,15 @@ Example::
 from __future__ import annotations
 
 import os
+import random
 
 import torch
 
 from replicafit.strategies import context
-from replicafit.strategies.variables import SyncOnReadVariable, VariableAggregation, aggregated_reads
+from replicafit.strategies.variables import SyncOnReadVariable, VariableAggregation
 
 from . import checkpoint
+from .replica_states import gather_replica_states, restore_replica_states
 
 __all__ = ["TrainingState"]
 
@@ -31,68 +37,147 @@ _FORMAT = checkpoint.FORMAT  # the tag of checkpoints and backups (checked by ch
 
 
 class TrainingState:
-    """Checkpoints and backups of a ``Trainer`` (a part of it): what they hold, saved and restored."""
+    """Where training stands, and what checkpoints and backups of a ``Trainer`` hold, saved and restored.
 
-    # --- writing files ----------------------------------------------------------------------
-    def write_on_chief(self, what: str, write, default=None):
-        """``write()`` on the chief only (the one worker that writes files), then every worker waits
-        for it, so none races ahead of a file being written. Returns ``write()``'s result (``default``
-        elsewhere). ``what`` names the barrier (in the error when a worker never arrives). Every
-        worker calls it, in the same order (the barrier is a collective); in one process it is ``write()``.
+    Args:
+      trainer: the ``Trainer`` whose public parts are saved and restored (``strategy``, ``optimizer``,
+        ``history``, ``model_state_dict``).
+      compiled_metrics: its ``CompileMetrics`` (the accumulators a backup keeps).
+      compiled_loss: its ``CompileLoss`` (an open accumulation window's count of real elements).
+
+    Attributes:
+      epoch, step: where training stands (the running fit moves them on; a checkpoint restores them).
+      data_seed: the seed of the running (or last) fit's shuffles, alike on every worker.
+      cursor: the running (or last) fit's ``inputs.Cursor``: where its data stands.
+      callbacks: the running (or last) fit's ``CallbackList`` (the stateful callbacks' states are saved).
+
+    Example::
+
+        state = TrainingState(trainer, compiled_metrics, compiled_loss)
+        backup = state.backup(epoch=2, step=0, model=trainer.model)  # during a fit, on every worker
+    """
+
+    def __init__(self, trainer, compiled_metrics, compiled_loss):
+        self._trainer = trainer
+        self._compiled_metrics = compiled_metrics
+        self._compiled_loss = compiled_loss
+        self.epoch = 0
+        self.step = 0
+        self.data_seed = trainer.seed
+        self.cursor = None
+        self.callbacks = None
+        self._resume = None  # where a backup restored in on_train_begin left off, for the fit that restored it
+        self._loaded_callback_states = None  # callback states of a checkpoint loaded before a fit
+        self._replica_rng_loaded = False  # a checkpoint loaded before a fit gave the replicas' streams
+
+    @property
+    def strategy(self):
+        """The trainer's strategy."""
+        return self._trainer.strategy
+
+    @property
+    def optimizer(self):
+        """The trainer's optimizer (read at each use: ``Trainer.optimizer`` may be replaced between fits)."""
+        return self._trainer.optimizer
+
+    # --- a fit's beginning ------------------------------------------------------------------------------
+    def seed_fit(self, seed) -> None:
+        """Seeds a fit alike on every worker: torch's generator (with ``seed``), the data's shuffles
+        (``data_seed``: ``seed``, else drawn by the chief) and each replica's own random stream (dropout...).
 
         Example::
 
-            state = trainer.model_state_dict()  # every worker takes part in the read
-            trainer.write_on_chief("my weights", lambda: checkpoint.save(state, "weights.pt"))
+            state.seed_fit(trainer.seed)
+        """
+        if seed is not None:
+            torch.manual_seed(seed)
+        self.data_seed = seed if seed is not None else random.randrange(2**31)
+        # Every worker must shuffle alike: a seed drawn per process would train on other rows.
+        cluster = self.strategy.cluster
+        self.data_seed = cluster.broadcast(self.data_seed)
+        if seed is None and cluster.num_workers > 1:
+            # torch's generator too (a DataLoader's shuffle draws from it): the chief's on every
+            # worker, as a seed would make it.
+            torch.set_rng_state(cluster.broadcast(torch.get_rng_state()))
+        # Each replica's own random stream (dropout...), from (seed, global replica id); a checkpoint
+        # loaded before a seedless fit keeps the streams it held, as it keeps torch's generator.
+        streams = self.strategy.extended.replica_streams
+        if streams is not None and (seed is not None or not self._replica_rng_loaded):
+            streams.seed(self.data_seed)
+        self._replica_rng_loaded = False
+
+    def begin_training(self, callback_list):
+        """Makes ``callback_list`` the running fit's and calls ``on_train_begin``, where ``BackupAndRestore``
+        may restore a backup (``restore_backup``); then the callbacks' saved states (the backup's, else those
+        of a checkpoint loaded before this fit) are restored, after every callback's ``on_train_begin`` has
+        reset its own (whatever their order). Returns where the restored backup left off (``{"epoch",
+        "step", "cursor", "metrics", "metric_replicas"}``), or None.
+
+        Example::
+
+            resume = state.begin_training(callback_list)
+            first_epoch = initial_epoch if resume is None else resume["epoch"]
+        """
+        self._resume = None
+        self.callbacks = callback_list
+        callback_list.call("on_train_begin", {})
+        states, self._loaded_callback_states = self._loaded_callback_states, None
+        if states:
+            self._restore_callback_states(states)
+        callback_list.refresh()
+        return self._resume
+
+    # --- writing files ----------------------------------------------------------------------------------
+    def write_on_chief(self, what: str, write, default=None):
+        """``write()`` on the chief only, then a barrier named ``what``: ``Trainer.write_on_chief``.
+
+        Example::
+
+            state.write_on_chief("my weights", lambda: checkpoint.save(weights, "weights.pt"))
         """
         result = write() if self.strategy.extended.should_checkpoint else default
         self.strategy.cluster.barrier(what)
         return result
 
-    # --- checkpoints ---------------------------------------------------------------------------
+    # --- checkpoints ------------------------------------------------------------------------------------
     def save_checkpoint(self, path) -> str:
-        """Writes model, optimizer (slots, iterations), epoch/step, RNG state and the state of callbacks that
-        keep one (``TorchLRScheduler``), atomically.
+        """Writes a checkpoint (``Trainer.save_checkpoint``) atomically; returns its path.
 
-        Strategy-independent; loads with ``torch.load(path, weights_only=True)``.
+        Example::
+
+            state.save_checkpoint("ckpt.pt")
         """
         state = {
             "format": _FORMAT,
-            "model": self.model_state_dict(),  # every worker takes part (SyncOnRead reads are collectives)
+            "model": self._trainer.model_state_dict(),  # every worker takes part (SyncOnRead reads are collectives)
             "optimizer": self._optimizer_state(),
-            "epoch": self._epoch,
-            "step": self._step,
+            "epoch": self.epoch,
+            "step": self.step,
             "rng": torch.get_rng_state(),
             **self._replica_rng_states(),
             "callbacks": self._callback_states(),
         }
         return self.write_on_chief("save_checkpoint", lambda: checkpoint.save(state, path), os.fspath(path))
 
-    def load_checkpoint(self, path, model=None) -> dict:
-        """Restores a ``save_checkpoint`` file into ``model`` (or the model last used) and the optimizer.
+    def restore_checkpoint(self, state: dict, path, model) -> None:
+        """Restores a checkpoint read by ``checkpoint.load(path, kind="checkpoint")`` into ``model`` (the
+        distributed model) and the optimizer, all or nothing (``Trainer.load_checkpoint``); then the epoch,
+        step and random streams, and the callbacks' states for the next fit.
 
-        All or nothing: a file that is missing, damaged or lacks an entry (or holds one of
-        the wrong type) raises ``CheckpointError`` saying which; a model state that does not
-        fit the model raises torch's ``RuntimeError``/``ValueError``; an optimizer state that
-        does not fit the optimizer raises ``CheckpointError`` naming the variable and slot.
-        In every case the model and optimizer are left as they were.
+        Example::
+
+            state.restore_checkpoint(checkpoint.load("ckpt.pt", kind="checkpoint"), "ckpt.pt", trainer.model)
         """
-        state = checkpoint.load(path, kind="checkpoint")
-        if model is not None:
-            self._distribute(model)
-        if self._distributed is None:
-            raise ValueError("load_checkpoint() needs the model: pass model=... (or fit/evaluate it first).")
-        self._load_model_and_optimizer(state, path, "checkpoint")
-        self._epoch, self._step = state["epoch"], state["step"]
+        self._load_model_and_optimizer(state, path, "checkpoint", model)
+        self.epoch, self.step = state["epoch"], state["step"]
         torch.set_rng_state(state["rng"])
         self._replica_rng_loaded = self._restore_replica_rng(state, (state["epoch"], state["step"]))
         self._loaded_callback_states = state.get("callbacks") or None  # for the next fit's callbacks
-        return state
 
     def _callback_states(self) -> dict:
         """The states of the stateful callbacks of the running (or last) ``fit`` (``TorchLRScheduler``,
         ``EarlyStopping``, ``ReduceLROnPlateau``, ``ModelCheckpoint``, ``CSVLogger``)."""
-        callback_list = self._callback_list
+        callback_list = self.callbacks
         if callback_list is None:
             return {}
         return {key: cb.state_dict() for key, cb in callback_list.stateful().items()}
@@ -100,21 +185,20 @@ class TrainingState:
     def _restore_callback_states(self, states: dict) -> None:
         """Gives each stateful callback of this ``fit`` its saved state (same class, same rank); outside a
         fit, the states wait for the next one."""
-        if self._callback_list is None:
+        if self.callbacks is None:
             self._loaded_callback_states = dict(states) or None
             return
-        for key, cb in self._callback_list.stateful().items():
+        for key, cb in self.callbacks.stateful().items():
             if states.get(key):
                 cb.load_state_dict(states[key])
 
-    def _load_model_and_optimizer(self, state: dict, path, kind: str) -> None:
-        """Loads ``state["model"]`` and ``state["optimizer"]``, or neither.
+    def _load_model_and_optimizer(self, state: dict, path, kind: str, dm) -> None:
+        """Loads ``state["model"]`` into ``dm`` and ``state["optimizer"]``, or neither.
 
         The optimizer is built for the model's trainable variables first (as Keras does
         when it restores one), so that its state is checked against them now rather than
         at the first training step.
         """
-        dm = self._distributed
         before = {name: value.detach().clone() for name, value in dm.state_dict().items()}
         try:
             dm.load_state_dict(state["model"])
@@ -132,7 +216,8 @@ class TrainingState:
                     self.optimizer.build_for(dm.trainable_variables)  # for its pieces under sharded states
             self.optimizer.load_state_dict(state["optimizer"])
             # An element-level loss's real elements of the open window: added back when the fit starts.
-            self._window_denominator = (state["optimizer"].get("accumulation") or {}).get("denominator")
+            window = (state["optimizer"].get("accumulation") or {}).get("denominator")
+            self._compiled_loss.restore_window_count(window)
         except (ValueError, TypeError, KeyError) as error:
             dm.load_state_dict(before)
             raise checkpoint.CheckpointError(
@@ -140,25 +225,16 @@ class TrainingState:
                 f"{type(self.optimizer).__name__} optimizer. {error}"
             ) from error
 
-    # --- backup and restore ----------------------------------------------------------------------
-    def training_state(self, epoch: int, step: int, epoch_logs=None) -> dict:
-        """Everything a resumed fit needs, as a backup holds it (``BackupAndRestore`` saves it): model,
-        optimizer, metric accumulators (aggregated and per replica), history, random streams, the
-        callbacks' states, where the data stands (the pass, the global batches consumed, the random state
-        the pass began with) and the global batch size; to resume at ``step`` of ``epoch`` (``step=0``:
-        that epoch's start), on any number of workers or replicas with that global batch size.
-        ``epoch_logs`` is ``(epoch, logs)`` of an epoch that ends now and that the History callback
-        (which runs last) has not recorded yet. Called during a ``fit``, on every
-        worker alike (it gathers across workers).
+    # --- backup and restore -----------------------------------------------------------------------------
+    def backup(self, epoch: int, step: int, epoch_logs=None, *, model) -> dict:
+        """Everything a resumed fit needs, as a backup holds it (``Trainer.training_state``); ``model``: the
+        distributed model. Called during a ``fit``, on every worker alike (it gathers across workers).
 
         Example::
 
-            class Backup(Callback):
-                def on_epoch_end(self, epoch, logs=None):
-                    state = self.trainer.training_state(epoch + 1, 0, (epoch, dict(logs)))
-                    self.trainer.write_on_chief("Backup", lambda: checkpoint.save(state, "backup.pt"))
+            state.backup(epoch + 1, 0, (epoch, dict(logs)), model=trainer.model)
         """
-        cursor = self._cursor
+        cursor = self.cursor
         position = (
             (cursor.pass_index, cursor.position)
             if step
@@ -170,43 +246,40 @@ class TrainingState:
             "step": step,
             "cursor": list(position),
             "global_batch_size": cursor.batch_size,
-            "data_seed": self._data_seed,
+            "data_seed": self.data_seed,
             "data_rng": _data_rng(cursor),
-            "model": self._trained_model_state(),
+            "model": self._trained_model_state(model),
             "optimizer": self._optimizer_state(),
-            "metrics": self._metric_states(),
-            "metric_replicas": self._metric_replica_states(),
-            **self._buffer_replica_states(),
-            "history": _history_with(self.history, epoch_logs),
+            "metrics": self._compiled_metrics.state_dict(),
+            "metric_replicas": self._compiled_metrics.replica_states(),
+            **self._buffer_replica_states(model),
+            "history": _history_with(self._trainer.history, epoch_logs),
             "rng": torch.get_rng_state(),
             **self._replica_rng_states(),
             "callbacks": self._callback_states(),
             **self._worker_rng_states(),
         }
 
-    def _trained_model_state(self) -> dict:
+    def _trained_model_state(self, dm) -> dict:
         """``model_state_dict()`` with the trained values of variables whose moving averages are swapped in
         (``SwapEMAWeights(swap_on_epoch=True)`` between epochs): a resumed run trains on from those."""
-        state = self.model_state_dict()
+        state = self._trainer.model_state_dict()
         trained = self.optimizer.trained_values() if getattr(self.optimizer, "use_ema", False) else {}
-        if trained and self._distributed is not None:
-            for name, variable in self._distributed.named_variables().items():
+        if trained and dm is not None:
+            for name, variable in dm.named_variables().items():
                 if id(variable) in trained:
                     state[name] = trained[id(variable)].detach().to(state[name].device).clone()
         return state
 
     def _optimizer_state(self) -> dict:
-        """``optimizer.state_dict()``, with an open accumulation window's sums of every worker's replicas."""
+        """``optimizer.state_dict()``, with an open accumulation window's sums of every worker's replicas (and
+        an element-level loss's count of its real elements)."""
         state = self.optimizer.state_dict()
         window = state.get("accumulation")
         cluster = self.strategy.cluster
-        denominator = self._element_denominator
-        if window is not None and denominator is not None:
-            # The window's real elements so far: read (a collective, as this whole state is) and added back,
-            # once (the chief's; the others add 0.0, so every worker carries the same step values).
-            total = cluster.step_total(denominator.step_value)
-            cluster.add_to_step(denominator.step_value, total if cluster.is_chief else torch.zeros_like(total))
-            window = dict(window, denominator=float(total))
+        count = self._compiled_loss.window_count() if window is not None else None
+        if count is not None:
+            window = dict(window, denominator=count)
             state = dict(state, accumulation=window)
         if window is not None and cluster.num_workers > 1 and not window["aggregated"] and not _whole(window):
             parts = cluster.all_gather(window["gradients"])  # every worker's replicas, in order
@@ -252,35 +325,28 @@ class TrainingState:
         streams.resume(saved or None, int(saved["seed"]) if saved else int(seed), salt=tuple(int(p) for p in position))
         return True
 
-    def restore_training_state(self, state: dict, path) -> None:
-        """Restores a backup read by ``checkpoint.load(path, kind="backup")`` (its structure is checked there):
-        the running ``fit`` goes on from the epoch and step of ``training_state``. Called from
-        ``on_train_begin`` (before the first step), on every worker alike; ``path`` names the file in errors.
-
-        A backup that does not fit this model, optimizer or metrics, or that was written with another
-        global batch size, raises ``CheckpointError`` before anything is restored (docs/guides/resume.md has
-        the rules of a resume on another number of workers or replicas).
+    def restore_backup(self, state: dict, path, *, model) -> None:
+        """Restores a backup read by ``checkpoint.load(path, kind="backup")`` (``Trainer.restore_training_state``);
+        ``model``: the distributed model. The running fit goes on from where ``begin_training`` says.
 
         Example::
 
-            class Resume(Callback):
-                def on_train_begin(self, logs=None):
-                    if os.path.exists("backup.pt"):
-                        self.trainer.restore_training_state(checkpoint.load("backup.pt", kind="backup"), "backup.pt")
+            state.restore_backup(checkpoint.load("backup.pt", kind="backup"), "backup.pt", model=trainer.model)
         """
         self._check_global_batch_size(state.get("global_batch_size"), path)
-        self._check_metric_states(state["metrics"], path)
-        self._load_model_and_optimizer(state, path, "backup")
-        self._restore_replica_states(self._per_replica_buffers(), state.get("buffer_replicas") or {})
-        # (restored once every callback's on_train_begin has reset it: fit's _begin_training)
+        self._compiled_metrics.check_state_dict(state["metrics"], path)
+        self._load_model_and_optimizer(state, path, "backup", model)
+        restore_replica_states(self.strategy, self._per_replica_buffers(model), state.get("buffer_replicas") or {})
+        # (restored once every callback's on_train_begin has reset it: begin_training)
         self._loaded_callback_states = dict(state.get("callbacks") or {}) or None
-        self.history.history = {k: list(v) for k, v in state["history"]["history"].items()}
-        self.history.epoch = list(state["history"]["epoch"])
-        self._data_seed = state["data_seed"]
-        self._cursor.forget()  # a step read ahead before the restore came from the old seed and random state
-        source = self._cursor.source
+        history = self._trainer.history
+        history.history = {k: list(v) for k, v in state["history"]["history"].items()}
+        history.epoch = list(state["history"]["epoch"])
+        self.data_seed = state["data_seed"]
+        self.cursor.forget()  # a step read ahead before the restore came from the old seed and random state
+        source = self.cursor.source
         if hasattr(source, "seed"):
-            source.seed = self._data_seed
+            source.seed = self.data_seed
         torch.set_rng_state(_own_rng_state(state, self.strategy.cluster))
         self._restore_replica_rng(state, (state["epoch"], state["step"]), seed=state["data_seed"])
         self._restore_data_order(state)
@@ -295,7 +361,7 @@ class TrainingState:
     def _check_global_batch_size(self, saved, path) -> None:
         """A backup resumes only with the global batch size it was written with (any number of workers or
         replicas): ``CheckpointError`` otherwise. A backup without the entry (an earlier version's) loads."""
-        used = self._cursor.batch_size
+        used = self.cursor.batch_size
         if saved is None or used is None or int(saved) == int(used):
             return
         raise checkpoint.CheckpointError(
@@ -311,7 +377,7 @@ class TrainingState:
         """A source that draws its order as a pass begins (a shuffled ``DataLoader``, from torch's generator
         or its own) resumes mid-pass with the pass's order: the pass is begun again from the random state it
         began with (``Cursor.replay``). Its own generators go on from where the backup left them."""
-        saved, cursor = state.get("data_rng"), self._cursor
+        saved, cursor = state.get("data_rng"), self.cursor
         if not saved:
             return
         cursor.set_generator_states(saved["generators"])
@@ -319,55 +385,9 @@ class TrainingState:
         if position and saved.get("pass") is not None and not hasattr(cursor.source, "seed"):
             cursor.replay(pass_index, position, saved["pass"], saved["generators"])
 
-    def _check_metric_states(self, states: dict, path) -> None:
-        """Each saved metric state must have this trainer's accumulators (names and shapes)."""
-        for metric in self._all_metrics():
-            saved, current = states.get(metric.name), metric.state_dict()
-            if not saved or not current:
-                continue
-            expected = {name: list(value.shape) for name, value in current.items()}
-            found = {name: list(value.shape) for name, value in saved.items()}
-            if found != expected:
-                raise checkpoint.CheckpointError(
-                    f"The backup {str(path)!r} holds metric {metric.name!r} with accumulators {found}, but this "
-                    f"trainer's has {expected}: it was written with other metrics. Delete it, or use another "
-                    "backup_dir, to start afresh."
-                )
-
-    def _metric_states(self) -> dict:
-        metrics = self._all_metrics()
-        with aggregated_reads(self._metric_variables()):
-            return {m.name: m.state_dict() for m in metrics}
-
-    def _restore_metrics(self, states: dict, replicas=None) -> None:
-        for metric in self._all_metrics():
-            if metric.name in states and states[metric.name]:
-                metric.load_state_dict(states[metric.name])
-        if replicas:
-            self._restore_metric_replicas(replicas)
-
-    def _metric_variables_by_key(self) -> dict:
-        return {
-            f"{metric.name}/{name}": variable
-            for metric in self._all_metrics()
-            for name, variable in metric.state_variables().items()
-        }
-
-    def _metric_replica_states(self) -> dict:
-        """Every replica's own metric accumulators, of every worker: ``{"metric/state": [tensor per replica]}``.
-
-        Restoring these (rather than dividing the aggregate among the replicas) makes a resumed
-        epoch's logs bit-identical to the uninterrupted run's.
-        """
-        return self._replica_states(self._metric_variables_by_key())
-
-    def _restore_metric_replicas(self, replicas: dict) -> None:
-        self._restore_replica_states(self._metric_variables_by_key(), replicas)
-
-    def _per_replica_buffers(self) -> dict:
+    def _per_replica_buffers(self, dm) -> dict:
         """The model's buffers that each replica keeps for itself until the epoch's end (``SyncOnRead``: plain
         BatchNorm statistics), by name; ``{}`` with one replica in all."""
-        dm = self._distributed
         if dm is None or self.strategy.num_replicas_in_sync == 1:
             return {}
         return {
@@ -377,35 +397,11 @@ class TrainingState:
             and variable.aggregation is not VariableAggregation.ONLY_FIRST_REPLICA
         }
 
-    def _buffer_replica_states(self) -> dict:
+    def _buffer_replica_states(self, dm) -> dict:
         """``{"buffer_replicas": {name: [tensor per replica]}}``: a backup mid-epoch resumes each replica's own
         statistics (the model state holds their mean); ``{}`` where there are none (alike on every worker)."""
-        buffers = self._per_replica_buffers()
-        return {"buffer_replicas": self._replica_states(buffers)} if buffers else {}
-
-    def _replica_states(self, variables: dict) -> dict:
-        """``{key: [every replica's value, in global replica order]}`` of ``{key: distributed variable}``
-        (gathered across workers: every worker calls it)."""
-        own = {
-            key: [c.value().detach().clone() for c in self.strategy.experimental_local_results(variable)]
-            for key, variable in variables.items()
-        }
-        parts = self.strategy.cluster.all_gather(own)  # every worker's replicas, in order
-        return {key: [t for part in parts for t in part[key]] for key in own}
-
-    def _restore_replica_states(self, variables: dict, saved: dict) -> None:
-        """Gives this worker's replicas their values in ``saved`` (``_replica_states``), where it was written
-        with this number of replicas; otherwise what was loaded (the aggregate) stands."""
-        cluster = self.strategy.cluster
-        first, count = cluster.first_replica_id, cluster.num_local_replicas
-        for key, variable in variables.items():
-            values = saved.get(key)
-            components = self.strategy.experimental_local_results(variable)
-            if not isinstance(values, list) or len(values) != self.strategy.num_replicas_in_sync:
-                continue  # another replica count: the aggregate, divided among the replicas, stands
-            for index, (component, value) in enumerate(zip(components, values[first : first + count])):
-                if isinstance(value, torch.Tensor) and value.shape == component.shape:
-                    variable.assign_component(index, value)
+        buffers = self._per_replica_buffers(dm)
+        return {"buffer_replicas": gather_replica_states(self.strategy, buffers)} if buffers else {}
 
 
 def _history_with(history, epoch_logs) -> dict:

@@ -31,6 +31,7 @@ from gpu_support import (
 import replicafit.strategies as ds
 from replicafit import optimizers
 from replicafit.trainer import Callback, ProgbarLogger, Trainer
+from replicafit.trainer.compile_metrics import CompileMetrics
 
 pytestmark = [*GPU_TESTS, cuda_only]
 
@@ -118,18 +119,18 @@ class _Terminal(io.StringIO):
 def test_the_progress_bar_reads_values_only_when_it_redraws(monkeypatch):
     """With the bar on, the only synchronisations are its reads of the logs, at its redraws."""
     reads = []
-    original = Trainer._logs
+    original = CompileMetrics.result  # the logs: every read of the metrics
 
     def logs(self):
         previous = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode(0)
         try:
-            reads.append(self._step)
+            reads.append(self)
             return original(self)
         finally:
             torch.cuda.set_sync_debug_mode(previous)
 
-    monkeypatch.setattr(Trainer, "_logs", logs)
+    monkeypatch.setattr(CompileMetrics, "result", logs)
     bar = ProgbarLogger(1, stream=_Terminal())
     bar._REDRAW_SECONDS = 3600.0  # never due but at the epoch's last step
     _fit(ds.OneDeviceStrategy(GPU), callbacks=[bar])

@@ -62,7 +62,7 @@ def test_accuracy_as_a_mapping_is_resolved_from_the_shapes_as_the_name_is(tmp_pa
     reference = write(tmp_path, RECIPE.replace("METRICS", "[accuracy]"))
     path = write(tmp_path, RECIPE.replace("METRICS", f"[{spelling}]"))
     assert run_cli(capsys, "validate", path)[0] == 0
-    assert recipes.build(recipes.load(path)).trainer._metric_specs == ["accuracy"]
+    assert recipes.build(recipes.load(path)).trainer._compile_metrics.specs == ["accuracy"]
     status, out, err = run_cli(capsys, "fit", path, "--run-dir", tmp_path / "run")
     assert status == 0, err
     assert "Traceback" not in err and "validation accuracy:" in out
@@ -73,7 +73,7 @@ def test_accuracy_as_a_mapping_is_resolved_from_the_shapes_as_the_name_is(tmp_pa
 def test_crossentropy_as_a_mapping_is_resolved_as_the_name_is(tmp_path, capsys):
     path = write(tmp_path, RECIPE.replace("METRICS", "[{type: crossentropy}, {type: ce}]"))
     run = recipes.build(recipes.load(path))
-    assert run.trainer._metric_specs == ["crossentropy", "crossentropy"]
+    assert run.trainer._compile_metrics.specs == ["crossentropy", "crossentropy"]
 
 
 def test_accuracy_takes_no_arguments_and_the_message_names_the_fixed_kinds(tmp_path, capsys):
@@ -93,7 +93,7 @@ def test_exact_match_is_keras_accuracy_class_by_its_own_name(tmp_path, capsys):
     assert status == 0 and re.search(r"^\s+exact_match\s+How often ``y_pred`` equals ``y_true`` exactly", out, re.M)
     path = write(tmp_path, RECIPE.replace("METRICS", "[exact_match, {type: exact_match, name: same}]"))
     assert run_cli(capsys, "validate", path)[0] == 0
-    specs = recipes.build(recipes.load(path)).trainer._metric_specs
+    specs = recipes.build(recipes.load(path)).trainer._compile_metrics.specs
     assert [(type(m), m.name) for m in specs] == [(metrics.Accuracy, "exact_match"), (metrics.Accuracy, "same")]
 
 

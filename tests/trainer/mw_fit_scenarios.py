@@ -59,7 +59,7 @@ def fit_run(
     return {
         "history": history.history,
         "weights": {k: v.clone() for k, v in model.state_dict().items()},
-        "data_seed": trainer._data_seed,
+        "data_seed": trainer._training_state.data_seed,
         "iterations": int(trainer.optimizer.iterations),
         "predict": trainer.predict(model, data()[0][:37], batch_size=16),
         "evaluate": trainer.evaluate(model, data(), batch_size=32, verbose=0, return_dict=True),
@@ -477,7 +477,7 @@ def rows_per_epoch(rank, num_workers, port, policy=None, epochs=3):
 
     class Recording(Trainer):
         def train_step(self, data):
-            seen.setdefault(self._epoch, []).extend(data[1].tolist())
+            seen.setdefault(self._training_state.epoch, []).extend(data[1].tolist())
             data = (data[0], torch.zeros_like(data[1]))  # class 0: the ids are only recorded
             return super().train_step(data)
 

@@ -66,7 +66,7 @@ def fit(loss, labels, outputs, strategy="mirrored2", metric_names=("accuracy",),
 def test_accuracy_of_any_loss_equals_the_built_in_losses(case):
     loss, builtin, labels, outputs, cls = CASES[case]
     trainer, history = fit(loss, labels, outputs)
-    assert [type(m) for _, m in trainer._metrics] == [cls]
+    assert [type(m) for m in trainer._compile_metrics.metrics] == [cls]
     _, expected = fit(builtin, labels, outputs)
     assert history["accuracy"] == expected["accuracy"]
     assert history["val_accuracy"] == expected["val_accuracy"]
@@ -76,10 +76,10 @@ def test_accuracy_of_any_loss_equals_the_built_in_losses(case):
 
 def test_binary_accuracy_of_logits_thresholds_at_zero():
     trainer, history = fit(nn.BCEWithLogitsLoss(), BINARY, 1, strategy="default")
-    ((_, metric),) = trainer._metrics
+    (metric,) = trainer._compile_metrics.metrics
     assert metric.threshold == 0.0
     probabilities, _ = fit("binary_crossentropy", BINARY, 1, strategy="default")  # a model without sigmoid
-    assert probabilities._metrics[0][1].threshold == 0.5  # Keras' threshold for probabilities
+    assert probabilities._compile_metrics.metrics[0].threshold == 0.5  # Keras' threshold for probabilities
 
 
 class TwoHeads(nn.Module):
@@ -107,7 +107,7 @@ def fit_two_heads(loss):
 def test_multi_output_models_resolve_each_output():
     torch_losses = {"classes": nn.CrossEntropyLoss(), "flag": nn.BCEWithLogitsLoss(), "tags": nn.BCEWithLogitsLoss()}
     trainer, history = fit_two_heads(torch_losses)
-    kinds = {m.name: (type(m), getattr(m, "threshold", None)) for _, m in trainer._metrics}
+    kinds = {m.name: (type(m), getattr(m, "threshold", None)) for m in trainer._compile_metrics.metrics}
     assert kinds["classes_accuracy"] == (metrics.SparseCategoricalAccuracy, None)
     assert kinds["flag_accuracy"] == (metrics.BinaryAccuracy, 0.0)
     assert kinds["tags_accuracy"] == (metrics.BinaryAccuracy, 0.0)  # multi-label: the loss tells

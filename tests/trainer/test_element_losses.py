@@ -73,7 +73,7 @@ def test_accuracy_on_classes_second_counts_only_real_tokens():
     real = y != -100
     expected = float((predicted == y)[real].float().sum() / real.sum())
     assert abs(logs["accuracy"] - expected) < 1e-6
-    assert isinstance(trainer._metrics[0][1], metrics.SparseCategoricalAccuracy)
+    assert isinstance(trainer._compile_metrics.metrics[0], metrics.SparseCategoricalAccuracy)
 
 
 def test_accuracy_on_classes_last_with_ignore_class():
@@ -274,4 +274,4 @@ def test_a_count_of_real_elements_rides_as_an_integer_and_class_weights_as_a_flo
         trainer = Trainer(loss=loss, metrics=[])
         x, y = scenarios.classifier_data()
         trainer.fit(nn.Linear(6, scenarios.CLASSES), (x, y), batch_size=8, verbose=0)
-        assert trainer._count_floating is floating
+        assert trainer._compile_loss.count_floating is floating

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from replicafit import optimizers
 from replicafit.trainer import Callback, ProgbarLogger, Trainer
 from replicafit.trainer.callbacks import progbar_logger
+from replicafit.trainer.compile_metrics import CompileMetrics
 
 
 class HostReads(TorchDispatchMode):
@@ -133,13 +134,13 @@ def test_the_progress_bar_reads_the_logs_only_when_it_redraws(monkeypatch, clock
     frozen.perf_counter = lambda: clock  # the system-wide clock's origin is the machine's boot
     monkeypatch.setattr(progbar_logger, "time", frozen)
     reads = []
-    original = Trainer._logs
+    original = CompileMetrics.result  # the logs: every read of the metrics
 
     def counting(self):
-        reads.append(self._step)
+        reads.append(self)
         return original(self)
 
-    monkeypatch.setattr(Trainer, "_logs", counting)
+    monkeypatch.setattr(CompileMetrics, "result", counting)
     bar = ProgbarLogger(1, stream=_Terminal())
     bar._REDRAW_SECONDS = redraw_seconds
     x, y = torch.randn(128, 4), torch.randint(0, 2, (128,))

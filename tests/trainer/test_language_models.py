@@ -172,7 +172,7 @@ def test_a_classifier_that_ignores_num_items_in_batch_keeps_its_mean(transformer
     trainer = Trainer(strategy=make_strategy("mirrored2"), optimizer=optimizers.SGD(0.5, momentum=0.5), loss=None)
     trainer.fit(model, data, batch_size=BATCH, shuffle=False, verbose=0)
     assert largest_difference(model.state_dict(), expected) <= TOLERANCE
-    assert not trainer._counts_items
+    assert not trainer._compile_loss.counts_items
 
 
 def test_the_probe_reads_more_rows_when_the_first_ones_have_no_real_label(transformers):
@@ -186,5 +186,5 @@ def test_the_probe_reads_more_rows_when_the_first_ones_have_no_real_label(transf
     model = tiny_gpt2(transformers)
     trainer = Trainer(strategy=make_strategy("mirrored2"), optimizer=optimizers.SGD(0.5, momentum=0.5), loss=None)
     trainer.fit(model, data, batch_size=ROWS, shuffle=False, verbose=0)
-    assert trainer._counts_items
+    assert trainer._compile_loss.counts_items
     assert largest_difference(model.state_dict(), expected) <= TOLERANCE

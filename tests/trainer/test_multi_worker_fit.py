@@ -25,7 +25,7 @@ def _same_run(expected: dict, got: dict, what: str) -> None:
 
 def _mirrored_with_data_seed(data_seed, **settings) -> dict:
     """``fit_run`` under Mirrored(2), its seedless data seed the one the workers agreed on."""
-    import replicafit.trainer.fit_loop as fit_module
+    import replicafit.trainer.training_state as fit_module
 
     draw = fit_module.random.randrange
     fit_module.random.randrange = lambda n: data_seed

@@ -116,7 +116,7 @@ def test_checkpoints_hold_every_replicas_stream_and_a_seedless_fit_continues_the
     other = Trainer(strategy=STRATEGIES["mirrored2"](), optimizer=optimizers.SGD(0.1), seed=None)
     model_other = _model()
     other.load_checkpoint(path, model=model_other)
-    other._replica_rng_loaded = False
+    other._training_state._replica_rng_loaded = False
     random.seed(0)
     assert not _same(_fit(other.strategy, trainer=other, model=model_other, epochs=1), continued)
 
@@ -155,7 +155,7 @@ def test_a_damaged_stream_entry_is_a_clear_checkpoint_error(tmp_path):
 def test_a_seedless_fit_agrees_its_replica_seed_with_its_data_seed():
     trainer = Trainer(strategy=STRATEGIES["mirrored2"](), optimizer=optimizers.SGD(0.1))
     _fit(trainer.strategy, trainer=trainer, model=_model(), epochs=1)
-    assert trainer.strategy.extended._replica_streams.base_seed == trainer._data_seed
+    assert trainer.strategy.extended._replica_streams.base_seed == trainer._training_state.data_seed
 
 
 def test_the_digits_recipe_with_dropout_is_reproducible():
