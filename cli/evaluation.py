@@ -100,7 +100,7 @@ def evaluate(args) -> int:
     logs = run.trainer.evaluate(
         run.model, data, batch_size=batch, steps=run.evaluate_kwargs.get("steps"), verbose=0, return_dict=True
     )
-    if run.strategy.cluster.is_chief:  # across workers every worker evaluates; the chief reports
+    if run.strategy.extended.should_checkpoint:  # across workers every worker evaluates; the chief reports
         print(json.dumps(logs, indent=2))
     return 0
 
@@ -120,7 +120,7 @@ def predict(args) -> int:
     inputs = data[0] if isinstance(data, tuple) else data
     batch = run.evaluate_kwargs.get("batch_size") or run.fit_kwargs.get("batch_size")
     outputs = run.trainer.predict(run.model, inputs, batch_size=batch, verbose=0)
-    if not run.strategy.cluster.is_chief:  # across workers every worker predicts; the chief writes
+    if not run.strategy.extended.should_checkpoint:  # across workers every worker predicts; the chief writes
         return 0
     output, where = args.output, ""
     if output is None:

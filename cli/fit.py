@@ -109,7 +109,7 @@ def fit(args) -> int:
         run_dir = _agreed(run.strategy, run_dir)
     # Only the chief (worker 0; the one process of a single-process strategy) writes files and
     # prints; every worker still builds the same callbacks and saves (gathering state is collective).
-    chief = run.strategy.cluster.is_chief
+    chief = run.strategy.extended.should_checkpoint
     if chief:
         os.makedirs(os.path.join(run_dir, "checkpoints"), exist_ok=True)
         with open(os.path.join(run_dir, "recipe.yaml"), "w") as file:

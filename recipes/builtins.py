@@ -122,9 +122,9 @@ def _register_all() -> None:
         ("cosine_decay", schedules.CosineDecay),
     ):
         register("schedule", name, cls)
-    for name, cls in losses._NAMES.items():
+    for name, cls in losses.BY_NAME.items():
         register("loss", name, cls)
-    for name, cls in metrics._NAMES.items():
+    for name, cls in metrics.BY_NAME.items():
         register("metric", name, cls)
     # The names the trainer resolves from the shapes of labels and predictions (metrics.get), as a name or
     # {type: ...}: the recipe hands the name itself to Trainer(metrics=[...]) (validation._check_metric).

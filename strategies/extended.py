@@ -163,16 +163,17 @@ class StrategyExtended:
 
     @property
     def should_checkpoint(self) -> bool:
-        """Whether this process writes checkpoints, TensorFlow's name for ``cluster.is_chief``.
+        """Whether this process writes checkpoints and other files (TensorFlow's name): by default the chief.
 
-        The chief question has one answer, the cluster's (``cluster.py``): always, in one process; worker 0
-        only, across workers.
+        The chief question has one answer, the cluster's (``cluster.is_chief``: always, in one process; worker 0
+        only, across workers); this declaration, and ``should_save_summary``, default to it, and a strategy
+        that writes files elsewhere says so here.
         """
         return self.cluster.is_chief
 
     @property
     def should_save_summary(self) -> bool:
-        """Whether this process writes summaries such as TensorBoard's, TensorFlow's name for ``cluster.is_chief``."""
+        """Whether this process writes summaries such as TensorBoard's (TensorFlow's name): by default the chief."""
         return self.cluster.is_chief
 
     @property

@@ -304,7 +304,7 @@ class FitLoop:
 
             loop.finish(logs)  # after close()
         """
-        if getattr(self.optimizer, "use_ema", False):  # as Keras' fit: the model ends with the averages
+        if self.optimizer.use_ema:  # as Keras' fit: the model ends with the averages
             self.optimizer.finalize_variable_values(self._model.trainable_variables)
         # (a signal from the last agreed boundary on is noted and ignored: the fit is complete, and its
         # backup is not deleted by on_train_end under a default action)

@@ -309,7 +309,8 @@ def checked_nonempty(source, what: str, caller: str):
             if first is not _NOTHING:
                 source = itertools.chain([first], source)
         else:
-            first = next(source.iterate(0, 0) if hasattr(source, "iterate") else iter(source), _NOTHING)
+            batched = isinstance(source, (data_layer.ArrayBatches, data_layer.DatasetBatches))  # data's own sources
+            first = next(source.iterate(0, 0) if batched else iter(source), _NOTHING)
     if length == 0 or first is _NOTHING:
         raise ValueError(
             f"The {what} of {caller} is empty: it yields no batch. Pass at least one example "

@@ -464,7 +464,7 @@ class _Callable(Loss):
 class _TorchModule(Loss):
     class_axis = 1
 
-    def __init__(self, module: torch.nn.modules.loss._Loss):
+    def __init__(self, module: torch.nn.Module):
         super().__init__(type(module).__name__)
         self.accuracy_kind, self.from_logits = _torch_kind(type(module))
         self.module = copy.copy(module)
@@ -560,7 +560,8 @@ class _TorchFunctional(Loss):
         return f"Loss(torch.nn.functional.{self.name})"
 
 
-_NAMES = {
+#: The losss by the names ``get`` (and a recipe) takes: name -> class.
+BY_NAME = {
     "cross_entropy": SparseCategoricalCrossentropy,
     "sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
     "categorical_crossentropy": CategoricalCrossentropy,
@@ -583,12 +584,12 @@ def get(identifier) -> Loss:
     if isinstance(identifier, Loss):
         return identifier
     if isinstance(identifier, str):
-        cls = _NAMES.get(identifier.lower())
+        cls = BY_NAME.get(identifier.lower())
         if cls is None:
-            hint = did_you_mean(identifier.lower(), _NAMES)
-            raise ValueError(f"Unknown loss {identifier!r}{hint}; known: {sorted(_NAMES)}.")
+            hint = did_you_mean(identifier.lower(), BY_NAME)
+            raise ValueError(f"Unknown loss {identifier!r}{hint}; known: {sorted(BY_NAME)}.")
         return cls()
-    if isinstance(identifier, torch.nn.modules.loss._Loss):
+    if isinstance(identifier, torch.nn.modules.loss._Loss):  # private: the one base class of torch's losses
         return _TorchModule(identifier)
     if is_torch_functional_loss(identifier):
         return _TorchFunctional(identifier)

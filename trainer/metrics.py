@@ -467,7 +467,8 @@ class BinaryCrossentropy(_Crossentropy):
         super().__init__(from_logits, name)
 
 
-_NAMES = {
+#: The metrics by the names ``get`` (and a recipe) takes: name -> class.
+BY_NAME = {
     "mean": Mean,
     "sum": Sum,
     "exact_match": Accuracy,  # Keras' Accuracy class: "accuracy" is resolved from the shapes (_RESOLVED)
@@ -536,10 +537,10 @@ def get(identifier, loss=None, y_true=None, y_pred=None) -> Metric:
         if kind == "categorical":
             return CategoricalCrossentropy(name="crossentropy")
         return SparseCategoricalCrossentropy(name="crossentropy")
-    cls = _NAMES.get(key)
+    cls = BY_NAME.get(key)
     if cls is None:
-        hint = did_you_mean(key, list(_NAMES) + list(_RESOLVED))
-        raise ValueError(f"Unknown metric {identifier!r}{hint}; known: {sorted(_NAMES) + list(_RESOLVED)}.")
+        hint = did_you_mean(key, list(BY_NAME) + list(_RESOLVED))
+        raise ValueError(f"Unknown metric {identifier!r}{hint}; known: {sorted(BY_NAME) + list(_RESOLVED)}.")
     return cls(name=key)
 
 

@@ -135,7 +135,7 @@ def _forward_of(model):
     """The ``forward`` whose signature decides: the user's module under a ``DistributedModule``, the
     original module under ``torch.compile``."""
     module = model.module if isinstance(model, DistributedModule) else model
-    module = getattr(module, "_orig_mod", module)  # torch.compile's OptimizedModule
+    module = getattr(module, "_orig_mod", module)  # private: the module torch.compile's OptimizedModule wraps
     return getattr(module, "forward", module)
 
 
@@ -384,7 +384,7 @@ def counts_items(model, inputs) -> bool:
     if not isinstance(inputs, Mapping) or "labels" not in inputs or not passes_keywords(model, inputs):
         return False
     module = model.module if isinstance(model, DistributedModule) else model
-    module = getattr(module, "_orig_mod", module)
+    module = getattr(module, "_orig_mod", module)  # private: the module torch.compile's OptimizedModule wraps
     declared = getattr(module, "accepts_loss_kwargs", None)
     if isinstance(declared, bool):
         return declared

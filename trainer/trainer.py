@@ -500,12 +500,13 @@ class Trainer:
         # The built-in step applies its gradients once: across workers they can be reduced in buckets
         # started during backward (a custom train_step reduces after backward). An accumulating
         # optimizer reduces once per window, after the window's last backward.
-        accumulating = bool(getattr(self.optimizer, "gradient_accumulation_steps", None))
+        accumulating = bool(self.optimizer.gradient_accumulation_steps)
         builtin_step = self._is_builtin("train_step")
         overlap = self.strategy.extended.gradient_step if builtin_step and not accumulating else None
-        # Sharded optimizer states gather a step's updated values while the loop moves on, unless a callback's
-        # batch hooks might read the variables (then they are settled before those hooks).
-        settle = callbacks_module.may_touch_variables_between_steps(callback_list)
+        # A strategy that defers updates (sharded optimizer states gather a step's updated values while the loop
+        # moves on) settles them before the batch hooks of callbacks that might read the variables.
+        defers = self.strategy.extended.capabilities.defers_updates
+        settle = defers and callbacks_module.may_touch_variables_between_steps(callback_list)
         return FitPlan(
             steps=steps,
             validation_data=validation_data,

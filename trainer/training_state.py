@@ -264,7 +264,7 @@ class TrainingState:
         """``model_state_dict()`` with the trained values of variables whose moving averages are swapped in
         (``SwapEMAWeights(swap_on_epoch=True)`` between epochs): a resumed run trains on from those."""
         state = self._trainer.model_state_dict()
-        trained = self.optimizer.trained_values() if getattr(self.optimizer, "use_ema", False) else {}
+        trained = self.optimizer.trained_values() if self.optimizer.use_ema else {}
         if trained and dm is not None:
             for name, variable in dm.named_variables().items():
                 if id(variable) in trained:

@@ -106,7 +106,7 @@ class Callback:
     def _is_chief(self) -> bool:
         """Whether this process writes files and prints (worker 0 of a multi-worker run; always in one process)."""
         trainer = self.trainer
-        return trainer is None or trainer.strategy.cluster.is_chief
+        return trainer is None or trainer.strategy.extended.should_checkpoint
 
     def _print(self, message: str) -> None:
         if self._is_chief:

@@ -20,7 +20,7 @@ Differences from Keras: ``write_graph``, ``write_images``, ``profile_batch`` and
 embedding projector are not offered (use ``torch.profiler`` for profiles); batch-level
 scalars use ``optimizer.iterations`` as their step, so a resumed or repeated ``fit`` goes on
 where the last one ended instead of starting again at 0. Only the processes whose strategy
-says ``cluster.is_chief`` (``extended.should_save_summary``) write (every single-process strategy does).
+says ``extended.should_save_summary`` write (the chief, ``cluster.is_chief``, by default).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class TensorBoard(Callback):
         return self._writers[which]
 
     def _writes(self) -> bool:
-        return self.trainer is None or self.trainer.strategy.cluster.is_chief
+        return self.trainer is None or self.trainer.strategy.extended.should_save_summary
 
     def _scalars(self, which: str, prefix: str, logs: dict, step: int, suffix: str = "") -> None:
         if not self._writes():
