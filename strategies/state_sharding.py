@@ -172,13 +172,13 @@ class StateShards(StateLayout):
 
     No memory beyond the buffers the unsharded reduction uses: what sharding saves is the optimizer state.
 
-    Example (what the optimizer does under the strategy)::
+    Example (what the optimizer does with the layout the strategy gives it)::
 
-        shards = strategy.extended.state_shards(variables)   # None unless the strategy shards
-        chunks, buffers = strategy.extended.reduce_scatter_gradients(shards, per_replica_grads)
-        for piece, grad in zip(shards.piece_variables, shards.piece_views(chunks)):
+        shards = strategy.extended.state_layout(variables)   # StateShards where the strategy cuts them
+        reduced = shards.reduce(per_replica_grads, variables)  # this worker's pieces' gradients
+        for piece, grad in zip(shards.targets, reduced.values):
             ...                                                # the update rule on the piece
-        shards.publish(buffers)
+        shards.finish(reduced, variables, direct=True)       # the updated pieces gathered everywhere
     """
 
     #: A bucket of fewer bytes than this is not cut: every worker keeps all of its optimizer state and none of its

@@ -82,7 +82,7 @@ def private_bases(cls: type, public: set[int]) -> list[type]:
 
 def members_to_document(cls: type, public: set[int]) -> list[str]:
     """The public members the reference shows under ``cls``: its own, and those it inherits from
-    internal classes (a mixin's method, such as ``Optimizer.averaged_weights`` of an internal base)."""
+    internal classes (a method of an internal base class of a public one)."""
     found = []
     for owner in (cls, *private_bases(cls, public)):
         found += [name for name in _own_members(owner) if name not in found]
@@ -157,7 +157,7 @@ def check(app, env) -> None:
 
 
 def public_bases(app, name, obj, options, bases: list) -> None:
-    """``Bases:`` names public classes only: an internal base (a mixin of ``Optimizer``) is
+    """``Bases:`` names public classes only: an internal base (of a public class) is
     replaced by its own bases, recursively (its members are shown under the class itself)."""
     public = {id(value) for value in public_names().values()}
     shown: list = []
