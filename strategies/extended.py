@@ -163,7 +163,7 @@ class StrategyExtended:
 
     @property
     def should_checkpoint(self) -> bool:
-        """Whether this process writes checkpoints and other files (TensorFlow's name): by default the chief.
+        """Whether this process writes checkpoints and other files, by default the chief (TensorFlow's name).
 
         The chief question has one answer, the cluster's (``cluster.is_chief``: always, in one process; worker 0
         only, across workers); this declaration, and ``should_save_summary``, default to it, and a strategy
@@ -173,7 +173,7 @@ class StrategyExtended:
 
     @property
     def should_save_summary(self) -> bool:
-        """Whether this process writes summaries such as TensorBoard's (TensorFlow's name): by default the chief."""
+        """Whether this process writes summaries such as TensorBoard's, by default the chief (TensorFlow's name)."""
         return self.cluster.is_chief
 
     @property
