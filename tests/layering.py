@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import pathlib
 import re
 import sys
@@ -62,6 +63,7 @@ PUBLIC_UNDERSCORE = frozenset({"_replace", "_asdict", "_fields", "_make", "_fiel
 REASON = re.compile(r"#\s*private:\s*(\S+\s+){2,}\S+")  # "# private: " and at least three words
 
 
+@functools.lru_cache(maxsize=1)
 def torch_privates() -> frozenset:
     """Private attributes of the torch objects the library reaches into (a ``DataLoader`` and its iterator, a
     tensor's version counter, ``torch.compile``'s wrapper): a read of one always says why, even where a
@@ -316,22 +318,35 @@ class _ModuleCheck(ast.NodeVisitor):
         self.generic_visit(node)
 
 
+@functools.cache
+def _parsed(package: str) -> tuple:
+    """``(path, code, tree)`` of every module of ``package`` (read once per process: the tests call ``check``
+    many times)."""
+    return tuple((str(p.relative_to(ROOT)), p.read_text(), ast.parse(p.read_text(), str(p))) for p in
+                 _python_files(package))  # fmt: skip
+
+
+@functools.cache
+def _definitions(package: str) -> Definitions:
+    return definitions([(path, tree, code.splitlines()) for path, code, tree in _parsed(package)])
+
+
 def check(packages=None, sources: dict | None = None) -> list:
     """Every violation in ``packages`` (default: all). ``sources``: ``{(package, module name): code}`` checked
     as if they were modules of those packages too (the test's examples), their definitions included."""
     packages = list(packages or PACKAGES)
     torch_names = torch_privates()
-    trees: dict = {}
-    for package in PACKAGES:
-        trees[package] = [(str(p.relative_to(ROOT)), p.read_text(), ast.parse(p.read_text(), str(p)))
-                          for p in _python_files(package)]  # fmt: skip
+    trees = {package: _parsed(package) for package in PACKAGES}
     extra = {}
     for (package, module), code in (sources or {}).items():
         extra.setdefault(package, []).append((module, f"<{module}>", code, ast.parse(code)))
     defined = {}
     for package, items in trees.items():
+        if package not in extra:
+            defined[package] = _definitions(package)
+            continue
         modules = [(path, tree, code.splitlines()) for path, code, tree in items]
-        modules += [(shown, tree, code.splitlines()) for _, shown, code, tree in extra.get(package, [])]
+        modules += [(shown, tree, code.splitlines()) for _, shown, code, tree in extra[package]]
         defined[package] = definitions(modules)
     found: list = []
     for package in packages:

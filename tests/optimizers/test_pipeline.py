@@ -83,3 +83,13 @@ def test_accumulation_and_averages_follow_their_arguments_set_later():
     optimizer.apply_gradients([(torch.ones(2), variable)])
     assert torch.equal(variable.value().detach(), -torch.ones(2)) and int(optimizer.iterations) == 1
     assert optimizer.get_config()["gradient_accumulation_steps"] == 2
+
+
+def test_a_loss_scale_optimizer_sets_the_shared_arguments_of_its_inner_optimizer():
+    inner = optimizers.SGD(1.0)
+    wrapper = optimizers.LossScaleOptimizer(inner, initial_scale=1.0)
+    wrapper.clipnorm = 0.5
+    assert inner.clipnorm == 0.5 == wrapper.clipnorm
+    variable = ds.Variable(torch.ones(4))
+    wrapper.apply_gradients([(torch.ones(4), variable)])
+    assert float(torch.linalg.vector_norm(torch.ones(4) - variable.value().detach())) == pytest.approx(0.5)
