@@ -25,8 +25,9 @@ import torch
 
 from replicafit.strategies import context, foreach
 from replicafit.strategies.devices import torch_device
+from replicafit.strategies.variables import first_tensor
 
-from .tensors import _first_tensor, _no_grad
+from .tensors import _no_grad
 
 __all__ = [
     "GradientAccumulation",
@@ -141,7 +142,7 @@ class GradientAccumulation:
         replica's sums)`` when the step is the window's last, else ``None``."""
         window = self.open(variables, ctx is None, strategy_of, positions_of)
         if ctx is None:  # cross-replica context: the gradients are reduced already, one value each
-            grads, replica = [_first_tensor(g) for g in grads], 0
+            grads, replica = [first_tensor(g) for g in grads], 0
         else:
             replica = ctx.replica_id_in_sync_group - ctx.strategy.cluster.first_replica_id  # this worker's
         if window.add(replica, grads, self.step_weight) < self.steps:

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from replicafit.strategies import context, foreach
 from replicafit.strategies.values import local_results
+from replicafit.strategies.variables import first_tensor
 
-from .tensors import _first_tensor, _no_grad, _tensor_of
+from .tensors import _no_grad, _tensor_of
 
 __all__ = ["MovingAverages", "check_ema", "move_averages", "with_average"]
 
@@ -104,7 +105,7 @@ def with_average(entry: dict, names: list, variable) -> dict:
     if "average" in entry:
         del entry["average"]
     else:
-        entry["average"] = _first_tensor(variable).detach().clone()
+        entry["average"] = first_tensor(variable).detach().clone()
     return entry
 
 

@@ -1,7 +1,7 @@
 """The tensors behind a variable, reached the cheap way: the small helpers every part of the optimizer shares.
 
-A variable's value is read from its first copy (``_first_tensor``) or from one copy
-(``_tensor_of``), and the per-step updates switch grad mode off with ``_no_grad``, which
+A variable's value is read from one copy (``_tensor_of``; its first copy's is the strategies'
+``variables.first_tensor``), and the per-step updates switch grad mode off with ``_no_grad``, which
 costs less than ``torch.no_grad``'s decorator machinery on every step.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 import replicafit.strategies as ds
-from replicafit.strategies.values import local_results
 
 # torch's private used here, and why: ``torch._C._set_grad_enabled`` is the switch ``torch.no_grad`` itself flips,
 # without the context-manager and decorator machinery around it, which shows in a per-step cost.
@@ -31,12 +30,3 @@ class _no_grad:  # noqa: N801 - torch.no_grad without its decorator machinery (a
 
 def _tensor_of(component) -> torch.Tensor:
     return component.value() if isinstance(component, ds.Variable) else component
-
-
-def _first_tensor(value) -> torch.Tensor:
-    if type(value) is torch.Tensor:
-        return value
-    first = local_results(value)[0]
-    if isinstance(first, ds.Variable):
-        first = first.value()
-    return first if isinstance(first, torch.Tensor) else torch.as_tensor(first)

@@ -37,7 +37,7 @@ import torch
 from . import context
 from .reduce_util import ReduceOp
 from .values import DistributedValues, local_results
-from .variables import LocalVariable, Variable
+from .variables import LocalVariable, Variable, first_tensor
 
 __all__ = ["ReducedGradients", "StateLayout", "WholeVariables"]
 
@@ -220,7 +220,7 @@ class WholeVariables(StateLayout):
 
     def take(self, grads: list, variables: list) -> ReducedGradients:
         plain = all(type(g) is torch.Tensor for g in grads)
-        values = list(grads) if plain else [_first_tensor(g) for g in grads]
+        values = list(grads) if plain else [first_tensor(g) for g in grads]
         return ReducedGradients(values, self.per_copy(list(grads), variables))
 
     def per_copy(self, values: list, variables: list) -> list:
@@ -243,7 +243,7 @@ class WholeVariables(StateLayout):
 
     def whole(self, per_target: list, what: str) -> list:
         return [
-            (t if t is not None else torch.zeros_like(_first_tensor(v))).detach().clone()
+            (t if t is not None else torch.zeros_like(first_tensor(v))).detach().clone()
             for t, v in zip(per_target, self.variables)
         ]
 
@@ -267,15 +267,6 @@ def _copy_from(component, slot) -> None:
     source = local_results(slot)[index] if len(local_results(slot)) > index else local_results(slot)[0]
     with torch.no_grad():
         component.value().copy_(source.value())
-
-
-def _first_tensor(value) -> torch.Tensor:
-    if type(value) is torch.Tensor:
-        return value
-    first = local_results(value)[0]
-    if isinstance(first, Variable):
-        first = first.value()
-    return first if isinstance(first, torch.Tensor) else torch.as_tensor(first)
 
 
 def _per_copy(extended, grad, variable):

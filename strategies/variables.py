@@ -843,3 +843,19 @@ def _merge_create_variable(strategy, spec):
                 f"created {specs[0].name!r}; every replica must create the same variables in the same order."
             )
     return strategy.extended._create_variable(specs[0])
+
+
+def first_tensor(value) -> torch.Tensor:
+    """The tensor of ``value``'s first local copy: a tensor itself, a variable's value (its first component's
+    for a distributed one), a distributed value's first component, or anything ``torch.as_tensor`` takes.
+
+    Example::
+
+        first_tensor(mirrored_variable)   # replica 0's tensor
+    """
+    if type(value) is torch.Tensor:
+        return value
+    first = local_results(value)[0]
+    if isinstance(first, Variable):
+        first = first.value()
+    return first if isinstance(first, torch.Tensor) else torch.as_tensor(first)

@@ -19,7 +19,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "docs", "_ext"))
 
-from api_coverage import members_to_document, public_names  # noqa: E402 - the reference's own list of public names
+from api_coverage import PACKAGES, members_to_document, public_names  # noqa: E402 - the reference's own list of public names
 
 # modules whose docstrings are known to hold >>> examples (so that losing them all is noticed)
 MODULES_WITH_EXAMPLES = [
@@ -45,14 +45,7 @@ MODULES_WITH_EXAMPLES = [
 def all_modules() -> list[str]:
     """Every module of the installed package (``__main__`` modules run the command, so not those)."""
     names = {"replicafit"}
-    for package in (
-        "replicafit.strategies",
-        "replicafit.data",
-        "replicafit.optimizers",
-        "replicafit.trainer",
-        "replicafit.recipes",
-        "replicafit.cli",
-    ):
+    for package in PACKAGES[1:]:  # the root's own modules are not walked: its packages are
         names.add(package)
         for info in pkgutil.walk_packages(importlib.import_module(package).__path__, f"{package}."):
             names.add(info.name)
@@ -117,15 +110,7 @@ def rendered_docstrings() -> list[tuple[str, str]]:
         if inspect.isclass(value) and value.__module__.startswith("replicafit."):
             for member in members_to_document(value, public):
                 found.setdefault(f"{name}.{member}", inspect.getdoc(getattr(value, member)) or "")
-    for module in (
-        "replicafit",
-        "replicafit.strategies",
-        "replicafit.data",
-        "replicafit.optimizers",
-        "replicafit.trainer",
-        "replicafit.recipes",
-        "replicafit.cli",
-    ):
+    for module in PACKAGES:
         found.setdefault(module, importlib.import_module(module).__doc__ or "")
     return sorted(found.items())
 
