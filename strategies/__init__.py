@@ -63,10 +63,12 @@ from .devices import (
     set_logical_device_configuration,
 )
 from .distribute_lib import Strategy, StrategyExtended, ValueContext
+from .fully_sharded import FullyShardedStrategy
 from .mirrored import MirroredStrategy
 from .module import DistributedModule
 from .multi_worker_mirrored import MultiWorkerMirroredStrategy
 from .one_device import OneDeviceStrategy
+from .parameter_shards import ParameterShards, ShardedVariable, sharded_state_dict
 from .reduce_util import (
     CommunicationImplementation,
     CommunicationOptions,
@@ -103,6 +105,7 @@ __all__ = [
     "DistributedModule",
     "DistributedValues",
     "DistributedVariable",
+    "FullyShardedStrategy",
     "LocalVariable",
     "Mirrored",
     "MirroredStrategy",
@@ -110,6 +113,7 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
+    "ParameterShards",
     "PerReplica",
     "ReduceOp",
     "ReductionToOneDevice",
@@ -121,6 +125,7 @@ __all__ = [
     "StrategyExtended",
     "SimpleClusterResolver",
     "SlurmClusterResolver",
+    "ShardedVariable",
     "SyncOnReadVariable",
     "TFConfigClusterResolver",
     "TorchrunClusterResolver",
@@ -138,6 +143,7 @@ __all__ = [
     "get_replica_execution",
     "get_stall_warning_seconds",
     "get_strategy",
+    "sharded_state_dict",
     "has_strategy",
     "in_cross_replica_context",
     "list_logical_devices",

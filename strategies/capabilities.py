@@ -29,6 +29,8 @@ class StrategyCapabilities:
         holds the whole run).
       shards_optimizer_states: each worker keeps the optimizer state of its part of the variables only
         (``state_layout`` gives slices of them).
+      shards_parameters: each worker holds its chunk of every parameter of a distributed module (and of its
+        gradients and optimizer state): checkpoints are written sharded, every worker its part.
       defers_updates: the communication of an update may run on past the step that made it
         (``settle_updates`` finishes it): code that reads variables between steps settles them first.
 
@@ -42,4 +44,5 @@ class StrategyCapabilities:
 
     whole_state_on_every_worker: bool = True
     shards_optimizer_states: bool = False
+    shards_parameters: bool = False
     defers_updates: bool = False

@@ -302,11 +302,13 @@ class Strategy:
         return v1.make_input_fn_iterator(self, input_fn, replication_mode)
 
     # --- modules ----------------------------------------------------------------------
-    def distribute_module(self, module: torch.nn.Module):
-        """Replicates ``module`` over this strategy's replicas (see ``DistributedModule``)."""
+    def distribute_module(self, module: torch.nn.Module, *, precision: str = "32"):
+        """Replicates ``module`` over this strategy's replicas (see ``DistributedModule``). ``precision``: the
+        ``Trainer``'s (``"32"``, ``"bf16-mixed"``, ``"16-mixed"``), for a strategy that gathers parameters for the
+        forward pass (``FullyShardedStrategy`` gathers them in the compute dtype); the others need not know."""
         from .module import DistributedModule
 
-        return DistributedModule(self, module)
+        return DistributedModule(self, module, precision=precision)
 
     # --- v1 and housekeeping (v1.py) ---------------------------------------------------------
     def group(self, value, name=None) -> None:

@@ -23,6 +23,7 @@ hook                                           what it must do (default)
 ``state_layout(variables)``                    where an optimizer's state lives (``WholeVariables``)
 ``capabilities``                               what the strategy declares (``StrategyCapabilities()``)
 ``cluster``                                    the workers (a cluster of one)
+``gradients(loss, variables)``                 a replica's gradients of ``loss`` (``torch.autograd.grad``)
 ``gradient_step(variables)``,                  a training step's gradients reduced while backward runs, updates
 ``settle_updates()``,                          whose communication runs on past the step, and what to drop when a
 ``release_gradient_hooks()``                   fit ends (nothing to overlap, nothing deferred)
@@ -32,7 +33,8 @@ The variable hooks build on ``_create_distributed_variable``, ``_replicated_modu
 ``_local_variable`` (``variable_factory`` has the kinds they make), as ``mirrored.py`` does. Across
 processes a strategy also overrides the worker-level hooks (``_num_replicas_in_sync``,
 ``_as_local_replicas``, ``_all_workers_sizes``, ``_from_first_worker``/``_from_first_worker_many``,
-``_sync_module_state``, ``_reduce_with_step_values``): ``multi_worker_mirrored.py`` is the example.
+``_sync_module_state``, ``_prepare_module``, ``_reduce_with_step_values``): ``multi_worker_mirrored.py`` is the
+example, ``fully_sharded.py`` one whose parameters are sharded.
 
 Example::
 
@@ -213,6 +215,24 @@ class StrategyExtended:
         """Worker 0's ``tensors`` (the same shapes on every worker): one collective per dtype, not per tensor."""
         return list(tensors)
 
+    def gradients(self, loss: torch.Tensor, variables) -> list:
+        """Hook: a replica's gradients of ``loss`` with respect to ``variables`` (its trainable variables), one
+        tensor per variable (zeros where ``loss`` does not depend on it): what the trainer's step and
+        ``Optimizer.minimize`` hand to ``apply_gradients``. The default is ``torch.autograd.grad`` of the
+        variables' tensors; a strategy whose parameters are sharded runs backward and gives this worker's shards
+        of the gradients (``FullyShardedStrategy``).
+
+        Example::
+
+            def train_step(x, y):
+                loss = loss_fn(dm(x), y) / global_batch_size
+                grads = strategy.extended.gradients(loss, dm.trainable_variables)
+                optimizer.apply_gradients(zip(grads, dm.trainable_variables))
+        """
+        tensors = [v.value() for v in variables]
+        grads = torch.autograd.grad(loss, tensors, allow_unused=True)
+        return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, tensors)]
+
     def gradient_step(self, variables):
         """A context for one training step whose gradients of ``variables`` may be reduced while
         backward runs: across workers they are all-reduced in buckets started during backward
@@ -246,6 +266,13 @@ class StrategyExtended:
 
     def _sync_module_state(self, module: torch.nn.Module) -> None:
         """Makes ``module``'s parameters and buffers worker 0's (before replication)."""
+
+    def _prepare_module(self, module: torch.nn.Module, precision: str = "32") -> bool:
+        """Hook: what the strategy does to the user's module once its values are worker 0's, before its variables
+        are made (``FullyShardedStrategy`` shards it, gathering parameters in ``precision``'s compute dtype);
+        whether its forward pass is a collective then (every worker runs it every step, with an empty batch
+        too). Nothing by default."""
+        return False
 
     @property
     def replica_streams(self) -> ReplicaStreams | None:

@@ -56,7 +56,7 @@ class DistributedModule:
     strategy-independent state and ``load_state_dict()`` writes every replica.
     """
 
-    def __init__(self, strategy, module: torch.nn.Module):
+    def __init__(self, strategy, module: torch.nn.Module, *, precision: str = "32"):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"distribute_module() needs a torch.nn.Module, got {type(module).__name__}.")
         self._strategy = strategy
@@ -64,6 +64,7 @@ class DistributedModule:
         devices = extended._torch_devices
         first = module.to(devices[0]) if _module_device(module) not in (None, devices[0]) else module
         extended._sync_module_state(first)  # across workers: every worker starts from worker 0's values
+        self._collective_forward = bool(extended._prepare_module(first, precision))  # (sharded by FullyShardedStrategy)
         replicas = [first] + [copy.deepcopy(first).to(device) for device in devices[1:]]
         layers = synchronize_batchnorm(first)
         synchronized = {id(b) for layer in layers for b in layer.buffers(recurse=False)}
@@ -146,6 +147,20 @@ class DistributedModule:
             True
         """
         return self._synchronizes_batchnorm
+
+    @property
+    def forward_is_collective(self) -> bool:
+        """Whether the forward and backward passes communicate across replicas or workers (``nn.SyncBatchNorm``
+        layers, or parameters sharded by ``FullyShardedStrategy``, which are gathered for each unit's forward):
+        then every replica runs them every step, with an empty batch too.
+
+        Example::
+
+            >>> import torch, replicafit.strategies as ds
+            >>> ds.MirroredStrategy(["cpu:0", "cpu:1"]).distribute_module(torch.nn.Linear(2, 1)).forward_is_collective
+            False
+        """
+        return self._synchronizes_batchnorm or self._collective_forward
 
     def __call__(self, *args, **kwargs):
         module = self.local_module()

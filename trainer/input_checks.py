@@ -132,7 +132,9 @@ class InputChecks:
 
         Across workers each worker checks its own part of the first global batch; one whose part has no
         row checks the chief's first row instead (the chief's replicas come first in the split rule, so it
-        always has rows). A problem found on any worker is an error on every worker, and the decision
+        always has rows); where the model's forward pass is a collective (sharded parameters) every worker checks
+        the chief's part, so that each makes the same calls. A problem found on any worker is an error on every
+        worker, and the decision
         that probes the model's loss (``loss=None``) is the chief's.
 
         Example::
@@ -143,6 +145,8 @@ class InputChecks:
         cluster = self._strategy.cluster
         if cluster.num_workers == 1:
             return self._first_batch_checks(first, dm, caller, all_labels, float_dtype, builtin_step)
+        if dm.forward_is_collective:  # (sharded parameters) every worker probes alike: with the chief's part
+            first = cluster.broadcast(first if cluster.is_chief else None, "broadcasting the chief's first batch")
         empty = first is not None and rows(unpack(first)[0]) == 0
         if cluster.any(empty, "agreeing whether a worker's first batch is empty"):
             head = nest.map_structure(lambda t: data_layer.as_tensor(t)[:1], first) if cluster.is_chief else None

@@ -159,7 +159,7 @@ class Trainer:
             raise TypeError(f"The model must be a torch.nn.Module, got {type(model).__name__}.")
         if self._module is not model or self._distributed is None:
             self._module = model
-            self._distributed = self.strategy.distribute_module(model)
+            self._distributed = self.strategy.distribute_module(model, precision=self.precision)
             self._float_dtype = next(
                 (p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype()
             )
@@ -219,10 +219,10 @@ class Trainer:
         variables = self._trainable
         compiled_loss = self._compile_loss
         denominator = compiled_loss.element_denominator
-        # An empty replica: no forward pass, zero gradients (and no real element); with SyncBatchNorm layers
-        # it takes part in their collectives, forward and backward, with its zero rows.
+        # An empty replica: no forward pass, zero gradients (and no real element); with SyncBatchNorm layers or
+        # sharded parameters it takes part in their collectives, forward and backward, with its zero rows.
         empty = rows(x) == 0
-        if empty and not self.model.synchronizes_batchnorm:
+        if empty and not self.model.forward_is_collective:
             if denominator is not None:  # every worker carries the same step values, of one kind
                 compiled_loss.add_no_elements()
             grads = [torch.zeros_like(v.value()) for v in variables]
@@ -232,8 +232,7 @@ class Trainer:
         # one's own that calls this one: fit cannot know it adds the step value).
         y_pred, terms = self._forward(x, y, sample_weight, per_example=denominator is None)
         loss = self.optimizer.scale_loss(compiled_loss.step_loss(terms, self._global_batch))
-        grads = torch.autograd.grad(loss, [v.value() for v in variables], allow_unused=True)
-        grads = [torch.zeros_like(v.value()) if g is None else g for g, v in zip(grads, variables)]
+        grads = self.strategy.extended.gradients(loss, variables)
         self.optimizer.apply_gradients(zip(grads, variables))
         if not empty:
             self._compile_metrics.update_state(y, y_pred, sample_weight, terms)
@@ -241,11 +240,13 @@ class Trainer:
     def test_step(self, data) -> None:
         """One replica's evaluation step: losses and metrics of its slice."""
         x, y, sample_weight = self._model_floats(*unpack(data))
-        if rows(x) == 0:
+        empty = rows(x) == 0
+        if empty and not self.model.forward_is_collective:
             return
-        with torch.no_grad():
+        with torch.no_grad():  # (an empty replica of a sharded model takes part in gathering its parameters)
             y_pred, terms = self._forward(x, y, sample_weight)
-        self._compile_metrics.update_state(y, y_pred, sample_weight, terms)
+        if not empty:
+            self._compile_metrics.update_state(y, y_pred, sample_weight, terms)
 
     def predict_step(self, data):
         """One replica's prediction: the model's output on its slice."""

@@ -32,6 +32,7 @@ _EXPORTS = {
     "OneDeviceStrategy": "strategies",
     "MirroredStrategy": "strategies",
     "CentralStorageStrategy": "strategies",
+    "FullyShardedStrategy": "strategies",
     "MultiWorkerMirroredStrategy": "strategies",
     "WorkerFailedError": "strategies",
     "ReduceOp": "strategies",
@@ -66,6 +67,7 @@ __all__ = [
     "OneDeviceStrategy",
     "MirroredStrategy",
     "CentralStorageStrategy",
+    "FullyShardedStrategy",
     "MultiWorkerMirroredStrategy",
     "WorkerFailedError",
     "ReduceOp",
@@ -132,6 +134,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names load
     from .strategies import (
         CentralStorageStrategy,
         CommunicationOptions,
+        FullyShardedStrategy,
         Mirrored,
         MirroredStrategy,
         MultiWorkerMirroredStrategy,
