@@ -93,6 +93,15 @@ class DistributedModule:
                     _buffer_aggregation(buffer, id(buffer) in synchronized),
                 )
 
+        # State-dict keys of tensors that have a variable under another name (tied weights: GPT-2's lm_head.weight
+        # is its wte.weight), read and written through that variable.
+        by_tensor = {id(t): n for n, t in list(first.named_parameters()) + list(first.named_buffers()) if t is not None}
+        self._aliases = {
+            key: self._variables[by_tensor[id(t)]]
+            for key, t in first.state_dict(keep_vars=True).items()
+            if key not in self._variables and id(t) in by_tensor and by_tensor[id(t)] in self._variables
+        }
+
     # --- access ----------------------------------------------------------------------
     @property
     def strategy(self):
@@ -203,10 +212,14 @@ class DistributedModule:
         """
         state = self._replicas[0].state_dict()
         with context.enter_or_assert_strategy(self._strategy), aggregated_reads(self._variables.values()):
+            read: dict = {}
             for name in state:
                 variable = self._variables.get(name)
+                variable = self._aliases.get(name) if variable is None else variable
                 if variable is not None:
-                    state[name] = variable.read_value().detach()
+                    if id(variable) not in read:
+                        read[id(variable)] = variable.read_value().detach()
+                    state[name] = read[id(variable)]
         return state
 
     def sync_buffers(self) -> None:
@@ -239,7 +252,9 @@ class DistributedModule:
                 variable = self._variables.get(name)
                 if variable is not None:
                     variable.assign(value)
-        extra = {k: v for k, v in state_dict.items() if k in expected and k not in self._variables}
+        extra = {
+            k: v for k, v in state_dict.items() if k in expected and k not in self._variables and k not in self._aliases
+        }
         if extra:
             for replica in self._replicas:
                 replica.load_state_dict(extra, strict=False)

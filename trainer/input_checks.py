@@ -53,12 +53,15 @@ class FirstBatch(NamedTuple):
     """What the first batch tells, once every check passed (alike on every worker): the model's outputs
     (``structure``: a dict, tuple or list of several, else None), one example's ``labels`` and ``outputs``
     (the shapes that resolve ``"accuracy"``; None when unknown) and whether the model's own loss counts
-    items (``loss=None``: ``CompileLoss.counts_items``)."""
+    items (``loss=None``: ``CompileLoss.counts_items``). ``stand_in``: where the model's forward pass is a
+    collective (sharded parameters), one row of the first batch (the chief's), on which a replica with an empty
+    batch runs forward and backward with weight 0 (a model need not take an empty batch); else None."""
 
     structure: object
     labels: object
     outputs: object
     counts_items: bool
+    stand_in: object = None
 
 
 def first_look(cursor, pass_index: int, what: str, caller: str):
@@ -145,8 +148,11 @@ class InputChecks:
         cluster = self._strategy.cluster
         if cluster.num_workers == 1:
             return self._first_batch_checks(first, dm, caller, all_labels, float_dtype, builtin_step)
+        stand_in = None
         if dm.forward_is_collective:  # (sharded parameters) every worker probes alike: with the chief's part
             first = cluster.broadcast(first if cluster.is_chief else None, "broadcasting the chief's first batch")
+            if first is not None and rows(unpack(first)[0]) > 0:
+                stand_in = nest.map_structure(lambda t: data_layer.as_tensor(t)[:1], first)
         empty = first is not None and rows(unpack(first)[0]) == 0
         if cluster.any(empty, "agreeing whether a worker's first batch is empty"):
             head = nest.map_structure(lambda t: data_layer.as_tensor(t)[:1], first) if cluster.is_chief else None
@@ -166,7 +172,7 @@ class InputChecks:
                     f"Worker {worker} found a problem in its part of the first batch of {caller}: {message}"
                 )
         counts = cluster.broadcast(found.counts_items, "agreeing whether the model's loss counts items")
-        return found._replace(counts_items=counts)
+        return found._replace(counts_items=counts, stand_in=stand_in)
 
     def _first_batch_checks(self, first, dm, caller, all_labels, float_dtype, built_in: bool) -> FirstBatch:
         """The checks on the first batch, and what the metrics need to know: whether the model has several

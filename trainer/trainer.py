@@ -137,6 +137,7 @@ class Trainer:
         self._global_batch = 1
         self._compile_metrics = CompileMetrics(metrics, self.strategy)
         self._compile_loss = CompileLoss(loss, self.strategy, self._compile_metrics)
+        self._stand_in = None  # a row an empty replica of a sharded model runs on (InputChecks' FirstBatch)
         self._model_io = ModelIO()  # how the model's outputs are read: decided on a fit's first batch
         self._input_checks = InputChecks(self.strategy, self._compile_loss, self._compile_metrics, self._model_io)
         self._training_state = TrainingState(self, self._compile_metrics, self._compile_loss)
@@ -228,6 +229,14 @@ class Trainer:
             grads = [torch.zeros_like(v.value()) for v in variables]
             self.optimizer.apply_gradients(zip(grads, variables))
             return
+        if empty and self._stand_in is not None:  # sharded parameters: a stand-in row, weight 0 (exact zeros)
+            x, y, sample_weight = self._model_floats(*unpack(self._stand_in))
+            _, terms = self._forward(x, y, sample_weight, per_example=denominator is None)
+            if denominator is not None:
+                compiled_loss.add_no_elements()
+            loss = self.optimizer.scale_loss(terms.total * 0.0)
+            self.optimizer.apply_gradients(zip(self.strategy.extended.gradients(loss, variables), variables))
+            return
         # Reduced per example where fit decided so (a loss per example, several outputs, or a train_step of
         # one's own that calls this one: fit cannot know it adds the step value).
         y_pred, terms = self._forward(x, y, sample_weight, per_example=denominator is None)
@@ -243,6 +252,8 @@ class Trainer:
         empty = rows(x) == 0
         if empty and not self.model.forward_is_collective:
             return
+        if empty and self._stand_in is not None:  # sharded parameters: gathered on a stand-in row, not counted
+            x, y, sample_weight = self._model_floats(*unpack(self._stand_in))
         with torch.no_grad():  # (an empty replica of a sharded model takes part in gathering its parameters)
             y_pred, terms = self._forward(x, y, sample_weight)
         if not empty:
@@ -342,6 +353,7 @@ class Trainer:
             first, dm, caller, all_labels, float_dtype=self._float_dtype, builtin_step=builtin
         )
         self._compile_loss.counts_items = found.counts_items
+        self._stand_in = found.stand_in
         self._compile_metrics.build(found.structure, found.labels, found.outputs, self._compile_loss.loss_for)
 
     # --- fit -----------------------------------------------------------------------------------------

@@ -3,12 +3,17 @@ oracle)."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 from conftest import Lion  # the base class docstring's subclass: build and update_step only (tests/ is on the path)
 
 import replicafit.strategies as ds
 from replicafit import optimizers
 from replicafit.trainer import Trainer
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # loaded by path in the worker processes
 
 
 class Block(torch.nn.Module):
@@ -84,3 +89,98 @@ def fit(rank, num_workers, port, kind="adam", epochs=2, batch_size=24, units=("B
     weights = {k: v.clone() for k, v in trainer.model_state_dict().items()}
     state = trainer.optimizer.state_dict()
     return {"history": history.history, "weights": weights, "state": state}
+
+
+def fits(rank, num_workers, port, kinds=("adam",), **kwargs):
+    """``fit`` for each optimizer kind, one after another in the same processes (one strategy)."""
+    strategy = strategy_for(rank, num_workers, port, shard_units=["Block"])
+    return {kind: fit_with(strategy, kind, **kwargs) for kind in kinds}
+
+
+def fit_with(strategy, kind, epochs=2, batch_size=24, precision="32"):
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = make_optimizer(kind)
+    trainer = Trainer(strategy=strategy, optimizer=optimizer, loss="cross_entropy", seed=3, precision=precision)
+    history = trainer.fit(model, data(), batch_size=batch_size, epochs=epochs, verbose=0)
+    weights = {k: v.clone() for k, v in trainer.model_state_dict().items()}
+    return {"history": history.history, "weights": weights, "state": trainer.optimizer.state_dict()}
+
+
+def element_fit(rank, num_workers, port, epochs=2):
+    """A token tagger with a torch loss of ``ignore_index`` over padded labels (a row with no real token), in
+    batches of 8 of 30 rows (a partial last batch of 6, cut 3/3 or 3/3/0)."""
+    from element_scenarios import case
+
+    strategy = strategy_for(rank, num_workers, port)
+    model, (ids, labels), loss, _, _ = case("ignore_index")
+    trainer = Trainer(strategy=strategy, optimizer=optimizers.Adam(1e-2), loss=loss, metrics=[], seed=0)
+    history = trainer.fit(model, (ids, labels), batch_size=8, epochs=epochs, shuffle=False, verbose=0)
+    return {"history": history.history, "weights": {k: v.clone() for k, v in trainer.model_state_dict().items()}}
+
+
+def tiny_gpt2():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=40,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def gpt2_data(rows: int = 20, length: int = 9):
+    generator = torch.Generator().manual_seed(4)
+    ids = torch.randint(1, 40, (rows, length), generator=generator)
+    lengths = torch.randint(3, length + 1, (rows,), generator=generator)
+    padding = torch.arange(length) >= lengths[:, None]
+    ids = ids.masked_fill(padding, 0)
+    return {"input_ids": ids, "attention_mask": (~padding).long(), "labels": ids.masked_fill(padding, -100)}
+
+
+def gpt2_fit(rank, num_workers, port, epochs=2):
+    """A tiny GPT-2 with its own loss (``loss=None``), its units its ``_no_split_modules`` (``GPT2Block``), in
+    batches of 8 of 20 rows (a partial last batch of 4)."""
+    strategy = strategy_for(rank, num_workers, port)
+    model = tiny_gpt2()
+    trainer = Trainer(strategy=strategy, optimizer=optimizers.SGD(0.5, momentum=0.5), loss=None, metrics=[], seed=0)
+    history = trainer.fit(model, gpt2_data(), batch_size=8, epochs=epochs, shuffle=False, verbose=0)
+    units = [type(u).__name__ for u in strategy.extended.units] if strategy is not None else []
+    return {
+        "history": history.history,
+        "weights": {k: v.clone() for k, v in trainer.model_state_dict().items()},
+        "units": units,
+    }
+
+
+def precision_fit(rank, num_workers, port, precision="bf16-mixed"):
+    """A fit under a mixed precision: the dtype the blocks' forward sees, the sharded parameters' dtype after."""
+    strategy = strategy_for(rank, num_workers, port, shard_units=["Block"])
+    torch.manual_seed(0)
+    model = Net()
+    seen = []
+    model.blocks[0].linear.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
+    trainer = Trainer(strategy=strategy, optimizer=optimizers.Adam(1e-2), loss="cross_entropy", precision=precision)
+    history = trainer.fit(model, data(), batch_size=24, epochs=1, verbose=0)
+    sharded = [p.dtype for p in model.parameters()]
+    return {
+        "history": history.history,
+        "forward": sorted({str(d) for d in seen}),
+        "stored": sorted({str(d) for d in sharded}),
+    }
+
+
+def one_worker_fit(rank, num_workers, port):
+    """One worker: nothing is sharded (the default strategy's results, bit for bit)."""
+    out = fit(rank, 1 if num_workers else None, port, kind="adamw_global_clipnorm")
+    out["units"] = None
+    return out
