@@ -66,7 +66,7 @@ def select_units(module: torch.nn.Module, shard_units=None, min_parameters: int 
         ['Linear', 'Linear', 'Linear']
     """
     if shard_units is None:
-        declared = getattr(module, "_no_split_modules", None)
+        declared = getattr(module, "_no_split_modules", None)  # private: Hugging Face's declared unit classes
         if declared:
             shard_units = list(declared)
         else:
@@ -155,6 +155,7 @@ class FullyShardedExtended(MultiWorkerMirroredExtended):
         return self._mesh
 
     def _prepare_module(self, module: torch.nn.Module, precision: str = "32") -> bool:
+        units = select_units(module, self.shard_units, self.min_unit_parameters)  # (a misnamed unit: said here)
         if not self.sharded:
             return False
         from torch.distributed.device_mesh import init_device_mesh
@@ -172,9 +173,8 @@ class FullyShardedExtended(MultiWorkerMirroredExtended):
             self._mesh = init_device_mesh(device_type, (self._num_workers,))
         param_dtype = _PARAM_DTYPES.get(precision)
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
-        units = select_units(module, self.shard_units, self.min_unit_parameters)
         if self.activation_checkpointing:
-            from torch.distributed._composable import checkpoint
+            from torch.distributed._composable import checkpoint  # private: torch's composable activation checkpointing
 
             for unit in units or [module]:
                 checkpoint(unit)

@@ -38,7 +38,15 @@ from .state_layout import ReducedGradients, StateLayout
 from .values import local_results
 from .variables import LocalVariable, Variable, as_assign_value
 
-__all__ = ["ParameterShards", "ShardedVariable", "is_sharded", "keeps_shards", "sharded_state_dict"]
+__all__ = [
+    "ParameterShards",
+    "ShardedVariable",
+    "consolidate",
+    "is_sharded",
+    "keeps_shards",
+    "load_target",
+    "sharded_state_dict",
+]
 
 _mode = threading.local()
 
@@ -319,3 +327,46 @@ class ParameterShards(StateLayout):
 
     def __repr__(self) -> str:
         return f"ParameterShards({len(self.variables)} sharded variables)"
+
+
+def load_target(variable, shape, dtype) -> torch.Tensor:
+    """An empty tensor to read a saved value of ``variable`` into (``distributed_checkpoint.read_shards``): laid out
+    as its shards where ``variable`` is a ``ShardedVariable`` of that shape (each worker reads its chunk), else a
+    whole tensor of ``shape`` and ``dtype``.
+
+    Example::
+
+        target = load_target(dm.named_variables()["0.weight"], [7, 5], torch.float32)
+    """
+    if isinstance(variable, ShardedVariable) and list(variable.shape) == list(shape):
+        like = variable.value()
+        return as_sharded(torch.empty(like.to_local().shape, dtype=dtype, device=like.device), like)
+    return torch.empty(list(shape), dtype=dtype)
+
+
+def consolidate(state, keep: bool):
+    """``state`` with each ``DTensor`` in it gathered whole, one at a time in the order of the nest (a collective
+    per tensor: every worker calls it with a state of the same structure). Where ``keep`` (the worker that writes
+    the file) the whole tensors are kept, moved to host memory; elsewhere each is dropped at once (``None``), so
+    no other worker ever holds more than one whole tensor.
+
+    Example::
+
+        with ds.sharded_state_dict():
+            state = {"model": dm.state_dict()}
+        state = consolidate(state, keep=strategy.cluster.is_chief)
+    """
+
+    def walk(value):
+        if is_sharded(value):
+            whole = value.full_tensor()
+            return whole.cpu() if keep else None
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return tuple(walk(v) for v in value)
+        return value
+
+    return walk(state)

@@ -42,7 +42,16 @@ import torch
 from replicafit.strategies import nest
 from replicafit.strategies.describe import brief
 
-__all__ = ["save", "load", "remove_stale_temporary_files", "CheckpointError", "FORMAT", "STALE_AFTER_SECONDS"]
+__all__ = [
+    "save",
+    "load",
+    "read",
+    "check",
+    "remove_stale_temporary_files",
+    "CheckpointError",
+    "FORMAT",
+    "STALE_AFTER_SECONDS",
+]
 
 #: The format tag of trainer checkpoints and backups.
 FORMAT = "replicafit-checkpoint-v1"
@@ -168,6 +177,14 @@ def load(path, kind: str = "checkpoint") -> dict:
     with ``save_weights_only``); any other kind is only required to hold a dict. A
     missing, unreadable or malformed file raises ``CheckpointError``.
     """
+    state = read(path, kind)
+    check(state, kind, path)
+    return state
+
+
+def read(path, kind: str = "checkpoint") -> dict:
+    """The dict in the file ``path`` (``weights_only=True``), its structure not checked yet (``check``): a
+    missing or unreadable file, or one without a dict, raises ``CheckpointError``."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise CheckpointError(f"No {kind} at {path!r}.")
@@ -180,10 +197,14 @@ def load(path, kind: str = "checkpoint") -> dict:
         ) from error
     if not isinstance(state, dict):
         raise CheckpointError(f"The {kind} {path!r} does not hold a dict of state (found {type(state).__name__}).")
+    return state
+
+
+def check(state: dict, kind: str, path) -> None:
+    """``CheckpointError`` unless ``state`` (read from ``path``) has the structure of a ``kind``."""
     problem = _problem(state, kind)
     if problem is not None:
-        raise CheckpointError(f"The {kind} {path!r} is damaged or not a replicafit {kind}: {problem}.")
-    return state
+        raise CheckpointError(f"The {kind} {os.fspath(path)!r} is damaged or not a replicafit {kind}: {problem}.")
 
 
 def _problem(state: dict, kind: str) -> str | None:

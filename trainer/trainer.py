@@ -55,7 +55,7 @@ from replicafit import optimizers
 from replicafit.strategies import context, nest
 
 from . import callbacks as callbacks_module
-from . import checkpoint, losses
+from . import losses
 from .arguments import AUTOCAST, EVALUATE_ARGUMENTS, FIT_ARGUMENTS, check_arguments, check_precision
 from .compile_loss import CompileLoss
 from .compile_metrics import CompileMetrics
@@ -666,13 +666,47 @@ class Trainer:
         """
         return self._training_state.write_on_chief(what, write, default)
 
-    def save_checkpoint(self, path) -> str:
+    def save_checkpoint(self, path, *, sharded: bool = False) -> str:
         """Writes model, optimizer (slots, iterations), epoch/step, RNG state and the state of callbacks that
-        keep one (``TorchLRScheduler``), atomically.
+        keep one (``TorchLRScheduler``), atomically; returns the path. Every worker calls it.
 
-        Strategy-independent; loads with ``torch.load(path, weights_only=True)``.
+        One file, strategy-independent, that loads with ``torch.load(path, weights_only=True)``: under a
+        strategy that shards parameters (``FullyShardedStrategy``) each sharded tensor is gathered whole onto
+        the chief alone, one at a time (the consolidated export: the chief holds one whole copy of the state,
+        no other worker more than one tensor). ``sharded=True``: a sharded checkpoint directory instead
+        (``trainer.sharded_checkpoint``: every worker writes its shards, nothing is gathered), which
+        ``load_checkpoint`` reads on any number of workers and in one process.
+
+        Example::
+
+            trainer.save_checkpoint("model.pt")                     # one file
+            trainer.save_checkpoint("ckpt", sharded=True)           # a directory, every worker its shards
         """
-        return self._training_state.save_checkpoint(path)
+        return self._training_state.save_checkpoint(path, sharded)
+
+    def write_checkpoint(self, state: dict, path, *, sharded: bool = False) -> str:
+        """Writes a state that ``training_state`` (or a callback of one's own) built: one file from the chief
+        (sharded tensors gathered one at a time), or with ``sharded=True`` a sharded checkpoint directory (every
+        worker its shards). Every worker calls it, in the same order; it replaces what was at ``path``.
+
+        Example::
+
+            state = trainer.training_state(epoch + 1, 0)
+            trainer.write_checkpoint(state, "runs/backup", sharded=True)
+        """
+        return self._training_state.write(state, path, sharded, "write_checkpoint")
+
+    def read_checkpoint(self, path, kind: str = "checkpoint") -> dict:
+        """Reads a checkpoint file or a sharded checkpoint directory and checks it for ``kind`` (``"checkpoint"``,
+        ``"backup"``, ``"weights"``); a sharded directory is read into the model's layout (each worker its shards
+        under a strategy that shards parameters, else whole tensors). Every worker calls it. A missing or damaged
+        checkpoint raises ``CheckpointError``.
+
+        Example::
+
+            state = trainer.read_checkpoint("runs/backup", kind="backup")
+        """
+        return self._training_state.read(path, kind, self._distributed)
 
     def load_checkpoint(self, path, model=None) -> dict:
         """Restores a ``save_checkpoint`` file into ``model`` (or the model last used) and the optimizer.
@@ -683,9 +717,9 @@ class Trainer:
         does not fit the optimizer raises ``CheckpointError`` naming the variable and slot.
         In every case the model and optimizer are left as they were.
         """
-        state = checkpoint.load(path, kind="checkpoint")
         if model is not None:
             self._distribute(model)
+        state = self._training_state.read(path, "checkpoint", self._distributed)
         if self._distributed is None:
             raise ValueError("load_checkpoint() needs the model: pass model=... (or fit/evaluate it first).")
         self._training_state.restore_checkpoint(state, path, self._distributed)

@@ -20,15 +20,17 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 
 import torch
 
 from replicafit.strategies import context
+from replicafit.strategies.parameter_shards import consolidate, load_target, sharded_state_dict
 from replicafit.strategies.variables import SyncOnReadVariable, VariableAggregation
 
-from . import checkpoint
+from . import checkpoint, sharded_checkpoint
 from .replica_states import gather_replica_states, restore_replica_states
 
 __all__ = ["TrainingState"]
@@ -140,24 +142,66 @@ class TrainingState:
         return result
 
     # --- checkpoints ------------------------------------------------------------------------------------
-    def save_checkpoint(self, path) -> str:
-        """Writes a checkpoint (``Trainer.save_checkpoint``) atomically; returns its path.
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether the strategy shards parameters: its states are read sharded (``sharded_state_dict``)."""
+        return self.strategy.extended.capabilities.shards_parameters
+
+    def sharded_reads(self):
+        """A context in which state dicts keep sharded parameters and slots sharded (nothing gathered), where the
+        strategy shards parameters; nothing otherwise."""
+        return sharded_state_dict() if self.shards_parameters else contextlib.nullcontext()
+
+    def save_checkpoint(self, path, sharded: bool = False) -> str:
+        """Writes a checkpoint (``Trainer.save_checkpoint``) atomically; returns its path. ``sharded``: a sharded
+        checkpoint directory (``sharded_checkpoint``: every worker writes its shards); else one file, whose
+        sharded tensors are gathered one at a time onto the chief alone.
 
         Example::
 
             state.save_checkpoint("ckpt.pt")
         """
-        state = {
-            "format": _FORMAT,
-            "model": self._trainer.model_state_dict(),  # every worker takes part (SyncOnRead reads are collectives)
-            "optimizer": self._optimizer_state(),
-            "epoch": self.epoch,
-            "step": self.step,
-            "rng": torch.get_rng_state(),
-            **self._replica_rng_states(),
-            "callbacks": self._callback_states(),
-        }
-        return self.write_on_chief("save_checkpoint", lambda: checkpoint.save(state, path), os.fspath(path))
+        with self.sharded_reads():
+            state = {
+                "format": _FORMAT,
+                "model": self._trainer.model_state_dict(),  # every worker takes part (SyncOnRead reads are collectives)
+                "optimizer": self._optimizer_state(),
+                "epoch": self.epoch,
+                "step": self.step,
+                "rng": torch.get_rng_state(),
+                **self._replica_rng_states(),
+                "callbacks": self._callback_states(),
+            }
+        return self.write(state, path, sharded, "save_checkpoint")
+
+    def write(self, state: dict, path, sharded: bool, what: str) -> str:
+        """*Collective.* Writes a state built under ``sharded_reads``: a sharded checkpoint directory at ``path``
+        (``sharded``), else one file written by the chief, whose sharded tensors are gathered one at a time (no
+        worker but the chief holds more than one whole tensor). Either replaces what was at ``path``."""
+        cluster = self.strategy.cluster
+        if sharded:
+            return sharded_checkpoint.save(state, path, cluster)
+        if self.shards_parameters:
+            state = consolidate(state, keep=self.strategy.extended.should_checkpoint)
+
+        def write_file():
+            if sharded_checkpoint.is_sharded_checkpoint(path):
+                sharded_checkpoint.remove(path)
+            return checkpoint.save(state, path)
+
+        return self.write_on_chief(what, write_file, os.fspath(path))
+
+    def read(self, path, kind: str, model) -> dict:
+        """*Collective.* The checkpoint at ``path`` (a file, or a sharded directory read into ``model``'s layout:
+        each worker its shards, or whole tensors where the strategy does not shard), checked for ``kind``."""
+        if not sharded_checkpoint.is_sharded_checkpoint(path):
+            return checkpoint.load(path, kind=kind)
+        variables = model.named_variables() if model is not None else {}
+
+        def target_for(where, shape, dtype, skeleton):
+            return load_target(variables.get(sharded_checkpoint.variable_name(where, skeleton)), shape, dtype)
+
+        return sharded_checkpoint.load(path, kind, target_for, self.strategy.cluster)
 
     def restore_checkpoint(self, state: dict, path, model) -> None:
         """Restores a checkpoint read by ``checkpoint.load(path, kind="checkpoint")`` into ``model`` (the
@@ -199,7 +243,8 @@ class TrainingState:
         when it restores one), so that its state is checked against them now rather than
         at the first training step.
         """
-        before = {name: value.detach().clone() for name, value in dm.state_dict().items()}
+        with self.sharded_reads():  # (sharded parameters: each worker keeps its shards, nothing gathered)
+            before = {name: value.detach().clone() for name, value in dm.state_dict().items()}
         try:
             dm.load_state_dict(state["model"])
         except (RuntimeError, ValueError) as error:
@@ -228,7 +273,9 @@ class TrainingState:
     # --- backup and restore -----------------------------------------------------------------------------
     def backup(self, epoch: int, step: int, epoch_logs=None, *, model) -> dict:
         """Everything a resumed fit needs, as a backup holds it (``Trainer.training_state``); ``model``: the
-        distributed model. Called during a ``fit``, on every worker alike (it gathers across workers).
+        distributed model. Called during a ``fit``, on every worker alike (it gathers across workers). Where the
+        strategy shards parameters, the model's weights and the optimizer's slots are ``DTensor`` s of this
+        worker's shards (``write`` writes them).
 
         Example::
 
@@ -240,6 +287,11 @@ class TrainingState:
             if step
             else ((epoch, 0) if not cursor.repeat else (cursor.pass_index, cursor.position))
         )
+        with self.sharded_reads():
+            return self._backup(epoch, step, epoch_logs, position, model)
+
+    def _backup(self, epoch, step, epoch_logs, position, model) -> dict:
+        cursor = self.cursor
         return {
             "format": _FORMAT,
             "epoch": epoch,

@@ -11,7 +11,7 @@ from conftest import Lion  # the base class docstring's subclass: build and upda
 
 import replicafit.strategies as ds
 from replicafit import optimizers
-from replicafit.trainer import Trainer
+from replicafit.trainer import BackupAndRestore, Callback, Trainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # loaded by path in the worker processes
 
@@ -184,3 +184,58 @@ def one_worker_fit(rank, num_workers, port):
     out = fit(rank, 1 if num_workers else None, port, kind="adamw_global_clipnorm")
     out["units"] = None
     return out
+
+
+class Crash(Exception):
+    """The interruption."""
+
+
+class CrashAt(Callback):
+    """Raises at the beginning of global step ``step`` (0-based): ``step`` steps are done."""
+
+    def __init__(self, step: int):
+        super().__init__()
+        self.step, self.seen = step, 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.seen == self.step:
+            raise Crash(f"interrupted at global step {self.step}")
+        self.seen += 1
+
+
+def backed_up_fit(rank, num_workers, port, backup_dir, crash_at=None, kind="adamw_global_clipnorm", save_freq=2):
+    """Two epochs of ``fit`` (5 steps each, the last a partial batch) backed up every ``save_freq`` steps;
+    ``crash_at``: interrupted at that global step (the backup stays). ``num_workers=None``: the default strategy,
+    ``"one"``: a one-worker FullyShardedStrategy. What is in the backup folder when it stops."""
+    if num_workers == "one":
+        strategy = strategy_for(0, 1, port, shard_units=["Block"])
+    else:
+        strategy = strategy_for(rank, num_workers, port, shard_units=["Block"])
+    torch.manual_seed(0)
+    model = Net()
+    trainer = Trainer(strategy=strategy, optimizer=make_optimizer(kind), loss="cross_entropy", seed=3)
+    backup = BackupAndRestore(backup_dir, save_freq=save_freq)
+    callbacks = [backup] + ([CrashAt(crash_at)] if crash_at is not None else [])
+    try:
+        history = trainer.fit(model, data(), batch_size=24, epochs=2, verbose=0, callbacks=callbacks)
+    except Crash:
+        return {"crashed": True, "files": sorted(os.listdir(backup_dir)), "path": backup.path}
+    return {
+        "crashed": False,
+        "history": history.history,
+        "weights": {k: v.clone() for k, v in trainer.model_state_dict().items()},
+        "files": sorted(os.listdir(backup_dir)),
+    }
+
+
+def exported(rank, num_workers, port, path):
+    """A fit, then the consolidated export ``trainer.save_checkpoint(path)`` (one file, written by the chief)."""
+    strategy = strategy_for(rank, num_workers, port, shard_units=["Block"])
+    torch.manual_seed(0)
+    model = Net()
+    trainer = Trainer(strategy=strategy, optimizer=make_optimizer("adam"), loss="cross_entropy", seed=3)
+    trainer.fit(model, data(), batch_size=24, epochs=1, verbose=0)
+    trainer.save_checkpoint(path)
+    with ds.sharded_state_dict():
+        shards = {k: v.to_local().clone() if hasattr(v, "to_local") else v for k, v in trainer.model_state_dict().items()}
+    return {"shards": shards}

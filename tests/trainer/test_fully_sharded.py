@@ -91,3 +91,49 @@ def test_bf16_mixed_gathers_bfloat16_and_keeps_float32_shards():
         assert worker["forward"] == ["torch.bfloat16"]  # the unit's parameters as its forward sees them
         assert worker["stored"] == ["torch.float32"]  # the sharded parameters (and so the optimizer) stay float32
         assert torch.isfinite(torch.tensor(worker["history"]["loss"])).all()
+
+
+# --- checkpoints -------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return fsdp_scenarios.backed_up_fit(0, None, 0, str(tmp_path_factory.mktemp("full")))
+
+
+@pytest.mark.parametrize("resume_on", [3, 1, "default"])
+def test_a_sharded_backup_of_2_workers_resumes_on_other_counts(tmp_path, uninterrupted, resume_on):
+    """Interrupted at global step 7 of 10 (the last backup at step 6, mid-epoch): every worker wrote its shards
+    into ``backup.sharded``; the run resumed on 3 workers, 1 worker, and in one process (the default strategy,
+    reading whole tensors) equals the uninterrupted one."""
+    backup_dir = str(tmp_path)
+    crashed = run("backed_up_fit", 2, backup_dir=backup_dir, crash_at=7)
+    assert all(worker["crashed"] for worker in crashed)
+    assert crashed[0]["files"] == ["backup.sharded"]
+    assert sorted(os.listdir(os.path.join(backup_dir, "backup.sharded"))) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "state.pt",
+    ]
+    if resume_on == "default":
+        got = [fsdp_scenarios.backed_up_fit(0, None, 0, backup_dir)]
+    else:
+        got = run("backed_up_fit", resume_on, backup_dir=backup_dir)
+    for worker in got:
+        assert not worker["crashed"] and worker["files"] == []  # the fit completed: its backup deleted
+        assert largest_difference(worker["weights"], uninterrupted["weights"]) <= TOLERANCE
+        assert worker["history"]["loss"] == pytest.approx(uninterrupted["history"]["loss"], abs=TOLERANCE)
+
+
+def test_the_consolidated_export_loads_with_torch_load(tmp_path):
+    """``trainer.save_checkpoint(path)`` under 2 workers: one file, written by the chief, which ``torch.load``
+    reads in this process (no strategy) and a plain model loads; its weights are the workers' shards put
+    together."""
+    path = str(tmp_path / "model.pt")
+    got = run("exported", 2, path=path)
+    state = torch.load(path, weights_only=True)
+    model = fsdp_scenarios.Net()
+    model.load_state_dict(state["model"])
+    for name, whole in state["model"].items():
+        assert torch.equal(torch.cat([worker["shards"][name] for worker in got]), whole)
+    assert set(state["optimizer"]["slots"][0]) == {"momentum", "velocity"}
+    assert state["optimizer"]["slots"][0]["momentum"].shape == state["model"]["inp.weight"].shape

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .. import checkpoint
+from .. import sharded_checkpoint
 from ..preemption import preemption_signals
 from ._periodic import _Periodic
 
@@ -20,7 +20,8 @@ class BackupAndRestore(_Periodic):
     with exactly the batches the uninterrupted run would have seen.
 
     Args:
-      backup_dir: where ``backup.pt`` lives (written atomically).
+      backup_dir: where ``backup.pt`` lives (written atomically; ``backup.sharded``, a sharded checkpoint
+        directory, under a strategy that shards parameters).
       save_freq: ``"epoch"`` or a number of steps.
       delete_checkpoint: delete the backup once ``fit`` finishes normally.
       save_before_preemption: ``True``: a SIGTERM (to any worker, or to the ``--workers`` launcher,
@@ -105,19 +106,38 @@ class BackupAndRestore(_Periodic):
 
     @property
     def path(self) -> str:
-        """The backup file, ``backup_dir/backup.pt``."""
-        return os.path.join(self.backup_dir, "backup.pt")
+        """The backup this fit writes: the file ``backup_dir/backup.pt``, or under a strategy that shards
+        parameters (``FullyShardedStrategy``) the sharded checkpoint directory ``backup_dir/backup.sharded``
+        (every worker writes its shards; ``trainer.sharded_checkpoint``)."""
+        return self._path_of(self._sharded())
+
+    def _path_of(self, sharded: bool) -> str:
+        return os.path.join(self.backup_dir, "backup.sharded" if sharded else "backup.pt")
+
+    def _sharded(self) -> bool:
+        trainer = self.trainer
+        return trainer is not None and trainer.strategy.extended.capabilities.shards_parameters
+
+    def _newest(self):
+        """The newest backup in ``backup_dir`` (either kind: a run may resume under another strategy), or None."""
+        found = [p for p in (self._path_of(False), self._path_of(True)) if sharded_checkpoint.exists(p)]
+        if not found:
+            return None
+        return max(found, key=lambda p: os.path.getmtime(p if os.path.isfile(p) else os.path.join(p, "state.pt")))
 
     def on_train_begin(self, logs=None):
-        """Resumes from the backup where ``path`` exists (as the chief sees it, for every worker): the model,
-        the optimizer, the history, the RNG and the data position are restored, and ``fit`` goes on from
-        the saved epoch and step; the other callbacks' saved states follow once every ``on_train_begin`` ran.
-        Raises ``CheckpointError`` for a backup that does not fit (another global batch size, say)."""
+        """Resumes from the newest backup in ``backup_dir`` where there is one (as the chief sees it, for every
+        worker; a file or a sharded directory, whatever strategy wrote it): the model, the optimizer, the
+        history, the RNG and the data position are restored, and ``fit`` goes on from the saved epoch and step;
+        the other callbacks' saved states follow once every ``on_train_begin`` ran. Raises ``CheckpointError``
+        for a backup that does not fit (another global batch size, say)."""
         self._steps = 0
         self._saved_at = None
         # The chief decides whether to resume, for every worker (file systems may disagree on exists()).
-        if self.trainer.strategy.cluster.broadcast(os.path.exists(self.path)):
-            self.trainer.restore_training_state(checkpoint.load(self.path, kind="backup"), self.path)
+        cluster = self.trainer.strategy.cluster
+        found = cluster.broadcast(self._newest() if cluster.is_chief else None, "finding the backup")
+        if found is not None:
+            self.trainer.restore_training_state(self.trainer.read_checkpoint(found, kind="backup"), found)
 
     def _on_step(self, epoch, batch, logs):
         self._save(self.trainer.training_state(epoch, batch + 1))
@@ -126,7 +146,10 @@ class BackupAndRestore(_Periodic):
         self._save(self.trainer.training_state(epoch + 1, 0, (epoch, dict(logs))))
 
     def _save(self, state) -> None:
-        self.trainer.write_on_chief("BackupAndRestore", lambda: checkpoint.save(state, self.path))
+        sharded = self._sharded()
+        self.trainer.write_checkpoint(state, self._path_of(sharded), sharded=sharded)
+        if self.trainer.strategy.extended.should_checkpoint:  # a backup of the other kind is older now
+            sharded_checkpoint.remove(self._path_of(not sharded))
         self._saved_at = (state["epoch"], state["step"])
 
     def save_for_preemption(self, epoch: int, step: int, epoch_logs=None) -> str:
@@ -143,5 +166,5 @@ class BackupAndRestore(_Periodic):
             self.trainer.write_on_chief("BackupAndRestore (delete)", self._delete)
 
     def _delete(self) -> None:
-        if os.path.exists(self.path):
-            os.unlink(self.path)
+        for path in (self._path_of(False), self._path_of(True)):
+            sharded_checkpoint.remove(path)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 
-from .. import checkpoint
+from replicafit.strategies.parameter_shards import sharded_state_dict
+
 from ._periodic import _Periodic
 from .callback import _AttributeState
 from .monitor_callback import MonitorCallback
@@ -62,10 +63,14 @@ class ModelCheckpoint(_AttributeState, _Periodic, MonitorCallback):
             if current is None or not self._is_improvement(current, self.best):
                 return
             self.best = current
+        # Under a strategy that shards parameters, a sharded checkpoint directory at the path (every worker writes
+        # its shards; trainer.save_checkpoint(path) exports one file when one is wanted).
+        sharded = self.trainer.strategy.extended.capabilities.shards_parameters
         if self.save_weights_only:
-            state = self.trainer.model_state_dict()  # every worker takes part; the chief writes
-            self.trainer.write_on_chief("ModelCheckpoint", lambda: checkpoint.save(state, path))
+            with sharded_state_dict():  # (sharded parameters stay sharded: nothing gathered for a directory)
+                state = self.trainer.model_state_dict()  # every worker takes part
+            self.trainer.write_checkpoint(state, path, sharded=sharded)
         else:
-            self.trainer.save_checkpoint(path)
+            self.trainer.save_checkpoint(path, sharded=sharded)
         if self.verbose:
             self._print(f"Epoch {epoch + 1}: saved {path}")
