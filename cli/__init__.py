@@ -15,11 +15,13 @@ RECIPE is a YAML file, or the name of a recipe that ships with replicafit
 
 ``--workers N`` starts N worker processes on this machine (``launch``), each running
 ``replicafit fit`` with the same recipe and run directory; the recipe's strategy must be a
-multi-worker one (``strategy: multi_worker_mirrored``):
+multi-worker one (``strategy: multi_worker_mirrored``, or ``strategy: fully_sharded`` to shard the
+parameters, gradients and optimizer state across the workers):
 
 .. code-block:: bash
 
     replicafit fit digits_mlp --set strategy=multi_worker_mirrored --workers 2 --max-restarts 1
+    replicafit fit digits_mlp --set "strategy={type: fully_sharded, timeout_seconds: 300}" --workers 2
 
 Under ``torchrun`` the same command runs unchanged without ``--workers``.
 

@@ -24,7 +24,8 @@ def _run_dir(args, recipe) -> str:
 
 
 # Built-in strategies that run in one process: N workers of one of them would each train alone
-# and write the same files.
+# and write the same files. The multi-worker ones (multi_worker_mirrored, fully_sharded) and a user's
+# own strategies run under --workers N.
 _ONE_PROCESS_STRATEGIES = ("default", "one_device", "mirrored", "central_storage")
 
 
@@ -58,7 +59,7 @@ def _launch(args) -> int:
     if name in _ONE_PROCESS_STRATEGIES:
         raise UsageError(
             f"--workers needs a multi-worker strategy, and the recipe's strategy {name!r} runs in one process: "
-            "set `strategy: multi_worker_mirrored` (or --set strategy=multi_worker_mirrored)"
+            "set `strategy: multi_worker_mirrored` or `strategy: fully_sharded` (or --set strategy=...)"
         )
     command = [sys.executable, "-m", "replicafit", "fit", args.recipe]
     for override in args.overrides:

@@ -3,7 +3,7 @@
 ``launch_local(command, N)`` runs ``command`` N times, each child told who it is through the
 environment that ``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``), so a
-``MultiWorkerMirroredStrategy`` in the children finds its cluster with
+``MultiWorkerMirroredStrategy`` or ``FullyShardedStrategy`` in the children finds its cluster with
 ``TorchrunClusterResolver``, exactly as under ``torchrun --standalone --nproc-per-node N``.
 
 - **Re-exec, not fork or spawn**: each child runs the whole command again (recipes are re-read,

@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=int,
         metavar="N",
-        help="start N worker processes on this machine (the recipe's strategy: multi_worker_mirrored)",
+        help="start N worker processes on this machine (the recipe's strategy: multi_worker_mirrored or fully_sharded)",
     )
     fit.add_argument(
         "--max-restarts",

@@ -16,7 +16,8 @@ callbacks, so validation, best checkpoints and early stopping judge and keep the
 
 The data entry takes the dataset's arguments, ``batch_size`` and one key of the trainer's:
 ``auto_shard_policy: AUTO | FILE | DATA | OFF`` (``Trainer(input_options=InputOptions(auto_shard_policy=...))``:
-what each worker reads under ``MultiWorkerMirroredStrategy``, ``data.AutoShardPolicy``).
+what each worker reads under ``MultiWorkerMirroredStrategy`` and ``FullyShardedStrategy``,
+``data.AutoShardPolicy``).
 
 The model entry takes the model's arguments and one key that is a conversion in Python:
 ``sync_batchnorm: true`` (``nn.SyncBatchNorm.convert_sync_batchnorm(model)``): every BatchNorm layer

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from .calls import build_entry, dataset_info, model_inputs, type_at, with_written_name
 from .entries import entry_name, factory_parameters
 from .source import Recipe
-from .validation import check_batchnorm_to_sync, validate
+from .validation import check_batchnorm_to_sync, check_shard_units, validate
 
 __all__ = ["build", "Run", "TENSORBOARD_DIR"]
 
@@ -85,6 +85,7 @@ def build(recipe: Recipe, checked: dict | None = None, run_dir=None) -> Run:
     model = build_entry(recipe, ("model",), "model", model_factory, model_args, **extra)
     if checked.get("sync_batchnorm"):
         model = _synchronized(recipe, model)
+    check_shard_units(recipe, strategy, model)
     with strategy.scope():
         optimizer_factory, optimizer_args = checked["optimizer"]
         if "schedule" in checked:

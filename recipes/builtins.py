@@ -73,6 +73,32 @@ def multi_worker_mirrored(
     return ds.MultiWorkerMirroredStrategy(communication_options=options, shard_optimizer_states=shard_optimizer_states)
 
 
+def fully_sharded(
+    timeout_seconds: float | None = None,
+    shard_units: list[str] | None = None,
+    reshard_after_forward: bool = True,
+    activation_checkpointing: bool = False,
+) -> ds.Strategy:
+    """FullyShardedStrategy: parameters, gradients and optimizer state sharded across the workers (torch's FSDP2).
+
+    One process per worker, the cluster found as for ``multi_worker_mirrored`` (`replicafit fit --workers N`,
+    torchrun); ``timeout_seconds`` bounds every wait for the other workers as there. ``shard_units`` names the
+    classes of the model's submodules that are gathered and freed together (class names, e.g. its repeated
+    blocks; ``None``: the model's own declaration, else submodules by size), ``reshard_after_forward`` frees each
+    unit's gathered parameters after its forward (``false``: kept until its backward, one all-gather less) and
+    ``activation_checkpointing`` recomputes each unit's activations during backward. Example recipe entry::
+
+        strategy: {type: fully_sharded, timeout_seconds: 300, shard_units: [GPT2Block], reshard_after_forward: true}
+    """
+    options = ds.CommunicationOptions(timeout_seconds=timeout_seconds)
+    return ds.FullyShardedStrategy(
+        communication_options=options,
+        shard_units=shard_units,
+        reshard_after_forward=reshard_after_forward,
+        activation_checkpointing=activation_checkpointing,
+    )
+
+
 def _some_devices(name: str, devices):
     # The strategies read an empty list like None (every GPU, else the CPU); in a recipe `[]` is
     # more likely a list emptied by mistake than a request for the default, so it is refused.
@@ -92,6 +118,7 @@ def _register_all() -> None:
         ("mirrored", mirrored),
         ("central_storage", central_storage),
         ("multi_worker_mirrored", multi_worker_mirrored),
+        ("fully_sharded", fully_sharded),
     ):
         register("strategy", name, factory)
     for name, factory in (("mlp", models.mlp), ("cnn", models.cnn), ("linear", models.linear)):

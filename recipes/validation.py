@@ -2,8 +2,9 @@
 
 The sections, the seed and the precision; each entry against its factory (``entries``); replicafit's own
 built-ins constructed with the recipe's values (the strategy, the data, a built-in model on the ``meta``
-device); the optimizer's ``exclude_from_weight_decay``; fit's and evaluate's arguments as the trainer checks
-them (``replicafit.trainer.arguments``); the data's task against the loss and the metrics; and the monitors
+device, and a ``fully_sharded`` strategy's ``shard_units`` against that model); the optimizer's
+``exclude_from_weight_decay``; fit's and evaluate's arguments as the trainer checks them
+(``replicafit.trainer.arguments``); the data's task against the loss and the metrics; and the monitors
 (``monitors``). The first problem found is raised as a ``RecipeError`` at its key.
 """
 
@@ -21,11 +22,11 @@ from replicafit.trainer.spelling import did_you_mean
 
 from . import kinds
 from .calls import call_factory, dataset_info, model_inputs
-from .entries import check_entry, entry_name, factory_parameters, parameter_default, type_problem
+from .entries import check_entry, entry_name, factory_parameters, first_line, parameter_default, type_problem
 from .monitors import check_monitors
 from .source import SECTIONS, Recipe, short_repr
 
-__all__ = ["validate", "check_batchnorm_to_sync"]
+__all__ = ["validate", "check_batchnorm_to_sync", "check_shard_units"]
 
 # The trainer's arguments, as the trainer checks them (arguments.py), and fit's verbose.
 FIT_KEYS = {**FIT_ARGUMENTS, "verbose": "verbose"}
@@ -202,6 +203,30 @@ def _check_builtin_model(recipe: Recipe, checked: dict) -> None:
         model = call_factory(recipe, ("model",), factory, args, ours=True, **extra)
     if checked["sync_batchnorm"]:
         check_batchnorm_to_sync(recipe, model)
+    check_shard_units(recipe, checked.get("strategy_instance"), model)
+
+
+def check_shard_units(recipe: Recipe, strategy, model) -> None:
+    """``strategy.shard_units`` of a ``fully_sharded`` strategy must name classes of the model's submodules:
+    refused at that key otherwise, with the classes the model has. (The strategy itself only shards, and so
+    only checks, with more than one worker: a recipe that runs with one must not fail with two.)
+
+    Example::
+
+        check_shard_units(recipe, strategy, model)  # once the model is built, before anything trains
+    """
+    from replicafit.strategies import FullyShardedStrategy
+    from replicafit.strategies.fully_sharded import select_units
+
+    if not isinstance(strategy, FullyShardedStrategy):
+        return
+    shard_units = strategy.extended.shard_units
+    if shard_units is None or (callable(shard_units) and not isinstance(shard_units, (list, tuple, type))):
+        return  # chosen by the model's declaration or by size, or by a function: nothing to check by name
+    try:
+        select_units(model, shard_units)
+    except (TypeError, ValueError) as error:
+        raise recipe.error(("strategy", "shard_units"), first_line(error)) from None
 
 
 def check_batchnorm_to_sync(recipe: Recipe, model) -> None:

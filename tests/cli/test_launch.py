@@ -347,6 +347,29 @@ def test_cli_workers_starts_fit_once_per_worker_with_one_run_dir(monkeypatch, tm
     assert kwargs == {"log_all_workers": True}
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("strategy", ["fully_sharded", "{type: fully_sharded, timeout_seconds: 60}"])
+def test_cli_workers_takes_a_fully_sharded_recipe_too(monkeypatch, strategy):
+    monkeypatch.delenv("RANK", raising=False)
+    calls = []
+    monkeypatch.setattr(launch, "launch_local", lambda *a, **k: calls.append(a) or 0)
+    assert cli.main(["fit", "digits_mlp", "--set", f"strategy={strategy}", "--workers", "2"]) == 0
+    (command, workers, restarts) = calls[0]
+    assert command[5:7] == ["--set", f"strategy={strategy}"] and (workers, restarts) == (2, 0)
+
+
+def test_the_workers_flag_and_its_error_name_both_multi_worker_strategies(capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(launch, "launch_local", lambda *a, **k: pytest.fail("no worker may start"))
+    assert cli.main(["fit", "digits_mlp", "--set", "strategy=one_device", "--workers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "`strategy: multi_worker_mirrored` or `strategy: fully_sharded`" in err
+    with pytest.raises(SystemExit):
+        cli.main(["fit", "--help"])
+    assert "multi_worker_mirrored or fully_sharded" in " ".join(capsys.readouterr().out.split())
+
+
 @pytest.mark.timeout(30)
 def test_a_worker_whose_peer_failed_prints_one_line_and_exits_1(capsys, monkeypatch):
     from replicafit.strategies import WorkerFailedError

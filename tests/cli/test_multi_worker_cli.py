@@ -1,10 +1,12 @@
 """``replicafit fit RECIPE --workers 2``: the shipped recipe across two processes equals Mirrored(2); a worker
-killed mid-run is restarted with the others and the run ends as the uninterrupted one did."""
+killed mid-run is restarted with the others and the run ends as the uninterrupted one did; ``fully_sharded``
+runs the same recipe with its parameters sharded over the two workers and ends where it does."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -16,6 +18,7 @@ import torch
 SCENARIOS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "trainer")
 SHORT = ["--set", "fit.epochs=2", "--set", "callbacks=[]", "--set", "fit.verbose=0"]
 MULTI = ["--set", "strategy={type: multi_worker_mirrored, timeout_seconds: 20}"]
+SHARDED = ["--set", "strategy={type: fully_sharded, timeout_seconds: 60}"]
 
 
 def replicafit(*argv, timeout=120):
@@ -72,6 +75,47 @@ def test_the_recipe_key_shard_optimizer_states_gives_the_same_run_and_checkpoint
     for position, slots in theirs["optimizer"]["slots"].items():  # gathered into the unsharded layout
         for name, value in slots.items():
             assert torch.equal(ours["optimizer"]["slots"][position][name], value), (position, name)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        SHARDED,
+        # every key of the entry: the Linear layers are units of their own, kept gathered from forward to
+        # backward, their activations recomputed
+        [
+            "--set",
+            "strategy={type: fully_sharded, timeout_seconds: 60, shard_units: [Linear], "
+            "reshard_after_forward: false, activation_checkpointing: true}",
+        ],
+    ],
+    ids=["plain", "every_key"],
+)
+def test_fully_sharded_on_two_workers_ends_where_multi_worker_mirrored_does(two_workers, tmp_path, strategy):
+    """The two workers' gradients are summed (a reduce-scatter of two values, as the all-reduce adds them) and
+    the updates are element-wise: bit for bit the run of multi_worker_mirrored, whose shards are the halves."""
+    run_dir = tmp_path / "sharded"
+    done = replicafit("fit", "digits_mlp", *SHORT, *strategy, "--workers", "2", "--run-dir", str(run_dir))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("validation accuracy:") == 1  # the chief's output only
+    assert final(run_dir) == final(two_workers[0])
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["best.pt", "last.pt"]
+    ours, theirs = weights(run_dir), weights(two_workers[0])
+    assert ours.keys() == theirs.keys()
+    for key, value in theirs.items():  # last.pt is consolidated: whole plain tensors, as torch.load reads them
+        assert type(ours[key]) is torch.Tensor and torch.equal(ours[key], value), key
+
+
+@pytest.mark.timeout(120)
+def test_fully_sharded_units_naming_no_class_of_the_model_fail_every_worker_before_training(tmp_path):
+    bad = ["--set", "strategy={type: fully_sharded, timeout_seconds: 60, shard_units: [GPT2Block]}"]
+    done = replicafit("fit", "digits_mlp", *SHORT, *bad, "--workers", "2", "--run-dir", str(tmp_path / "r"))
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert "strategy.shard_units: shard_units=['GPT2Block'] names no submodule of Sequential" in done.stderr
+    assert re.search(r"worker [01] failed first \(exit code 2\)", done.stderr)  # whichever exits first
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.timeout(240)
