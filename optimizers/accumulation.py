@@ -25,6 +25,7 @@ import torch
 
 from replicafit.strategies import context, foreach
 from replicafit.strategies.devices import torch_device
+from replicafit.strategies.parameter_shards import shard_of, whole_from_shard
 from replicafit.strategies.variables import first_tensor
 
 from .tensors import _no_grad
@@ -197,6 +198,21 @@ class GradientAccumulation:
         if window is None or not window.count:
             return dict(self.pending["state"]) if self.pending is not None else None
         replicas = sorted(window.sums)
+        if strategy.extended.capabilities.shards_parameters and not window.aggregated:
+            # Each worker's sums are its shards of the sums over every worker (sharded parameters' gradients are
+            # reduced in backward): kept as global replica 0's whole sums, which any strategy restores.
+            (replica,) = replicas
+            return {
+                "count": window.count,
+                "weight": float(window.weight),
+                "aggregated": False,
+                "gradients": {
+                    positions[id(v)]: [whole_from_shard(v, window.sums[replica][i])]
+                    for i, v in enumerate(window.variables)
+                },
+                "first_replica": 0,
+                "replicas_in_sync": 1,
+            }
         return {
             "count": window.count,
             "weight": float(window.weight),
@@ -258,7 +274,11 @@ class GradientAccumulation:
                             "saved for other variables."
                         )
                     device = devices[min(r, len(devices) - 1)]
-                    value = _window_sums(pending, saved, window.aggregated, strategy, r, device)
+                    if strategy.extended.capabilities.shards_parameters and not window.aggregated:
+                        # Every worker's window holds its shard of the whole sums (no reduction at the window's end)
+                        value = shard_of(variable, _window_sums(pending, saved, True, strategy, r, device))
+                    else:
+                        value = _window_sums(pending, saved, window.aggregated, strategy, r, device)
                     sums.append(value.detach().to(device).clone())
                 window.sums[r] = sums
                 window.counts[r] = pending["count"]

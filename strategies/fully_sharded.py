@@ -128,6 +128,14 @@ class FullyShardedExtended(MultiWorkerMirroredExtended):
 
     def __init__(self, strategy, devices, resolver, options, shard_units, reshard_after_forward, checkpointing):
         super().__init__(strategy, devices, resolver, options, shard_states=False)
+        collective = self._collective
+        if collective is not None and collective.device.type == "cuda" and collective.backend != "nccl":
+            raise ValueError(
+                f"FullyShardedStrategy shards parameters on {devices[0]} over {collective.backend}, and fully_shard "
+                "gathers and reduces CUDA tensors with NCCL only (gloo's CUDA support stops short of its "
+                "collectives). Give each worker its own GPU with CommunicationImplementation.AUTO or NCCL; workers "
+                "that share a GPU over gloo can train with MultiWorkerMirroredStrategy."
+            )
         self.shard_units = shard_units
         self.reshard_after_forward = reshard_after_forward
         self.activation_checkpointing = checkpointing
@@ -169,8 +177,7 @@ class FullyShardedExtended(MultiWorkerMirroredExtended):
         if self._mesh is None:
             # The mesh is passed explicitly: with a gloo default group, fully_shard's own choice of device can
             # move the parameters to a GPU (torch issue 132471).
-            device_type = self._collective.device.type
-            self._mesh = init_device_mesh(device_type, (self._num_workers,))
+            self._mesh = init_device_mesh(self._collective.device.type, (self._num_workers,))
         param_dtype = _PARAM_DTYPES.get(precision)
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
         if self.activation_checkpointing:

@@ -45,7 +45,9 @@ __all__ = [
     "is_sharded",
     "keeps_shards",
     "load_target",
+    "shard_of",
     "sharded_state_dict",
+    "whole_from_shard",
 ]
 
 _mode = threading.local()
@@ -370,3 +372,26 @@ def consolidate(state, keep: bool):
         return value
 
     return walk(state)
+
+
+def whole_from_shard(variable, local: torch.Tensor) -> torch.Tensor:
+    """A value of ``variable``'s shape from this worker's shard ``local`` of it where ``variable`` is a
+    ``ShardedVariable`` (a ``DTensor`` under ``sharded_state_dict()``, else gathered whole: a collective); ``local``
+    itself for any other variable. What an optimizer's state keeps of per-shard sums (an open accumulation window).
+
+    Example::
+
+        whole = whole_from_shard(variable, window_sum)   # every worker calls it, in the same order
+    """
+    if not isinstance(variable, ShardedVariable):
+        return local
+    sharded = as_sharded(local.detach().clone(), variable.value())
+    return sharded if keeps_shards() else sharded.full_tensor()
+
+
+def shard_of(variable, whole: torch.Tensor) -> torch.Tensor:
+    """This worker's shard of a value of ``variable``'s shape where ``variable`` is a ``ShardedVariable`` (``whole``
+    whole, or a ``DTensor``); ``whole`` itself for any other variable."""
+    if not isinstance(variable, ShardedVariable):
+        return whole
+    return local_part(whole, variable.value())

@@ -100,11 +100,14 @@ def fits(rank, num_workers, port, kinds=("adam",), **kwargs):
 def fit_with(strategy, kind, epochs=2, batch_size=24, precision="32"):
     torch.manual_seed(0)
     model = Net()
+    calls = []  # the first block's forward passes (with activation checkpointing: again in each backward)
+    model.blocks[0].linear.register_forward_hook(lambda *args: calls.append(torch.is_grad_enabled()))
     optimizer = make_optimizer(kind)
     trainer = Trainer(strategy=strategy, optimizer=optimizer, loss="cross_entropy", seed=3, precision=precision)
     history = trainer.fit(model, data(), batch_size=batch_size, epochs=epochs, verbose=0)
     weights = {k: v.clone() for k, v in trainer.model_state_dict().items()}
-    return {"history": history.history, "weights": weights, "state": trainer.optimizer.state_dict()}
+    state = trainer.optimizer.state_dict()
+    return {"history": history.history, "weights": weights, "state": state, "forward_calls": len(calls)}
 
 
 def element_fit(rank, num_workers, port, epochs=2):
@@ -239,3 +242,12 @@ def exported(rank, num_workers, port, path):
     with ds.sharded_state_dict():
         shards = {k: v.to_local().clone() if hasattr(v, "to_local") else v for k, v in trainer.model_state_dict().items()}
     return {"shards": shards}
+
+
+def variant_fit(rank, num_workers, port, **options):
+    """``fit`` with strategy options (``activation_checkpointing``, ``reshard_after_forward``, ``shard_units``) and
+    ``precision``."""
+    precision = options.pop("precision", "32")
+    options.setdefault("shard_units", ["Block"])
+    strategy = None if num_workers is None else strategy_for(rank, num_workers, port, **options)
+    return fit_with(strategy, "adamw_global_clipnorm", precision=precision)

@@ -96,16 +96,24 @@ def test_bf16_mixed_gathers_bfloat16_and_keeps_float32_shards():
 # --- checkpoints -------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    return fsdp_scenarios.backed_up_fit(0, None, 0, str(tmp_path_factory.mktemp("full")))
+    return {
+        kind: fsdp_scenarios.backed_up_fit(0, None, 0, str(tmp_path_factory.mktemp("full")), kind=kind)
+        for kind in ("adamw_global_clipnorm", "adam_accumulation")
+    }
 
 
-@pytest.mark.parametrize("resume_on", [3, 1, "default"])
-def test_a_sharded_backup_of_2_workers_resumes_on_other_counts(tmp_path, uninterrupted, resume_on):
-    """Interrupted at global step 7 of 10 (the last backup at step 6, mid-epoch): every worker wrote its shards
-    into ``backup.sharded``; the run resumed on 3 workers, 1 worker, and in one process (the default strategy,
-    reading whole tensors) equals the uninterrupted one."""
+@pytest.mark.parametrize(
+    "resume_on,kind",
+    [(3, "adamw_global_clipnorm"), (1, "adamw_global_clipnorm"), ("default", "adamw_global_clipnorm")]
+    + [(3, "adam_accumulation"), ("default", "adam_accumulation")],
+)
+def test_a_sharded_backup_of_2_workers_resumes_on_other_counts(tmp_path, uninterrupted, resume_on, kind):
+    """Interrupted at global step 7 of 10 (the last backup at step 6, mid-epoch; with windows of 3 steps, mid-window
+    too): every worker wrote its shards into ``backup.sharded``; the run resumed on 3 workers, 1 worker, and in one
+    process (the default strategy, reading whole tensors) equals the uninterrupted one."""
+    uninterrupted = uninterrupted[kind]
     backup_dir = str(tmp_path)
-    crashed = run("backed_up_fit", 2, backup_dir=backup_dir, crash_at=7)
+    crashed = run("backed_up_fit", 2, backup_dir=backup_dir, crash_at=7, kind=kind)
     assert all(worker["crashed"] for worker in crashed)
     assert crashed[0]["files"] == ["backup.sharded"]
     assert sorted(os.listdir(os.path.join(backup_dir, "backup.sharded"))) == [
@@ -115,9 +123,9 @@ def test_a_sharded_backup_of_2_workers_resumes_on_other_counts(tmp_path, uninter
         "state.pt",
     ]
     if resume_on == "default":
-        got = [fsdp_scenarios.backed_up_fit(0, None, 0, backup_dir)]
+        got = [fsdp_scenarios.backed_up_fit(0, None, 0, backup_dir, kind=kind)]
     else:
-        got = run("backed_up_fit", resume_on, backup_dir=backup_dir)
+        got = run("backed_up_fit", resume_on, backup_dir=backup_dir, kind=kind)
     for worker in got:
         assert not worker["crashed"] and worker["files"] == []  # the fit completed: its backup deleted
         assert largest_difference(worker["weights"], uninterrupted["weights"]) <= TOLERANCE
@@ -137,3 +145,30 @@ def test_the_consolidated_export_loads_with_torch_load(tmp_path):
         assert torch.equal(torch.cat([worker["shards"][name] for worker in got]), whole)
     assert set(state["optimizer"]["slots"][0]) == {"momentum", "velocity"}
     assert state["optimizer"]["slots"][0]["momentum"].shape == state["model"]["inp.weight"].shape
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"activation_checkpointing": True},
+        {"reshard_after_forward": False},
+        {"shard_units": None},  # by size: none of these blocks is big enough, the model is the one unit
+    ],
+    ids=["activation_checkpointing", "no_reshard_after_forward", "model_only"],
+)
+def test_strategy_options_keep_the_results(options):
+    expected = fsdp_scenarios.variant_fit(0, None, 0)
+    got = run("variant_fit", 2, **options)
+    check_equal_to_one_process(expected, got)
+    # Activation checkpointing recomputes each unit's forward in its backward: one more forward pass per step (the
+    # first batch's probe, in eval mode without gradients, has no backward).
+    steps = expected["forward_calls"] - 1
+    extra = steps if options.get("activation_checkpointing") else 0
+    assert all(worker["forward_calls"] == expected["forward_calls"] + extra for worker in got)
+
+
+def test_16_mixed_keeps_its_loss_scaling():
+    got = run("variant_fit", 2, precision="16-mixed")
+    for worker in got:
+        assert torch.isfinite(torch.tensor(worker["history"]["loss"])).all()
+        assert {v.dtype for v in worker["weights"].values()} == {torch.float32}
