@@ -138,6 +138,7 @@ class Trainer:
         self._compile_metrics = CompileMetrics(metrics, self.strategy)
         self._compile_loss = CompileLoss(loss, self.strategy, self._compile_metrics)
         self._stand_in = None  # a row an empty replica of a sharded model runs on (InputChecks' FirstBatch)
+        self._predict_row = None  # the same for predict: the chief's first row
         self._model_io = ModelIO()  # how the model's outputs are read: decided on a fit's first batch
         self._input_checks = InputChecks(self.strategy, self._compile_loss, self._compile_metrics, self._model_io)
         self._training_state = TrainingState(self, self._compile_metrics, self._compile_loss)
@@ -262,6 +263,22 @@ class Trainer:
     def predict_step(self, data):
         """One replica's prediction: the model's output on its slice."""
         x, _, _ = self._model_floats(*unpack(data))
+        stand_in = rows(x) == 0 and self._predict_row is not None and self.model.forward_is_collective
+        if stand_in and not self.model.synchronizes_batchnorm:  # sharded parameters: gathered on a row, no output
+            return nest.map_structure(lambda t: t[:0], self._predict(self._predict_row))
+        return self._predict(x)
+
+    def _first_row(self, batch):
+        """The chief's first row of a distributed batch's inputs, on every worker (a replica without rows runs the
+        model on it where the forward pass is a collective: its parameters are gathered by every worker)."""
+        cluster = self.strategy.cluster
+        local = nest.map_structure(lambda v: self.strategy.experimental_local_results(v)[0], batch)
+        x = unpack(local)[0]
+        row = nest.map_structure(lambda t: t[:1], x) if cluster.is_chief else None
+        row = cluster.broadcast(row, "broadcasting the chief's first row")
+        return self._model_floats(row, None, None)[0]
+
+    def _predict(self, x):
         loss = self._compile_loss.loss
         with torch.no_grad():
             if self._autocast_dtype is None:
@@ -637,10 +654,13 @@ class Trainer:
         was_training = dm.training
         dm.eval()
         outputs = []
+        self._predict_row = None
         try:
             for index, batch in enumerate(self._distribute_data(source)):
                 if steps is not None and index >= steps:
                     break
+                if index == 0 and dm.forward_is_collective:
+                    self._predict_row = self._first_row(batch)
                 result = self.strategy.run(self.predict_step, args=(batch,))
                 if self.strategy.cluster.num_workers > 1:  # every worker's rows, in input order
                     outputs.append(self.strategy.gather(result, axis=0))

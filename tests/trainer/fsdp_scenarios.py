@@ -156,12 +156,19 @@ def gpt2_fit(rank, num_workers, port, epochs=2):
     strategy = strategy_for(rank, num_workers, port)
     model = tiny_gpt2()
     trainer = Trainer(strategy=strategy, optimizer=optimizers.SGD(0.5, momentum=0.5), loss=None, metrics=[], seed=0)
-    history = trainer.fit(model, gpt2_data(), batch_size=8, epochs=epochs, shuffle=False, verbose=0)
+    validation = {key: value[:10] for key, value in gpt2_data(30).items()}  # batches of 8: a partial one of 2
+    history = trainer.fit(
+        model, gpt2_data(), batch_size=8, epochs=epochs, shuffle=False, verbose=0, validation_data=validation
+    )
     units = [type(u).__name__ for u in strategy.extended.units] if strategy is not None else []
+    evaluated = trainer.evaluate(model, validation, batch_size=8, verbose=0)
+    predicted = trainer.predict(model, {"input_ids": validation["input_ids"]}, batch_size=4, verbose=0)
     return {
         "history": history.history,
         "weights": {k: v.clone() for k, v in trainer.model_state_dict().items()},
         "units": units,
+        "evaluated": evaluated,
+        "predicted": predicted,
     }
 
 
@@ -240,7 +247,9 @@ def exported(rank, num_workers, port, path):
     trainer.fit(model, data(), batch_size=24, epochs=1, verbose=0)
     trainer.save_checkpoint(path)
     with ds.sharded_state_dict():
-        shards = {k: v.to_local().clone() if hasattr(v, "to_local") else v for k, v in trainer.model_state_dict().items()}
+        shards = {
+            k: v.to_local().clone() if hasattr(v, "to_local") else v for k, v in trainer.model_state_dict().items()
+        }
     return {"shards": shards}
 
 
@@ -251,3 +260,54 @@ def variant_fit(rank, num_workers, port, **options):
     options.setdefault("shard_units", ["Block"])
     strategy = None if num_workers is None else strategy_for(rank, num_workers, port, **options)
     return fit_with(strategy, "adamw_global_clipnorm", precision=precision)
+
+
+def surface(rank, num_workers, port):
+    """The tf.distribute surface under FullyShardedStrategy: run, reduce, gather, the distributed dataset (each
+    worker its rows), variables created in scope, the cluster."""
+    strategy = strategy_for(rank, num_workers, port)
+    out = strategy.run(lambda: torch.tensor([1.0 + ds.get_replica_context().replica_id_in_sync_group]))
+    total = strategy.reduce("SUM", out, axis=None)
+    gathered = strategy.gather(out, axis=0)
+    rows = []
+    for batch in strategy.experimental_distribute_dataset(
+        torch.utils.data.DataLoader(torch.arange(10.0), batch_size=4)
+    ):
+        rows.append(strategy.experimental_local_results(batch)[0].tolist())
+    with strategy.scope():
+        v = ds.Variable(float(rank))  # worker 0's initial value everywhere
+    return {
+        "replicas": strategy.num_replicas_in_sync,
+        "total": total.tolist(),
+        "gathered": gathered.tolist(),
+        "rows": rows,
+        "variable": float(v.numpy()),
+        "chief": strategy.cluster.is_chief,
+        "capabilities": strategy.extended.capabilities,
+    }
+
+
+def model_checkpoints(rank, num_workers, port, folder, weights_only=False):
+    """``ModelCheckpoint`` every epoch: sharded directories under FullyShardedStrategy."""
+    from replicafit.trainer import ModelCheckpoint
+
+    strategy = strategy_for(rank, num_workers, port, shard_units=["Block"])
+    torch.manual_seed(0)
+    model = Net()
+    trainer = Trainer(strategy=strategy, optimizer=make_optimizer("adam"), loss="cross_entropy", seed=3)
+    callback = ModelCheckpoint(os.path.join(folder, "ckpt-{epoch}"), save_weights_only=weights_only)
+    trainer.fit(model, data(), batch_size=24, epochs=2, verbose=0, callbacks=[callback])
+    return {"weights": {k: v.clone() for k, v in trainer.model_state_dict().items()}}
+
+
+def load_model_checkpoint(rank, num_workers, port, path):
+    """``trainer.load_checkpoint`` of a (sharded) checkpoint: the weights and the optimizer's iterations."""
+    strategy = strategy_for(rank, num_workers, port, shard_units=["Block"])
+    torch.manual_seed(1)  # other initial weights: the checkpoint's replace them
+    trainer = Trainer(strategy=strategy, optimizer=make_optimizer("adam"), loss="cross_entropy", seed=3)
+    state = trainer.load_checkpoint(path, Net())
+    return {
+        "weights": {k: v.clone() for k, v in trainer.model_state_dict().items()},
+        "iterations": int(trainer.optimizer.iterations),
+        "epoch": state["epoch"],
+    }

@@ -76,6 +76,13 @@ def test_gpt2_with_its_own_loss_equals_one_process(workers):
     got = run("gpt2_fit", workers)
     check_equal_to_one_process(expected, got)
     assert len(got[0]["units"]) == 2  # GPT-2's _no_split_modules: one unit per GPT2Block
+    # Validation, evaluate and predict with a partial last batch (3 workers: a worker without rows runs a stand-in
+    # row, since GPT-2 cannot take an empty batch and every worker must gather the parameters).
+    for worker in got:
+        assert worker["history"]["val_loss"] == pytest.approx(expected["history"]["val_loss"], abs=TOLERANCE)
+        assert worker["evaluated"] == pytest.approx(expected["evaluated"], abs=TOLERANCE)
+        assert worker["predicted"].shape == expected["predicted"].shape == (10, 9, 40)
+        assert float((worker["predicted"] - expected["predicted"]).abs().max()) <= 1e-5
 
 
 def test_one_worker_equals_the_default_strategy_bit_for_bit():
@@ -172,3 +179,45 @@ def test_16_mixed_keeps_its_loss_scaling():
     for worker in got:
         assert torch.isfinite(torch.tensor(worker["history"]["loss"])).all()
         assert {v.dtype for v in worker["weights"].values()} == {torch.float32}
+
+
+def test_the_tf_distribute_surface_works_alike():
+    got = run("surface", 2)
+    for rank, worker in enumerate(got):
+        assert worker["replicas"] == 2 and worker["chief"] == (rank == 0)
+        assert worker["total"] == [3.0] and worker["gathered"] == [1.0, 2.0]
+        assert worker["variable"] == 0.0
+        caps = worker["capabilities"]
+        assert caps.shards_parameters and caps.shards_optimizer_states and not caps.whole_state_on_every_worker
+    # Each worker reads its rows of every global batch (4, 4, 2: split 2/2, 2/2, 1/1).
+    assert got[0]["rows"] == [[0.0, 1.0], [4.0, 5.0], [8.0]]
+    assert got[1]["rows"] == [[2.0, 3.0], [6.0, 7.0], [9.0]]
+
+
+@pytest.mark.parametrize("weights_only", [False, True])
+def test_model_checkpoint_writes_sharded_directories_that_load_anywhere(tmp_path, weights_only):
+    folder = str(tmp_path)
+    trained = run("model_checkpoints", 2, folder=folder, weights_only=weights_only)[0]["weights"]
+    assert sorted(os.listdir(folder)) == ["ckpt-1", "ckpt-2"]
+    assert "state.pt" in os.listdir(os.path.join(folder, "ckpt-2"))
+    if weights_only:
+        from replicafit.trainer import sharded_checkpoint
+
+        state = sharded_checkpoint.load(os.path.join(folder, "ckpt-2"), "weights", _whole_target, _OneProcess())
+        assert largest_difference(state, trained) == 0.0
+        return
+    for got in [*run("load_model_checkpoint", 3, path=os.path.join(folder, "ckpt-2")), _load_here(folder)]:
+        assert largest_difference(got["weights"], trained) == 0.0
+        assert got["iterations"] == 10 and got["epoch"] == 1  # (saved in the last epoch's end, 0-based)
+
+
+def _whole_target(where, shape, dtype, skeleton):
+    return torch.empty(shape, dtype=dtype)
+
+
+class _OneProcess:
+    num_workers = 1
+
+
+def _load_here(folder):
+    return fsdp_scenarios.load_model_checkpoint(0, None, 0, os.path.join(folder, "ckpt-2"))
