@@ -147,10 +147,11 @@ class TrainingState:
         """Whether the strategy shards parameters: its states are read sharded (``sharded_state_dict``)."""
         return self.strategy.extended.capabilities.shards_parameters
 
-    def sharded_reads(self):
+    def sharded_reads(self, snapshot: bool = True):
         """A context in which state dicts keep sharded parameters and slots sharded (nothing gathered), where the
-        strategy shards parameters; nothing otherwise."""
-        return sharded_state_dict() if self.shards_parameters else contextlib.nullcontext()
+        strategy shards parameters; nothing otherwise. ``snapshot=False``: views of the live shards, for a state
+        written at once."""
+        return sharded_state_dict(snapshot) if self.shards_parameters else contextlib.nullcontext()
 
     def save_checkpoint(self, path, sharded: bool = False) -> str:
         """Writes a checkpoint (``Trainer.save_checkpoint``) atomically; returns its path. ``sharded``: a sharded
@@ -161,7 +162,7 @@ class TrainingState:
 
             state.save_checkpoint("ckpt.pt")
         """
-        with self.sharded_reads():
+        with self.sharded_reads(snapshot=False):  # written at once: the live shards, not copies
             state = {
                 "format": _FORMAT,
                 "model": self._trainer.model_state_dict(),  # every worker takes part (SyncOnRead reads are collectives)
