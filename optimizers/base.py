@@ -342,7 +342,9 @@ class Optimizer:
                 raise ValueError(
                     f"{type(self).__name__} {self.name!r} declares elementwise_update = False (its update reads "
                     "whole variables: a norm per variable, a factorisation by shape), so its state cannot be sharded "
-                    "into slices of variables. Use MultiWorkerMirroredStrategy(shard_optimizer_states=False) with it."
+                    "into slices of variables (sharded optimizer states, or sharded parameters). Use it under a "
+                    "strategy that keeps whole variables, such as MultiWorkerMirroredStrategy(shard_optimizer_states="
+                    "False)."
                 )
             self._layout = layout = given
         self._layout_from_strategy = True

@@ -23,14 +23,16 @@ strategy's private state::
     (True, 1, ['mine'], False)
 
 Rooms: the strategies (``distribute_lib.py``'s ``Strategy``/``StrategyExtended``, ``one_device.py``,
-``mirrored.py``, ``central_storage.py``, ``multi_worker_mirrored.py``); contexts (``context.py``);
+``mirrored.py``, ``central_storage.py``, ``multi_worker_mirrored.py``, ``fully_sharded.py``); contexts
+(``context.py``);
 values and variables (``values.py``, ``variables.py``, ``module.py``, with ``sync_batchnorm.py`` for
 ``nn.SyncBatchNorm`` across replicas and workers); the replica runner
 (``runner.py``, with ``replica_context.py``, ``rendezvous.py`` for ``merge_call``,
 ``cooperative.py`` for replicas taking turns on one thread, ``thread_state.py``, ``merge_fns.py``);
 reductions (``cross_device_ops.py``, ``buckets.py``, ``step_values.py``); across processes
 (``cluster_resolver.py`` with ``slurm.py``, ``collective.py``, ``cluster.py``); devices and randomness
-(``devices.py``, ``rng.py``); and helpers (``nest.py``, ``describe.py``, ``reduce_util.py``).
+(``devices.py``, ``rng.py``); sharded state (``state_layout.py``, ``state_sharding.py``, ``parameter_shards.py``,
+``distributed_checkpoint.py``); and helpers (``nest.py``, ``describe.py``, ``reduce_util.py``).
 """
 
 from . import default_strategy as _default_strategy  # noqa: F401 - registers the strategy in force outside any scope

@@ -16,7 +16,7 @@ cluster contract, ``scope()``. What differs is the model:
   by the global norm (partial sums added up), weight decay, moving averages, loss scaling and gradient
   accumulation work unchanged; a rule that needs whole tensors is refused.
 * checkpoints are sharded (every worker writes its shards with ``torch.distributed.checkpoint``) and load on any
-  worker count (``trainer.checkpoint``).
+  worker count (``trainer.sharded_checkpoint``).
 
 With one worker nothing is sharded: the strategy is a one-worker ``MultiWorkerMirroredStrategy``, equal to the
 default strategy.
@@ -145,12 +145,15 @@ class FullyShardedExtended(MultiWorkerMirroredExtended):
 
     @property
     def sharded(self) -> bool:
-        """Whether parameters are sharded: across more than one worker."""
+        """Whether parameters are sharded, which they are across more than one worker."""
         return self._collective is not None
 
     @property
     def capabilities(self) -> StrategyCapabilities:
-        """Across workers: parameters, gradients and optimizer state sharded (no worker holds the whole state)."""
+        """What the strategy declares (``StrategyCapabilities``).
+
+        Across workers the parameters, gradients and optimizer state are sharded, and no worker holds the whole
+        state; with one worker nothing is."""
         sharded = self.sharded
         return StrategyCapabilities(
             whole_state_on_every_worker=not sharded, shards_optimizer_states=sharded, shards_parameters=sharded
@@ -276,7 +279,11 @@ class FullyShardedStrategy(Strategy):
 
     After ``fit`` the user's ``model`` is the sharded module (its parameters are ``DTensor`` s; a forward pass is
     a collective). ``trainer.save_checkpoint(path)`` writes a consolidated file that ``torch.load`` reads;
-    ``BackupAndRestore`` and ``ModelCheckpoint`` write sharded checkpoints. With one worker nothing is sharded.
+    ``BackupAndRestore`` and ``ModelCheckpoint`` write sharded checkpoints. With one worker nothing is sharded:
+    no unit is made (``extended.units`` stays empty) and ``activation_checkpointing`` is not applied.
+
+    A custom ``train_step`` computes its gradients with ``strategy.extended.gradients(loss, variables)``:
+    ``torch.autograd.grad`` cannot reach sharded parameters (``fully_shard`` gathers them into other tensors).
 
     Example::
 

@@ -729,7 +729,8 @@ class Trainer:
         return self._training_state.read(path, kind, self._distributed)
 
     def load_checkpoint(self, path, model=None) -> dict:
-        """Restores a ``save_checkpoint`` file into ``model`` (or the model last used) and the optimizer.
+        """Restores a ``save_checkpoint`` file or a sharded checkpoint directory into ``model`` (or the model last
+        used) and the optimizer, under any strategy and number of workers, whatever wrote it.
 
         All or nothing: a file that is missing, damaged or lacks an entry (or holds one of
         the wrong type) raises ``CheckpointError`` saying which; a model state that does not

@@ -106,9 +106,11 @@ class BackupAndRestore(_Periodic):
 
     @property
     def path(self) -> str:
-        """The backup this fit writes: the file ``backup_dir/backup.pt``, or under a strategy that shards
-        parameters (``FullyShardedStrategy``) the sharded checkpoint directory ``backup_dir/backup.sharded``
-        (every worker writes its shards; ``trainer.sharded_checkpoint``)."""
+        """Where this fit writes its backup.
+
+        The file ``backup_dir/backup.pt``; under a strategy that writes sharded checkpoints (``FullyShardedStrategy``)
+        the directory ``backup_dir/backup.sharded`` instead, every worker writing its shards
+        (``trainer.sharded_checkpoint``)."""
         return self._path_of(self._sharded())
 
     def _path_of(self, sharded: bool) -> str:

@@ -19,7 +19,10 @@ class ModelCheckpoint(_AttributeState, _Periodic, MonitorCallback):
     ``filepath`` may name ``{epoch}`` and any log key (``"ckpt-{epoch:02d}-{val_loss:.3f}.pt"``).
     ``save_best_only`` keeps only improvements of ``monitor`` (``mode`` min/max/auto).
     ``save_weights_only`` writes the model's state dict alone; otherwise a full trainer
-    checkpoint (model, optimizer, epoch, RNG). Files are written atomically. With ``save_best_only``, a
+    checkpoint (model, optimizer, epoch, RNG). Files are written atomically; under a strategy that writes
+    sharded checkpoints (``FullyShardedStrategy``) each is a sharded checkpoint directory at the path instead
+    (``trainer.sharded_checkpoint``: every worker writes its shards; ``Trainer.load_checkpoint`` reads it on any
+    number of workers, ``trainer.save_checkpoint`` exports one file). With ``save_best_only``, a
     ``monitor`` missing from the logs is a ``UserWarning`` once per fit (the logged names and a close one,
     as Keras warns), and nothing is saved while it is missing. Checkpoints and backups keep its state (the
     best value, the steps counted towards ``save_freq``).
