@@ -31,6 +31,9 @@ class StrategyCapabilities:
         (``state_layout`` gives slices of them).
       shards_parameters: each worker holds its chunk of every parameter of a distributed module (and of its
         gradients and optimizer state): checkpoints are written sharded, every worker its part.
+      sharded_checkpoints: checkpoints and backups are written sharded (``trainer.sharded_checkpoint``: every
+        worker writes its part of the state, nothing is gathered), as where parameters or optimizer states are
+        sharded.
       defers_updates: the communication of an update may run on past the step that made it
         (``settle_updates`` finishes it): code that reads variables between steps settles them first.
 
@@ -45,4 +48,5 @@ class StrategyCapabilities:
     whole_state_on_every_worker: bool = True
     shards_optimizer_states: bool = False
     shards_parameters: bool = False
+    sharded_checkpoints: bool = False
     defers_updates: bool = False

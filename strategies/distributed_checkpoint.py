@@ -20,7 +20,38 @@ import contextlib
 import os
 import warnings
 
-__all__ = ["read_shards", "write_shards"]
+import torch
+
+__all__ = ["PiecedValue", "read_shards", "write_shards"]
+
+
+class PiecedValue:
+    """A value of ``shape`` whose flattened elements are parts of other tensors (what a sharded checkpoint writes
+    for an optimizer slot whose pieces live in the padded buffers of sharded optimizer states): ``parts`` lists
+    ``(tensor, offset, start, stop)`` — elements ``start:stop`` of the value are ``tensor.reshape(-1)[offset:offset +
+    stop - start]``. The tensors (``DTensor`` s of every worker's chunks, or plain tensors every worker holds) are
+    written once each; reading them back and ``assemble`` gives the whole value.
+
+    Example::
+
+        value = PiecedValue((2, 3), torch.float32, [(segment, 0, 0, 6)])
+        value.assemble({id(segment): loaded_segment})      # the whole (2, 3) tensor
+    """
+
+    __slots__ = ("shape", "dtype", "parts")
+
+    def __init__(self, shape, dtype, parts: list):
+        self.shape, self.dtype, self.parts = tuple(shape), dtype, list(parts)
+
+    def assemble(self, loaded) -> torch.Tensor:
+        """The whole value from ``loaded(tensor)``: each part's tensor as read back whole."""
+        numel = 1
+        for size in self.shape:
+            numel *= int(size)
+        whole = torch.zeros(numel, dtype=self.dtype)
+        for tensor, offset, start, stop in self.parts:
+            whole[start:stop] = loaded(tensor).reshape(-1)[offset : offset + stop - start].to(self.dtype)
+        return whole.view(self.shape)
 
 
 def _distributed(cluster) -> bool:

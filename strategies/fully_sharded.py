@@ -156,7 +156,10 @@ class FullyShardedExtended(MultiWorkerMirroredExtended):
         state; with one worker nothing is."""
         sharded = self.sharded
         return StrategyCapabilities(
-            whole_state_on_every_worker=not sharded, shards_optimizer_states=sharded, shards_parameters=sharded
+            whole_state_on_every_worker=not sharded,
+            shards_optimizer_states=sharded,
+            shards_parameters=sharded,
+            sharded_checkpoints=sharded,
         )
 
     @property

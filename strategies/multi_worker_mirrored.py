@@ -214,7 +214,10 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         part of them, and an update's gather may run on past its step (``settle_updates``)."""
         sharded = self.shard_optimizer_states and self._collective is not None
         return StrategyCapabilities(
-            whole_state_on_every_worker=not sharded, shards_optimizer_states=sharded, defers_updates=sharded
+            whole_state_on_every_worker=not sharded,
+            shards_optimizer_states=sharded,
+            defers_updates=sharded,
+            sharded_checkpoints=sharded,
         )
 
     def state_layout(self, variables) -> StateLayout:
@@ -420,8 +423,10 @@ class MultiWorkerMirroredStrategy(Strategy):
         every worker's variables (smaller buckets stay whole); every element-wise optimizer (the
         built-ins, a ``build`` + ``update_step`` subclass, ``from_torch``) does this with no code of
         its own, and gives the unsharded run's results (within float rounding where clipping norms
-        are summed from parts). Checkpoints hold the whole state in the unsharded layout. Variables
-        and gradients stay whole on every worker (unlike FSDP). No effect with one worker.
+        are summed from parts). ``trainer.save_checkpoint(path)`` writes the whole state in the
+        unsharded layout; backups and ``ModelCheckpoint`` write sharded checkpoint directories (every
+        worker its chunks of the slots, nothing gathered), which load anywhere the file does.
+        Variables and gradients stay whole on every worker (unlike FSDP). No effect with one worker.
 
     The cluster is joined when the strategy is built (every worker must build it). Each
     worker's replicas run on its local devices (the resolver's ``devices``; else every GPU,

@@ -34,6 +34,7 @@ import threading
 
 import torch
 
+from .distributed_checkpoint import PiecedValue
 from .state_layout import ReducedGradients, StateLayout
 from .values import local_results
 from .variables import LocalVariable, Variable, as_assign_value
@@ -369,11 +370,20 @@ def consolidate(state, keep: bool):
     """
 
     _return_free_heap()
+    gathered: dict = {}  # id(tensor) -> the whole tensor, for parts shared by several pieced values
+
+    def whole_of(tensor):
+        if id(tensor) not in gathered:
+            gathered[id(tensor)] = tensor.full_tensor() if is_sharded(tensor) else tensor
+        return gathered[id(tensor)]
 
     def walk(value):
         if is_sharded(value):
             whole = value.full_tensor()
             return whole.cpu() if keep else None
+        if isinstance(value, PiecedValue):
+            whole = value.assemble(whole_of)
+            return whole if keep else None
         if isinstance(value, dict):
             return {k: walk(v) for k, v in value.items()}
         if isinstance(value, list):

@@ -35,6 +35,8 @@ import torch
 
 from . import foreach
 from .buckets import bucket_layout
+from .distributed_checkpoint import PiecedValue
+from .parameter_shards import keeps_shards
 from .state_layout import ReducedGradients, StateLayout
 from .step_values import CARRIERS
 from .values import local_results
@@ -225,6 +227,7 @@ class StateShards(StateLayout):
         self._ids = [id(v) for v in self.variables]
         self._position_of = {id(v): piece.variable for piece, v in zip(self.pieces, self.piece_variables)}
         self._pending = None  # the gathers a deferred publish started
+        self._mesh = None  # the workers' DeviceMesh, made for the first sharded checkpoint
         #: Whether ``publish`` only starts the gathers (``settle`` finishes them): set by the strategy.
         self.defer = False
         fits = [k for k, dtype in enumerate(self.dtypes) if dtype in CARRIERS]
@@ -422,6 +425,39 @@ class StateShards(StateLayout):
                 sources.append(part if part.device == tensor.device else part.to(tensor.device))
         foreach.copy_(destinations, sources)
 
+    def _pieced(self, per_piece: list) -> list:
+        """One ``PiecedValue`` per variable: its elements are parts of the segments' buffers, each segment's buffer a
+        ``DTensor`` of every worker's chunk (this worker's pieces at their places, zeros in the padding), or a plain
+        tensor where the segment is whole (every worker holds all of it: written once)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        if self._mesh is None:
+            self._mesh = init_device_mesh(self._collective.device.type, (self.num_workers,))
+        chunks = []
+        for k, (dtype, device) in enumerate(zip(self.dtypes, self.devices)):
+            chunks.append(torch.zeros(self.plan.chunk_lengths[k], dtype=dtype, device=device))
+        for piece, tensor in zip(self.pieces, per_piece):
+            if tensor is not None:
+                chunks[piece.segment][piece.offset : piece.offset + piece.size] = tensor.reshape(-1)
+        buffers = []
+        for k, chunk in enumerate(chunks):
+            if k in self.plan.whole:
+                buffers.append(chunk)
+            else:
+                length = self.plan.padded_length(k)
+                buffers.append(DTensor.from_local(chunk, self._mesh, [Shard(0)], shape=(length,), stride=(1,)))
+        parts: list = [[] for _ in self.variables]
+        for k, segment in enumerate(self.plan.segments):
+            position = 0
+            for index, start, stop in segment:
+                parts[index].append((buffers[k], position, start, stop))
+                position += stop - start
+        return [
+            PiecedValue(local_results(v)[0].value().shape, local_results(v)[0].value().dtype, p)
+            for v, p in zip(self.variables, parts)
+        ]
+
     def gather(self, per_piece: list, what: str) -> list:
         """Whole tensors from pieces: ``per_piece`` holds a 1-D tensor (or ``None``: zeros) per piece of this
         worker, of its variable's dtype; returns one flat tensor per variable, every worker's pieces in place
@@ -537,6 +573,8 @@ class StateShards(StateLayout):
         self._extended.after_direct_update(self.variables)
 
     def whole(self, per_target: list, what: str) -> list:
+        if keeps_shards():  # a sharded checkpoint: every worker's chunks, nothing gathered
+            return self._pieced([None if t is None else t.detach() for t in per_target])
         gathered = self.gather([None if t is None else t.detach() for t in per_target], what)
         return [flat.view(local_results(v)[0].value().shape).clone() for flat, v in zip(gathered, self.variables)]
 

@@ -39,7 +39,7 @@ import shutil
 
 import torch
 
-from replicafit.strategies.distributed_checkpoint import read_shards, write_shards
+from replicafit.strategies.distributed_checkpoint import PiecedValue, read_shards, write_shards
 from replicafit.strategies.parameter_shards import is_sharded
 
 from . import checkpoint
@@ -52,6 +52,7 @@ STATE_FILE = "state.pt"
 _TEMPORARY = ".tmp-"
 _REPLACED = ".old-"
 _MARK = "__sharded__"
+_PIECED = "__pieced__"
 
 
 def is_sharded_checkpoint(path) -> bool:
@@ -80,7 +81,16 @@ def _split(state) -> tuple:
             if key is None:
                 key = keys[id(value)] = "/".join(str(part) for part in where)
                 tensors[key] = value
-            return {_MARK: key, "shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+            return {_MARK: key, "shape": list(value.shape), "dtype": _dtype_name(value.dtype)}
+        if isinstance(value, PiecedValue):  # parts of sharded buffers (sharded optimizer states), each written once
+            parts = []
+            for index, (tensor, offset, start, stop) in enumerate(value.parts):
+                key = keys.get(id(tensor))
+                if key is None:
+                    key = keys[id(tensor)] = "/".join(str(part) for part in (*where, f"part{index}"))
+                    tensors[key] = tensor
+                parts.append([key, int(offset), int(start), int(stop), list(tensor.shape)])
+            return {_PIECED: parts, "shape": list(value.shape), "dtype": _dtype_name(value.dtype)}
         if isinstance(value, dict):
             return {k: walk(v, (*where, k)) for k, v in value.items()}
         if isinstance(value, list):
@@ -90,6 +100,16 @@ def _split(state) -> tuple:
         return value
 
     return walk(state, ()), tensors
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _placeholder_kind(value) -> str | None:
+    if isinstance(value, dict) and set(value) in ({_MARK, "shape", "dtype"}, {_PIECED, "shape", "dtype"}):
+        return _MARK if _MARK in value else _PIECED
+    return None
 
 
 def save(state: dict, path, cluster) -> str:
@@ -157,7 +177,7 @@ def _placeholders(skeleton) -> list:
 
     def walk(value, where):
         if isinstance(value, dict):
-            if _MARK in value and set(value) == {_MARK, "shape", "dtype"}:
+            if _placeholder_kind(value) is not None:
                 found.append((where, value))
                 return
             for k, v in value.items():
@@ -173,8 +193,14 @@ def _placeholders(skeleton) -> list:
 def _fill(skeleton, tensors: dict):
     def walk(value):
         if isinstance(value, dict):
-            if _MARK in value and set(value) == {_MARK, "shape", "dtype"}:
+            kind = _placeholder_kind(value)
+            if kind == _MARK:
                 return tensors[value[_MARK]]
+            if kind == _PIECED:
+                whole = torch.zeros(int(torch.Size(value["shape"]).numel()), dtype=getattr(torch, value["dtype"]))
+                for key, offset, start, stop, _ in value[_PIECED]:
+                    whole[start:stop] = tensors[key].reshape(-1)[offset : offset + stop - start]
+                return whole.view(value["shape"])
             return {k: walk(v) for k, v in value.items()}
         if isinstance(value, list):
             return [walk(v) for v in value]
@@ -196,7 +222,11 @@ def load(path, kind: str, target_for, cluster) -> dict:
         dtype = getattr(torch, str(placeholder["dtype"]), None)
         if not isinstance(dtype, torch.dtype):
             raise checkpoint.CheckpointError(f"The {kind} {path!r} names an unknown dtype {placeholder['dtype']!r}.")
-        targets.setdefault(placeholder[_MARK], target_for(where, placeholder["shape"], dtype, skeleton))
+        if _MARK in placeholder:
+            targets.setdefault(placeholder[_MARK], target_for(where, placeholder["shape"], dtype, skeleton))
+        else:  # the parts' buffers, read whole (each worker then keeps what its layout cuts of the value)
+            for key, _, _, _, shape in placeholder[_PIECED]:
+                targets.setdefault(key, torch.empty(shape, dtype=dtype))
     try:
         read_shards(targets, path, cluster)
     except Exception as error:  # noqa: BLE001 - torch raises several types for a damaged or foreign checkpoint

@@ -144,8 +144,9 @@ class TrainingState:
     # --- checkpoints ------------------------------------------------------------------------------------
     @property
     def shards_parameters(self) -> bool:
-        """Whether the strategy shards parameters: its states are read sharded (``sharded_state_dict``)."""
-        return self.strategy.extended.capabilities.shards_parameters
+        """Whether the strategy writes sharded checkpoints (sharded parameters or optimizer states): its states are
+        read sharded (``sharded_state_dict``)."""
+        return self.strategy.extended.capabilities.sharded_checkpoints
 
     def sharded_reads(self, snapshot: bool = True):
         """A context in which state dicts keep sharded parameters and slots sharded (nothing gathered), where the

@@ -219,14 +219,16 @@ def _trainer(rank, num_workers, port, shard, kind):
     return Trainer(strategy=strategy, optimizer=make_optimizer(kind), loss="cross_entropy", seed=3)
 
 
-def first_epoch(rank, num_workers, port, directory, kinds=("adam",)):
+def first_epoch(rank, num_workers, port, directory, kinds=("adam",), sharded_format=False):
     """For each kind, sharded and whole: one epoch, then ``save_checkpoint`` (the chief writes the whole state)
-    to ``directory/{kind}-{sharded|whole}.pt``."""
+    to ``directory/{kind}-{sharded|whole}.pt``; ``sharded_format``: the sharded run writes a sharded checkpoint
+    directory instead (every worker its chunks of the slots)."""
     for kind in kinds:
         for shard in (True, False):
             trainer = _trainer(rank, num_workers, port, shard, kind)
             trainer.fit(model_of(), data(), batch_size=24, epochs=1, verbose=0)
-            trainer.save_checkpoint(os.path.join(directory, f"{kind}-{'sharded' if shard else 'whole'}.pt"))
+            path = os.path.join(directory, f"{kind}-{'sharded' if shard else 'whole'}.pt")
+            trainer.save_checkpoint(path, sharded=sharded_format and shard)
 
 
 def second_epoch(rank, num_workers, port, directory, kinds=("adam",), shard=True):

@@ -4,6 +4,8 @@ shards, checkpoints in the unsharded layout that load anywhere."""
 
 from __future__ import annotations
 
+import os
+
 import mw_sharding_scenarios as scenarios
 import pytest
 import torch
@@ -119,6 +121,27 @@ def test_checkpoints_hold_the_unsharded_layout_and_load_in_one_process_and_on_th
         for rank in (1, 2):
             for key, value in three[0][kind, "sharded"]["weights"].items():
                 assert torch.equal(three[rank][kind, "sharded"]["weights"][key], value), f"{kind} worker {rank}"
+
+
+@pytest.mark.timeout(200)
+def test_the_sharded_checkpoint_format_loads_in_one_process_and_on_three_sharded_workers(tmp_path):
+    """``save_checkpoint(path, sharded=True)`` under sharded optimizer states: a directory every worker writes its
+    chunks of the slots into (nothing gathered); it loads as the whole file does."""
+    kinds = ("adam", "torch_adamw", "sgd_momentum_ema")
+    kwargs = {"directory": str(tmp_path), "kinds": kinds, "sharded_format": True}
+    results(run_workers(SCENARIOS, "first_epoch", 2, timeout=120, kwargs=kwargs))
+    assert sorted(os.listdir(tmp_path / "adam-sharded.pt")) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
+    one = results(
+        run_workers(SCENARIOS, "second_epoch", 1, timeout=120, kwargs={"directory": str(tmp_path), "kinds": kinds})
+    )
+    three = results(
+        run_workers(SCENARIOS, "second_epoch", 3, timeout=150, kwargs={"directory": str(tmp_path), "kinds": kinds})
+    )
+    for kind in kinds:
+        for runs, label in ((one, "one process"), (three, "3 sharded workers")):
+            resumed, oracle = runs[0][kind, "sharded"], runs[0][kind, "whole"]
+            assert _same_layout(resumed["loaded"], oracle["loaded"], f"{kind} {label}") == 0.0
+            assert _largest(resumed["weights"], oracle["weights"]) <= TOLERANCE, f"{kind} {label}"
 
 
 @pytest.mark.timeout(120)

@@ -118,7 +118,7 @@ class BackupAndRestore(_Periodic):
 
     def _sharded(self) -> bool:
         trainer = self.trainer
-        return trainer is not None and trainer.strategy.extended.capabilities.shards_parameters
+        return trainer is not None and trainer.strategy.extended.capabilities.sharded_checkpoints
 
     def _newest(self):
         """The newest backup in ``backup_dir`` (either kind: a run may resume under another strategy), or None."""

@@ -68,7 +68,7 @@ class ModelCheckpoint(_AttributeState, _Periodic, MonitorCallback):
             self.best = current
         # Under a strategy that shards parameters, a sharded checkpoint directory at the path (every worker writes
         # its shards; trainer.save_checkpoint(path) exports one file when one is wanted).
-        sharded = self.trainer.strategy.extended.capabilities.shards_parameters
+        sharded = self.trainer.strategy.extended.capabilities.sharded_checkpoints
         if self.save_weights_only:
             with sharded_state_dict():  # (sharded parameters stay sharded: nothing gathered for a directory)
                 state = self.trainer.model_state_dict()  # every worker takes part
