@@ -311,3 +311,20 @@ def load_model_checkpoint(rank, num_workers, port, path):
         "iterations": int(trainer.optimizer.iterations),
         "epoch": state["epoch"],
     }
+
+
+class WholeNorm(Lion):
+    """A rule that reads whole variables (as LAMB's trust ratio): it declares so."""
+
+    elementwise_update = False
+
+
+def refused(rank, num_workers, port):
+    """The message of a rule that needs whole variables under sharded parameters (None if it trained)."""
+    strategy = strategy_for(rank, num_workers, port, shard_units=["Block"])
+    trainer = Trainer(strategy=strategy, optimizer=WholeNorm(1e-3), loss="cross_entropy")
+    try:
+        trainer.fit(Net(), data(), batch_size=24, epochs=1, verbose=0)
+    except ValueError as error:
+        return str(error)
+    return None

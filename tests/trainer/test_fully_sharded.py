@@ -221,3 +221,8 @@ class _OneProcess:
 
 def _load_here(folder):
     return fsdp_scenarios.load_model_checkpoint(0, None, 0, os.path.join(folder, "ckpt-2"))
+
+
+def test_a_rule_that_reads_whole_variables_is_refused():
+    for message in run("refused", 2):
+        assert message is not None and "elementwise_update = False" in message and "sharded parameters" in message
