@@ -34,10 +34,9 @@ from __future__ import annotations
 import torch
 
 from .capabilities import StrategyCapabilities
-from .cluster_resolver import ClusterResolver, resolve_cluster
-from .devices import canonicalize_list
+from .cluster_resolver import ClusterResolver
 from .distribute_lib import Strategy
-from .multi_worker_mirrored import MultiWorkerMirroredExtended, _default_devices
+from .multi_worker_mirrored import MultiWorkerMirroredExtended, checked_cluster
 from .parameter_shards import ParameterShards, ShardedVariable
 from .reduce_util import CommunicationOptions
 from .state_layout import StateLayout
@@ -304,20 +303,9 @@ class FullyShardedStrategy(Strategy):
         reshard_after_forward: bool = True,
         activation_checkpointing: bool = False,
     ):
-        if communication_options is None:
-            communication_options = CommunicationOptions()
-        if not isinstance(communication_options, CommunicationOptions):
-            raise ValueError(
-                "communication_options must be a replicafit.strategies.CommunicationOptions, got "
-                f"{communication_options!r}."
-            )
-        if cluster_resolver is None:
-            cluster_resolver = resolve_cluster()
-        if not isinstance(cluster_resolver, ClusterResolver):
-            raise ValueError(
-                "cluster_resolver must be a replicafit.strategies ClusterResolver (TorchrunClusterResolver, "
-                f"TFConfigClusterResolver, SlurmClusterResolver, SimpleClusterResolver), got {cluster_resolver!r}."
-            )
+        communication_options, cluster_resolver, devices = checked_cluster(
+            communication_options, cluster_resolver, replicas=1
+        )
         for name, value in (
             ("reshard_after_forward", reshard_after_forward),
             ("activation_checkpointing", activation_checkpointing),
@@ -331,10 +319,6 @@ class FullyShardedStrategy(Strategy):
                     "shard_units must be None, a list of module classes or class names, or a function module -> "
                     f"bool, got {shard_units!r}."
                 )
-        devices = canonicalize_list(list(_default_devices(cluster_resolver))[:1], "devices")  # one replica
-        implementation = communication_options.implementation.value
-        if implementation == "NCCL" and not all(d.startswith("cuda") for d in devices):
-            raise ValueError(f"CommunicationImplementation.NCCL needs CUDA devices; this worker's are {list(devices)}.")
         self._cluster_resolver = cluster_resolver
         extended = FullyShardedExtended(
             self,

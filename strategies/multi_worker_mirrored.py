@@ -342,6 +342,30 @@ class MultiWorkerMirroredExtended(StrategyExtended):
     _module_variable = StrategyExtended._replicated_module_variable
 
 
+def checked_cluster(communication_options, cluster_resolver, replicas: int | None = None) -> tuple:
+    """``(communication options, cluster resolver, this worker's devices)`` of a multi-worker strategy's arguments:
+    the defaults filled in (``CommunicationOptions()``, ``resolve_cluster()``), each checked (``ValueError`` naming
+    what was given), the devices the resolver's (at most ``replicas`` of them)."""
+    if communication_options is None:
+        communication_options = CommunicationOptions()
+    if not isinstance(communication_options, CommunicationOptions):
+        raise ValueError(
+            "communication_options must be a replicafit.strategies.CommunicationOptions, got "
+            f"{communication_options!r}."
+        )
+    if cluster_resolver is None:
+        cluster_resolver = resolve_cluster()
+    if not isinstance(cluster_resolver, ClusterResolver):
+        raise ValueError(
+            "cluster_resolver must be a replicafit.strategies ClusterResolver (TorchrunClusterResolver, "
+            f"TFConfigClusterResolver, SlurmClusterResolver, SimpleClusterResolver), got {cluster_resolver!r}."
+        )
+    devices = canonicalize_list(list(_default_devices(cluster_resolver))[:replicas], "devices")
+    if communication_options.implementation.value == "NCCL" and not all(d.startswith("cuda") for d in devices):
+        raise ValueError(f"CommunicationImplementation.NCCL needs CUDA devices; this worker's are {list(devices)}.")
+    return communication_options, cluster_resolver, devices
+
+
 def _gpu_identities(devices) -> tuple:
     """What tells this worker's physical GPUs apart from another process's: each GPU's UUID (two
     processes see the same GPU under other indices when their ``CUDA_VISIBLE_DEVICES`` differ)."""
@@ -452,24 +476,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         *,
         shard_optimizer_states: bool = False,
     ):
-        if communication_options is None:
-            communication_options = CommunicationOptions()
-        if not isinstance(communication_options, CommunicationOptions):
-            raise ValueError(
-                "communication_options must be a replicafit.strategies.CommunicationOptions, got "
-                f"{communication_options!r}."
-            )
-        if cluster_resolver is None:
-            cluster_resolver = resolve_cluster()
-        if not isinstance(cluster_resolver, ClusterResolver):
-            raise ValueError(
-                "cluster_resolver must be a replicafit.strategies ClusterResolver (TorchrunClusterResolver, "
-                f"TFConfigClusterResolver, SimpleClusterResolver), got {cluster_resolver!r}."
-            )
-        devices = canonicalize_list(list(_default_devices(cluster_resolver)), "devices")
-        implementation = communication_options.implementation.value
-        if implementation == "NCCL" and not all(d.startswith("cuda") for d in devices):
-            raise ValueError(f"CommunicationImplementation.NCCL needs CUDA devices; this worker's are {list(devices)}.")
+        communication_options, cluster_resolver, devices = checked_cluster(communication_options, cluster_resolver)
         if not isinstance(shard_optimizer_states, bool):
             raise TypeError(f"shard_optimizer_states must be True or False, got {shard_optimizer_states!r}.")
         self._cluster_resolver = cluster_resolver

@@ -11,7 +11,7 @@ from conftest import Lion  # the base class docstring's subclass: build and upda
 
 import replicafit.strategies as ds
 from replicafit import optimizers
-from replicafit.trainer import BackupAndRestore, Callback, Trainer
+from replicafit.trainer import BackupAndRestore, Trainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # loaded by path in the worker processes
 
@@ -196,23 +196,6 @@ def one_worker_fit(rank, num_workers, port):
     return out
 
 
-class Crash(Exception):
-    """The interruption."""
-
-
-class CrashAt(Callback):
-    """Raises at the beginning of global step ``step`` (0-based): ``step`` steps are done."""
-
-    def __init__(self, step: int):
-        super().__init__()
-        self.step, self.seen = step, 0
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self.seen == self.step:
-            raise Crash(f"interrupted at global step {self.step}")
-        self.seen += 1
-
-
 def backed_up_fit(rank, num_workers, port, backup_dir, crash_at=None, kind="adamw_global_clipnorm", save_freq=2):
     """Two epochs of ``fit`` (5 steps each, the last a partial batch) backed up every ``save_freq`` steps;
     ``crash_at``: interrupted at that global step (the backup stays). ``num_workers=None``: the default strategy,
@@ -224,6 +207,8 @@ def backed_up_fit(rank, num_workers, port, backup_dir, crash_at=None, kind="adam
     torch.manual_seed(0)
     model = Net()
     trainer = Trainer(strategy=strategy, optimizer=make_optimizer(kind), loss="cross_entropy", seed=3)
+    from mw_resume_scenarios import Crash, CrashAt
+
     backup = BackupAndRestore(backup_dir, save_freq=save_freq)
     callbacks = [backup] + ([CrashAt(crash_at)] if crash_at is not None else [])
     try:
