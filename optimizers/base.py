@@ -898,6 +898,10 @@ class Optimizer:
         if callable(loss):
             loss = loss()
         var_list = list(var_list)
+        if var_list and all(isinstance(v, ds.Variable) for v in var_list):
+            # The strategy's gradients (sharded parameters: backward, then this worker's shards).
+            grads = self._strategy_of(var_list).extended.gradients(loss, var_list)
+            return self.apply_gradients(zip(grads, var_list))
         tensors = [v.value() if isinstance(v, ds.Variable) else v for v in var_list]
         grads = torch.autograd.grad(loss, tensors, allow_unused=True)
         return self.apply_gradients(zip(grads, var_list))

@@ -37,7 +37,7 @@ from .capabilities import StrategyCapabilities
 from .cluster_resolver import ClusterResolver
 from .distribute_lib import Strategy
 from .multi_worker_mirrored import MultiWorkerMirroredExtended, checked_cluster
-from .parameter_shards import ParameterShards, ShardedVariable
+from .parameter_shards import ParameterShards, ShardedVariable, workers_mesh
 from .reduce_util import CommunicationOptions
 from .state_layout import StateLayout
 
@@ -171,7 +171,6 @@ class FullyShardedExtended(MultiWorkerMirroredExtended):
         units = select_units(module, self.shard_units, self.min_unit_parameters)  # (a misnamed unit: said here)
         if not self.sharded:
             return False
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         if isinstance(module, FSDPModule):
@@ -180,9 +179,7 @@ class FullyShardedExtended(MultiWorkerMirroredExtended):
                 "FullyShardedStrategy shards the plain module itself; pass the model before fully_shard."
             )
         if self._mesh is None:
-            # The mesh is passed explicitly: with a gloo default group, fully_shard's own choice of device can
-            # move the parameters to a GPU (torch issue 132471).
-            self._mesh = init_device_mesh(self._collective.device.type, (self._num_workers,))
+            self._mesh = workers_mesh(self._collective)
         param_dtype = _PARAM_DTYPES.get(precision)
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
         if self.activation_checkpointing:

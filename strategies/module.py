@@ -171,6 +171,20 @@ class DistributedModule:
         """
         return self._synchronizes_batchnorm or self._collective_forward
 
+    @property
+    def gathers_parameters(self) -> bool:
+        """Whether the strategy sharded the module's parameters, which every forward pass gathers (a collective on
+        every worker, ``FullyShardedStrategy``); with ``nn.SyncBatchNorm`` alone ``forward_is_collective`` holds but
+        this does not.
+
+        Example::
+
+            >>> import torch, replicafit.strategies as ds
+            >>> ds.MirroredStrategy(["cpu:0", "cpu:1"]).distribute_module(torch.nn.Linear(2, 1)).gathers_parameters
+            False
+        """
+        return self._collective_forward
+
     def __call__(self, *args, **kwargs):
         module = self.local_module()
         if self._synchronizes_batchnorm and module.training and torch.is_grad_enabled():

@@ -49,6 +49,7 @@ __all__ = [
     "shard_of",
     "sharded_state_dict",
     "whole_from_shard",
+    "workers_mesh",
 ]
 
 _mode = threading.local()
@@ -374,13 +375,17 @@ def consolidate(state, keep: bool):
 
     def whole_of(tensor):
         if id(tensor) not in gathered:
-            gathered[id(tensor)] = tensor.full_tensor() if is_sharded(tensor) else tensor
+            gathered[id(tensor)] = _gathered(tensor) if is_sharded(tensor) else tensor
         return gathered[id(tensor)]
+
+    kept: dict = {}  # id(DTensor) -> what it became: a tensor met twice (tied weights) is gathered once, shared
 
     def walk(value):
         if is_sharded(value):
-            whole = value.full_tensor()
-            return whole.cpu() if keep else None
+            if id(value) not in kept:
+                whole = _gathered(value)  # (waited for on every worker, whether it keeps it or not)
+                kept[id(value)] = whole if keep else None
+            return kept[id(value)]
         if isinstance(value, PiecedValue):
             whole = value.assemble(whole_of)
             return whole if keep else None
@@ -418,6 +423,15 @@ def shard_of(variable, whole: torch.Tensor) -> torch.Tensor:
     return local_part(whole, variable.value())
 
 
+def _gathered(value) -> torch.Tensor:
+    """``value`` (a ``DTensor``) gathered whole into host memory, the gather waited for: ``full_tensor`` may return a
+    tensor whose collective completes only when it is used, and a worker that drops it unused must not go on to
+    its next collective before this one is done (the others would wait for it in vain)."""
+    from torch.distributed._functional_collectives import wait_tensor  # private: the gather's completion
+
+    return wait_tensor(value.full_tensor()).cpu()
+
+
 def _return_free_heap() -> None:
     """glibc's ``malloc_trim(0)``: free heap memory back to the system (nothing where there is no glibc)."""
     import ctypes
@@ -429,3 +443,15 @@ def _return_free_heap() -> None:
     except (OSError, AttributeError):
         return
     trim(0)
+
+
+def workers_mesh(collective):
+    """The one-dimensional ``DeviceMesh`` of every worker over the collective's default group itself (the process
+    group ``init_process_group`` made, with the strategy's communication timeout): ``init_device_mesh`` would make a
+    group of its own, without that timeout, where CUDA is present and the default group is gloo. Passed to
+    ``fully_shard`` explicitly: with a gloo default group its own choice of device can move the parameters to a
+    GPU (torch issue 132471)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(dist.group.WORLD, collective.device.type)

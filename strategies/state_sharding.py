@@ -36,7 +36,7 @@ import torch
 from . import foreach
 from .buckets import bucket_layout
 from .distributed_checkpoint import PiecedValue
-from .parameter_shards import keeps_shards
+from .parameter_shards import keeps_shards, workers_mesh
 from .state_layout import ReducedGradients, StateLayout
 from .step_values import CARRIERS
 from .values import local_results
@@ -429,11 +429,10 @@ class StateShards(StateLayout):
         """One ``PiecedValue`` per variable: its elements are parts of the segments' buffers, each segment's buffer a
         ``DTensor`` of every worker's chunk (this worker's pieces at their places, zeros in the padding), or a plain
         tensor where the segment is whole (every worker holds all of it: written once)."""
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor, Shard
 
         if self._mesh is None:
-            self._mesh = init_device_mesh(self._collective.device.type, (self.num_workers,))
+            self._mesh = workers_mesh(self._collective)
         chunks = []
         for k, (dtype, device) in enumerate(zip(self.dtypes, self.devices)):
             chunks.append(torch.zeros(self.plan.chunk_lengths[k], dtype=dtype, device=device))

@@ -24,7 +24,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from collections.abc import Mapping
 
 import torch
@@ -98,6 +100,7 @@ class CompileLoss:
             self.loss = losses.get(loss)
         self._strategy = strategy
         self._metrics = compiled_metrics
+        self._untracked = threading.local()  # untracked(): a forward pass counted nowhere
         self.element_denominator = None
         self.count_floating = False
         self.counts_items = False
@@ -130,9 +133,27 @@ class CompileLoss:
         for name in output_names(y_pred):
             loss = self.loss_for(name)
             terms = loss.terms(output_part(y, name), output_part(y_pred, name), sample_weight, True)
-            self._metrics.update_output_loss(name, terms.per_example.detach())
+            if not getattr(self._untracked, "on", False):
+                self._metrics.update_output_loss(name, terms.per_example.detach())
             total = terms.per_example if total is None else total + terms.per_example
         return losses.LossTerms(total.sum(), total.shape[0], total)
+
+    @contextlib.contextmanager
+    def untracked(self):
+        """On this thread, ``terms`` tracks no per-output loss: for a forward pass that counts nowhere (the stand-in
+        row of a replica without rows, which takes part in gathering sharded parameters).
+
+        Example::
+
+            with compiled.untracked():
+                terms = compiled.terms(y, y_pred, None, per_example=True)
+        """
+        outer = getattr(self._untracked, "on", False)
+        self._untracked.on = True
+        try:
+            yield
+        finally:
+            self._untracked.on = outer
 
     def step_loss(self, terms: losses.LossTerms, global_batch_size: int) -> torch.Tensor:
         """The replica's loss to differentiate: its share of the global batch's loss (the divisor of an

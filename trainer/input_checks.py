@@ -53,8 +53,8 @@ class FirstBatch(NamedTuple):
     """What the first batch tells, once every check passed (alike on every worker): the model's outputs
     (``structure``: a dict, tuple or list of several, else None), one example's ``labels`` and ``outputs``
     (the shapes that resolve ``"accuracy"``; None when unknown) and whether the model's own loss counts
-    items (``loss=None``: ``CompileLoss.counts_items``). ``stand_in``: where the model's forward pass is a
-    collective (sharded parameters), one row of the first batch (the chief's), on which a replica with an empty
+    items (``loss=None``: ``CompileLoss.counts_items``). ``stand_in``: where the model's forward pass gathers
+    its sharded parameters, one row of the first batch (the chief's), on which a replica with an empty
     batch runs forward and backward with weight 0 (a model need not take an empty batch); else None."""
 
     structure: object
@@ -135,7 +135,7 @@ class InputChecks:
 
         Across workers each worker checks its own part of the first global batch; one whose part has no
         row checks the chief's first row instead (the chief's replicas come first in the split rule, so it
-        always has rows); where the model's forward pass is a collective (sharded parameters) every worker checks
+        always has rows); where the model's forward pass gathers its parameters (sharded) every worker checks
         the chief's part, so that each makes the same calls. A problem found on any worker is an error on every
         worker, and the decision
         that probes the model's loss (``loss=None``) is the chief's.
@@ -149,7 +149,7 @@ class InputChecks:
         if cluster.num_workers == 1:
             return self._first_batch_checks(first, dm, caller, all_labels, float_dtype, builtin_step)
         stand_in = None
-        if dm.forward_is_collective:  # (sharded parameters) every worker probes alike: with the chief's part
+        if dm.gathers_parameters:  # (sharded parameters) every worker probes alike: with the chief's part
             first = cluster.broadcast(first if cluster.is_chief else None, "broadcasting the chief's first batch")
             if first is not None and rows(unpack(first)[0]) > 0:
                 stand_in = nest.map_structure(lambda t: data_layer.as_tensor(t)[:1], first)

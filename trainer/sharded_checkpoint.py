@@ -44,7 +44,7 @@ from replicafit.strategies.parameter_shards import is_sharded
 
 from . import checkpoint
 
-__all__ = ["STATE_FILE", "exists", "is_sharded_checkpoint", "load", "remove", "save", "variable_name"]
+__all__ = ["STATE_FILE", "exists", "is_sharded_checkpoint", "load", "remove", "save", "set_aside", "variable_name"]
 
 #: The file of a sharded checkpoint that holds everything but the sharded tensors (written last).
 STATE_FILE = "state.pt"
@@ -165,6 +165,15 @@ def _recover(path: str) -> None:
         os.rename(newest, path)
 
 
+def set_aside(path) -> str:
+    """Renames the checkpoint at ``path`` aside (``<path>.old-<token>``, which ``exists`` puts back if nothing
+    replaces it); returns the new name."""
+    path = os.fspath(path)
+    aside = f"{path}{_REPLACED}{secrets.token_hex(4)}"
+    os.rename(path, aside)
+    return aside
+
+
 def remove(path) -> None:
     """Deletes the checkpoint at ``path`` (a file or a sharded directory), if any."""
     _remove(os.fspath(path))
@@ -213,8 +222,10 @@ def _fill(skeleton, tensors: dict):
 
 def load(path, kind: str, target_for, cluster) -> dict:
     """*Collective.* The state of the sharded checkpoint at ``path``, checked as ``checkpoint.load`` checks a
-    ``kind``. ``target_for(where, shape, dtype, skeleton)`` gives the tensor each sharded entry is read into
-    (``where``: the path of keys to it in the state); ``CheckpointError`` for a missing or damaged checkpoint."""
+    ``kind`` (a checkpoint a crashed replacement left aside is put back first by ``exists``, which the trainer's
+    ``read_checkpoint`` calls on the chief). ``target_for(where, shape, dtype, skeleton)`` gives the tensor each
+    sharded entry is read into (``where``: the path of keys to it in the state); ``CheckpointError`` for a missing
+    or damaged checkpoint."""
     path = os.fspath(path)
     skeleton = checkpoint.read(os.path.join(path, STATE_FILE), kind)
     targets = {}

@@ -232,7 +232,8 @@ class Trainer:
             return
         if empty and self._stand_in is not None:  # sharded parameters: a stand-in row, weight 0 (exact zeros)
             x, y, sample_weight = self._model_floats(*unpack(self._stand_in))
-            _, terms = self._forward(x, y, sample_weight, per_example=denominator is None)
+            with compiled_loss.untracked():  # (nor counted in the per-output losses)
+                _, terms = self._forward(x, y, sample_weight, per_example=denominator is None)
             if denominator is not None:
                 compiled_loss.add_no_elements()
             loss = self.optimizer.scale_loss(terms.total * 0.0)
@@ -250,21 +251,23 @@ class Trainer:
     def test_step(self, data) -> None:
         """One replica's evaluation step: losses and metrics of its slice."""
         x, y, sample_weight = self._model_floats(*unpack(data))
-        empty = rows(x) == 0
-        if empty and not self.model.forward_is_collective:
-            return
-        if empty and self._stand_in is not None:  # sharded parameters: gathered on a stand-in row, not counted
+        if rows(x) == 0:
+            if self._stand_in is None or not self.model.gathers_parameters:
+                return
+            # Sharded parameters: the replica takes part in gathering them, on a stand-in row counted nowhere.
             x, y, sample_weight = self._model_floats(*unpack(self._stand_in))
-        with torch.no_grad():  # (an empty replica of a sharded model takes part in gathering its parameters)
+            with torch.no_grad(), self._compile_loss.untracked():
+                self._forward(x, y, sample_weight)
+            return
+        with torch.no_grad():
             y_pred, terms = self._forward(x, y, sample_weight)
-        if not empty:
-            self._compile_metrics.update_state(y, y_pred, sample_weight, terms)
+        self._compile_metrics.update_state(y, y_pred, sample_weight, terms)
 
     def predict_step(self, data):
         """One replica's prediction: the model's output on its slice."""
         x, _, _ = self._model_floats(*unpack(data))
-        stand_in = rows(x) == 0 and self._predict_row is not None and self.model.forward_is_collective
-        if stand_in and not self.model.synchronizes_batchnorm:  # sharded parameters: gathered on a row, no output
+        stand_in = rows(x) == 0 and self._predict_row is not None and self.model.gathers_parameters
+        if stand_in:  # sharded parameters: gathered on a stand-in row, no output
             return nest.map_structure(lambda t: t[:0], self._predict(self._predict_row))
         return self._predict(x)
 
@@ -659,7 +662,7 @@ class Trainer:
             for index, batch in enumerate(self._distribute_data(source)):
                 if steps is not None and index >= steps:
                     break
-                if index == 0 and dm.forward_is_collective:
+                if index == 0 and dm.gathers_parameters:
                     self._predict_row = self._first_row(batch)
                 result = self.strategy.run(self.predict_step, args=(batch,))
                 if self.strategy.cluster.num_workers > 1:  # every worker's rows, in input order

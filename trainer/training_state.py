@@ -187,15 +187,24 @@ class TrainingState:
             state = consolidate(state, keep=self.strategy.extended.should_checkpoint)
 
         def write_file():
-            if sharded_checkpoint.is_sharded_checkpoint(path):
-                sharded_checkpoint.remove(path)
-            return checkpoint.save(state, path)
+            if not os.path.isdir(path):
+                return checkpoint.save(state, path)
+            # A sharded checkpoint there: set aside (a crash now leaves it for sharded_checkpoint.exists to put back),
+            # then the file, then the old one removed.
+            aside = sharded_checkpoint.set_aside(path)
+            written = checkpoint.save(state, path)
+            sharded_checkpoint.remove(aside)
+            return written
 
         return self.write_on_chief(what, write_file, os.fspath(path))
 
     def read(self, path, kind: str, model) -> dict:
         """*Collective.* The checkpoint at ``path`` (a file, or a sharded directory read into ``model``'s layout:
         each worker its shards, or whole tensors where the strategy does not shard), checked for ``kind``."""
+        cluster = self.strategy.cluster
+        if cluster.is_chief:  # a sharded checkpoint left aside by a save that crashed mid-replacement, put back
+            sharded_checkpoint.exists(path)
+        cluster.barrier("finding the checkpoint")
         if not sharded_checkpoint.is_sharded_checkpoint(path):
             return checkpoint.load(path, kind=kind)
         variables = model.named_variables() if model is not None else {}

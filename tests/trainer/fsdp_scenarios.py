@@ -313,3 +313,76 @@ def refused(rank, num_workers, port):
     except ValueError as error:
         return str(error)
     return None
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = Net()
+        self.other = torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        scores = self.body(x)
+        return {"a": scores, "b": self.other(torch.tanh(scores))}
+
+
+def two_outputs(rank, num_workers, port):
+    """A model of two outputs on 97 rows in batches of 24 (the last row alone: a worker without rows on 2 workers):
+    the per-output losses of the history and of ``evaluate``."""
+    strategy = strategy_for(rank, num_workers, port, shard_units=["Block"])
+    torch.manual_seed(0)
+    x, y = data(97)
+    targets = {"a": y, "b": (y > 0).long()}
+    trainer = Trainer(
+        strategy=strategy,
+        optimizer=make_optimizer("adam"),
+        loss={"a": "cross_entropy", "b": "cross_entropy"},
+        metrics=[],
+        seed=3,
+    )
+    history = trainer.fit(TwoHeads(), (x, targets), batch_size=24, epochs=2, verbose=0)
+    return {
+        "history": history.history,
+        "evaluate": trainer.evaluate(trainer.model.module, (x, targets), batch_size=24, verbose=0, return_dict=True),
+    }
+
+
+def edges(rank, num_workers, port, folder):
+    """The mesh is the default group's (its timeout the strategy's) even where CUDA is present; TensorBoard's
+    histograms of a sharded model; ``Optimizer.minimize`` in a custom loop (``num_workers=None``: that loop alone, in
+    one process)."""
+    import torch.distributed as dist
+
+    from replicafit.trainer import TensorBoard
+
+    out = {}
+    strategy = strategy_for(rank, num_workers, port, shard_units=["Block"])
+    if strategy is not None:
+        available = torch.cuda.is_available
+        torch.cuda.is_available = lambda: True  # where init_device_mesh would make a group of its own (no timeout)
+        try:
+            strategy.distribute_module(Net())
+        finally:
+            torch.cuda.is_available = available
+        out["world"] = strategy.extended.device_mesh.get_group() is dist.group.WORLD
+        trainer = Trainer(strategy=strategy, optimizer=make_optimizer("adam"), loss="cross_entropy", seed=3)
+        board = TensorBoard(os.path.join(folder, f"logs{rank}"), histogram_freq=1)
+        trainer.fit(Net(), data(), batch_size=24, epochs=1, verbose=0, callbacks=[board])
+        out["logs"] = sorted(os.listdir(os.path.join(folder, f"logs{rank}"))) if rank == 0 else None
+    else:
+        strategy = ds.get_strategy()
+    torch.manual_seed(0)
+    dm = strategy.distribute_module(Net())
+    optimizer = make_optimizer("adam")
+    x, y = data()
+    source = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=20)
+
+    def step(xs, ys):
+        loss = torch.nn.functional.cross_entropy(dm(xs), ys, reduction="sum") / 20
+        optimizer.minimize(loss, dm.trainable_variables)
+
+    with strategy.scope():
+        for batch in strategy.experimental_distribute_dataset(source):
+            strategy.run(step, args=batch)
+    out["weights"] = {k: v.clone() for k, v in dm.state_dict().items()}
+    return out

@@ -314,8 +314,8 @@ def fit_sync_batch_norm(strategy, kind: str, sync: bool = True, rows: int = 100,
     }
 
 
-def sync_batch_norm(rank, num_workers, port, kind):
-    return fit_sync_batch_norm(strategy_for(rank, num_workers, port), kind)
+def sync_batch_norm(rank, num_workers, port, kind, rows=100):
+    return fit_sync_batch_norm(strategy_for(rank, num_workers, port), kind, rows=rows)
 
 
 class RecordingTrainer(Trainer):

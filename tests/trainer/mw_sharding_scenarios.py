@@ -377,3 +377,16 @@ def second_optimizers(rank, num_workers, port):
             strategy.run(step, args=(x[rank * 24 : rank * 24 + 24], y[rank * 24 : rank * 24 + 24]))
         out[shard] = {k: v.clone() for k, v in model.state_dict().items()}
     return out
+
+
+def weights_checkpoints(rank, num_workers, port, folder):
+    """``ModelCheckpoint`` with and without ``save_weights_only`` under sharded optimizer states: what each wrote."""
+    from replicafit.trainer import ModelCheckpoint
+
+    trainer = _trainer(rank, num_workers, port, True, "adam")
+    callbacks = [
+        ModelCheckpoint(os.path.join(folder, "weights.pt"), save_weights_only=True),
+        ModelCheckpoint(os.path.join(folder, "full")),
+    ]
+    trainer.fit(model_of(), data(), batch_size=24, epochs=1, verbose=0, callbacks=callbacks)
+    return {"weights": {k: v.clone() for k, v in trainer.model_state_dict().items()}}

@@ -226,3 +226,43 @@ def _load_here(folder):
 def test_a_rule_that_reads_whole_variables_is_refused():
     for message in run("refused", 2):
         assert message is not None and "elementwise_update = False" in message and "sharded parameters" in message
+
+
+def test_per_output_losses_count_no_stand_in_row():
+    """A worker without rows runs a stand-in row for the collectives; the per-output losses do not count it."""
+    expected = fsdp_scenarios.two_outputs(0, None, 0)
+    for worker in run("two_outputs", 2):
+        for key, values in expected["history"].items():
+            assert worker["history"][key] == pytest.approx(values, abs=TOLERANCE), key
+        assert worker["evaluate"] == pytest.approx(expected["evaluate"], abs=TOLERANCE)
+
+
+def test_the_mesh_tensorboard_histograms_and_minimize(tmp_path):
+    """The workers' mesh is the default group (bounded by the strategy's timeout) even where CUDA is present;
+    TensorBoard's histograms gather a sharded model's weights; ``Optimizer.minimize`` takes the strategy's gradients
+    (sharded parameters: ``torch.autograd.grad`` cannot reach them) and equals one process."""
+    expected = fsdp_scenarios.edges(0, None, 0, str(tmp_path))
+    got = run("edges", 2, folder=str(tmp_path))
+    assert all(worker["world"] for worker in got)
+    assert got[0]["logs"] == ["train"]
+    for worker in got:
+        assert largest_difference(worker["weights"], expected["weights"]) <= TOLERANCE
+
+
+def test_a_checkpoint_left_aside_by_a_crashed_replacement_is_found(tmp_path):
+    """A save that crashed between renaming the old checkpoint aside and renaming the new one in leaves the path
+    empty: ``load_checkpoint`` puts the complete one back (in one process here: the format is the same)."""
+    from replicafit.trainer import Trainer
+
+    path = tmp_path / "ckpt"
+    torch.manual_seed(0)
+    trainer = Trainer(optimizer="adam", loss="cross_entropy")
+    trainer.fit(fsdp_scenarios.Net(), fsdp_scenarios.data(), batch_size=24, epochs=1, verbose=0)
+    trainer.save_checkpoint(path, sharded=True)
+    os.rename(path, str(path) + ".old-0123abcd")
+    fresh = Trainer(optimizer="adam", loss="cross_entropy")
+    fresh.load_checkpoint(path, fsdp_scenarios.Net())
+    assert largest_difference(fresh.model_state_dict(), trainer.model_state_dict()) == 0.0
+    # A file over a sharded directory: the directory is set aside until the file is written, then removed.
+    trainer.save_checkpoint(path)
+    assert path.is_file() and sorted(os.listdir(tmp_path)) == ["ckpt"]

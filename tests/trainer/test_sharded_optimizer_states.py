@@ -202,3 +202,13 @@ def test_a_second_optimizer_of_the_same_variables_builds_its_own_slots_and_exclu
     outcomes = results(run_workers(SCENARIOS, "second_optimizers", 2, timeout=100))
     for outcome in outcomes:
         assert _largest(outcome[True], outcome[False]) <= TOLERANCE
+
+
+@pytest.mark.timeout(120)
+def test_model_checkpoint_weights_stay_one_file_and_full_checkpoints_are_sharded(tmp_path):
+    """The weights are whole on every worker: ``save_weights_only`` writes one file ``torch.load`` reads; a full
+    checkpoint is a sharded directory (the slots are each worker's)."""
+    (got, _) = results(run_workers(SCENARIOS, "weights_checkpoints", 2, timeout=100, kwargs={"folder": str(tmp_path)}))
+    assert (tmp_path / "weights.pt").is_file() and (tmp_path / "full").is_dir()
+    weights = torch.load(tmp_path / "weights.pt", weights_only=True)
+    assert all(torch.equal(weights[k], v) for k, v in got["weights"].items())

@@ -68,12 +68,12 @@ class ModelCheckpoint(_AttributeState, _Periodic, MonitorCallback):
             self.best = current
         # Under a strategy that shards parameters, a sharded checkpoint directory at the path (every worker writes
         # its shards; trainer.save_checkpoint(path) exports one file when one is wanted).
-        sharded = self.trainer.strategy.extended.capabilities.sharded_checkpoints
-        if self.save_weights_only:
+        capabilities = self.trainer.strategy.extended.capabilities
+        if self.save_weights_only:  # (sharded only where the weights are: a file that torch.load reads otherwise)
             with sharded_state_dict():  # (sharded parameters stay sharded: nothing gathered for a directory)
                 state = self.trainer.model_state_dict()  # every worker takes part
-            self.trainer.write_checkpoint(state, path, sharded=sharded)
+            self.trainer.write_checkpoint(state, path, sharded=capabilities.shards_parameters)
         else:
-            self.trainer.save_checkpoint(path, sharded=sharded)
+            self.trainer.save_checkpoint(path, sharded=capabilities.sharded_checkpoints)
         if self.verbose:
             self._print(f"Epoch {epoch + 1}: saved {path}")

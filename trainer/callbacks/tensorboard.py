@@ -159,8 +159,11 @@ class TensorBoard(Callback):
         validation = {k[len("val_") :]: v for k, v in logs.items() if k.startswith("val_")}
         if validation:
             self._scalars("validation", "epoch_", validation, epoch)
-        if self.histogram_freq and epoch % self.histogram_freq == 0 and self._writes():
-            self._histograms(epoch)
+        if self.histogram_freq and epoch % self.histogram_freq == 0:
+            # Sharded parameters are gathered whole by every worker (a collective), then the chief writes them.
+            gathered = self.trainer.model_state_dict() if self._sharded() else None
+            if self._writes():
+                self._histograms(epoch, gathered)
         for writer in self._writers.values():
             writer.flush()
 
@@ -172,10 +175,16 @@ class TensorBoard(Callback):
         if not self._fitting:  # a standalone evaluate(): nothing more will come
             self._close()
 
-    def _histograms(self, epoch: int) -> None:
+    def _sharded(self) -> bool:
+        return self.trainer.strategy.extended.capabilities.shards_parameters
+
+    def _histograms(self, epoch: int, gathered=None) -> None:
         writer = self._writer("train")
-        tensors = list(self.model.named_parameters()) + [
-            (name, buffer) for name, buffer in self.model.named_buffers() if buffer.is_floating_point()
-        ]
+        if gathered is not None:  # whole values of a sharded model, every worker's part gathered
+            tensors = [(name, value) for name, value in gathered.items() if value.is_floating_point()]
+        else:
+            tensors = list(self.model.named_parameters()) + [
+                (name, buffer) for name, buffer in self.model.named_buffers() if buffer.is_floating_point()
+            ]
         for name, tensor in tensors:
             writer.add_histogram(f"{name}/histogram", tensor.detach().float().cpu(), epoch)
