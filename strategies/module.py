@@ -33,6 +33,7 @@ from collections import OrderedDict
 import torch
 
 from . import context
+from .parameter_shards import reads_live
 from .reduce_util import VariableAggregation, VariableSynchronization
 from .replica_context import prepare_backward_collective
 from .sync_batchnorm import synchronize_batchnorm
@@ -232,7 +233,8 @@ class DistributedModule:
                 variable = self._aliases.get(name) if variable is None else variable
                 if variable is not None:
                     if id(variable) not in read:
-                        read[id(variable)] = variable.read_value().detach()
+                        live = reads_live() and not isinstance(variable, SyncOnReadVariable)  # (written at once)
+                        read[id(variable)] = variable.value().detach() if live else variable.read_value().detach()
                     state[name] = read[id(variable)]
         return state
 

@@ -81,6 +81,12 @@ def keeps_shards() -> bool:
     return getattr(_mode, "sharded", None) is not None
 
 
+def reads_live() -> bool:
+    """Whether ``sharded_state_dict(snapshot=False)`` is in force on this thread: a state written at once reads the
+    variables' live tensors, copying none (``DistributedModule.state_dict`` reads whole variables so too)."""
+    return getattr(_mode, "sharded", None) == "live"
+
+
 def _copied(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` detached, copied unless ``sharded_state_dict(snapshot=False)`` is in force."""
     return tensor.detach() if getattr(_mode, "sharded", None) == "live" else tensor.detach().clone()
