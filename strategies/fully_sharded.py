@@ -117,7 +117,8 @@ class FullyShardedExtended(MultiWorkerMirroredExtended):
     where sharded parameters differ: ``_prepare_module`` (the sharding), ``_module_variable`` (a
     ``ShardedVariable`` per parameter), ``gradients`` (backward, then the local shards of the summed gradients),
     ``state_layout`` (``ParameterShards``), ``gradient_step`` (``fully_shard`` reduces during backward: no buckets
-    of ours) and ``capabilities``.
+    of ours) and ``capabilities``. (A deliberate second level of inheritance: everything across processes is that
+    strategy's, one place for it.)
     """
 
     #: Submodules with at least this many parameters (not in a smaller unit) are units when neither
