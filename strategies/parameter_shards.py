@@ -35,9 +35,10 @@ import threading
 import torch
 
 from .distributed_checkpoint import PiecedValue
+from .reduce_util import VariableAggregation, VariableSynchronization
 from .state_layout import ReducedGradients, StateLayout
 from .values import local_results
-from .variables import LocalVariable, Variable, as_assign_value
+from .variables import _ASSIGN_OPS, LocalVariable, Variable, as_assign_value
 
 __all__ = [
     "ParameterShards",
@@ -141,8 +142,6 @@ class ShardedVariable(Variable):
         self._name = name
         self._device = device
         self._trainable = bool(trainable)
-        from .reduce_util import VariableAggregation, VariableSynchronization
-
         self._aggregation = VariableAggregation.NONE
         self._synchronization = VariableSynchronization.ON_WRITE
         self._distribute_strategy = strategy
@@ -186,12 +185,7 @@ class ShardedVariable(Variable):
             whole = value if is_sharded(value) else as_assign_value(value, self._tensor, self._name)
             part = local_part(whole, self._tensor)
         with torch.no_grad():
-            if op == "assign":
-                local.copy_(part)
-            elif op == "assign_add":
-                local.add_(part)
-            else:
-                local.sub_(part)
+            _ASSIGN_OPS[op](local, part)
         return self
 
     def _local_results(self) -> tuple:
