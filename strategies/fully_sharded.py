@@ -36,7 +36,7 @@ import torch
 from .capabilities import StrategyCapabilities
 from .cluster_resolver import ClusterResolver
 from .distribute_lib import Strategy
-from .multi_worker_mirrored import MultiWorkerMirroredExtended, checked_cluster
+from .multi_worker_mirrored import MultiWorkerMirroredExtended, check_cluster_spec, checked_cluster
 from .parameter_shards import ParameterShards, ShardedVariable, workers_mesh
 from .reduce_util import CommunicationOptions
 from .state_layout import StateLayout
@@ -333,6 +333,12 @@ class FullyShardedStrategy(Strategy):
     def cluster_resolver(self) -> ClusterResolver:
         """The cluster this strategy belongs to (read-only)."""
         return self._cluster_resolver
+
+    def configure(self, session_config=None, cluster_spec=None, task_type=None, task_id=None) -> None:
+        """Validated, as ``MultiWorkerMirroredStrategy.configure``: the cluster comes from ``cluster_resolver``, and a
+        ``cluster_spec`` must name as many tasks as it has workers."""
+        Strategy.configure(self, session_config, None, task_type, task_id)
+        check_cluster_spec(cluster_spec, self._extended._num_workers)
 
     def __repr__(self) -> str:
         extended = self._extended

@@ -366,6 +366,18 @@ def checked_cluster(communication_options, cluster_resolver, replicas: int | Non
     return communication_options, cluster_resolver, devices
 
 
+def check_cluster_spec(cluster_spec, num_workers: int) -> None:
+    """``ValueError`` unless ``configure``'s ``cluster_spec`` (if any) names ``num_workers`` tasks: a multi-worker
+    strategy's cluster comes from its resolver, and ``configure`` may only restate it."""
+    if cluster_spec:
+        tasks = sum(len(v) if isinstance(v, (list, tuple)) else 1 for v in dict(cluster_spec).values())
+        if tasks != num_workers:
+            raise ValueError(
+                f"configure(cluster_spec=...) names {tasks} tasks, but this strategy's cluster has {num_workers} "
+                "workers: pass the cluster as cluster_resolver when building it."
+            )
+
+
 def _gpu_identities(devices) -> tuple:
     """What tells this worker's physical GPUs apart from another process's: each GPU's UUID (two
     processes see the same GPU under other indices when their ``CUDA_VISIBLE_DEVICES`` differ)."""
@@ -502,10 +514,4 @@ class MultiWorkerMirroredStrategy(Strategy):
     def configure(self, session_config=None, cluster_spec=None, task_type=None, task_id=None) -> None:
         """Validated; the cluster itself comes from ``cluster_resolver`` (it must match)."""
         Strategy.configure(self, session_config, None, task_type, task_id)
-        if cluster_spec:
-            tasks = sum(len(v) if isinstance(v, (list, tuple)) else 1 for v in dict(cluster_spec).values())
-            if tasks != self._extended._num_workers:
-                raise ValueError(
-                    f"configure(cluster_spec=...) names {tasks} tasks, but this strategy's cluster has "
-                    f"{self._extended._num_workers} workers: pass the cluster as cluster_resolver when building it."
-                )
+        check_cluster_spec(cluster_spec, self._extended._num_workers)

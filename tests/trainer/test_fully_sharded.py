@@ -266,3 +266,13 @@ def test_a_checkpoint_left_aside_by_a_crashed_replacement_is_found(tmp_path):
     # A file over a sharded directory: the directory is set aside until the file is written, then removed.
     trainer.save_checkpoint(path)
     assert path.is_file() and sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_configure_takes_the_cluster_it_has_and_refuses_another():
+    """A one-worker strategy here; ``configure`` restates the cluster (not "runs in one process")."""
+    import replicafit.strategies as ds
+
+    strategy = ds.FullyShardedStrategy(cluster_resolver=ds.SimpleClusterResolver(1, 0))
+    strategy.configure(cluster_spec={"worker": ["localhost:1234"]}, task_type="worker", task_id=0)
+    with pytest.raises(ValueError, match="names 2 tasks, but this strategy's cluster has 1 workers"):
+        strategy.configure(cluster_spec={"worker": ["a:1", "b:2"]})
