@@ -24,6 +24,12 @@ __all__ = ["check_entry", "factory_parameters", "parameter_default", "type_probl
 _SIMPLE_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "list": list, "tuple": list, "dict": dict}
 
 
+#: The default ``factory_parameters`` gives a base class's required argument reached through a subclass's
+#: ``**kwargs``: the subclass may pass it itself, so a recipe need not (a missing one fails when it is called).
+class SUPPLIED_BY_SUBCLASS:  # a marker (named as inspect.Parameter.empty is a class of its own)
+    """The marker ``factory_parameters`` puts as such an argument's default."""
+
+
 def factory_parameters(factory) -> tuple:
     """``(parameters by name, accepts **kwargs)`` of a function or class, following ``**kwargs`` to bases.
 
@@ -59,6 +65,10 @@ def factory_parameters(factory) -> tuple:
             if "__init__" in vars(base) and base is not object:
                 more, still_open = factory_parameters(base)
                 for name, param in more.items():
+                    # A base's required argument may come from the subclass itself (torchmetrics'
+                    # MulticlassF1Score passes beta=1.0 to MulticlassFBetaScore): not required of the recipe.
+                    if param.default is inspect.Parameter.empty:
+                        param = param.replace(default=SUPPLIED_BY_SUBCLASS)
                     params.setdefault(name, param)
                 if not still_open:
                     return params, False

@@ -8,7 +8,7 @@ the object it returns. Only replicafit's own built-ins are constructed during va
 - ``strategy``: a ``replicafit.strategies.Strategy`` subclass, or a function annotated ``-> Strategy``;
   returns a ``Strategy``.
 - ``optimizer``, ``metric``, ``callback``: likewise with ``replicafit.optimizers.Optimizer``,
-  ``replicafit.trainer.metrics.Metric`` and ``replicafit.trainer.callbacks.Callback``.
+  ``replicafit.trainer.metrics.Metric`` (or a torchmetrics ``Metric``) and ``replicafit.trainer.callbacks.Callback``.
 - ``model``: a ``torch.nn.Module`` subclass or any Python function; returns an ``nn.Module``.
 - ``dataset``: a torch ``Dataset``/``DataLoader`` class (or a class of iterables) or any Python
   function; returns what ``fit`` takes (``(x, y)`` arrays, a torch ``Dataset``, a ``DataLoader``)
@@ -75,6 +75,7 @@ def _kinds() -> dict:
     from replicafit.trainer.callbacks import Callback
     from replicafit.trainer.losses import Loss
     from replicafit.trainer.metrics import Metric
+    from replicafit.trainer.torch_metrics import is_torchmetrics_class, is_torchmetrics_metric
 
     def data_class(cls):
         return issubclass(cls, (torch.utils.data.Dataset, torch.utils.data.DataLoader, np.ndarray, torch.Tensor)) or (
@@ -101,9 +102,10 @@ def _kinds() -> dict:
         ),
         "metric": Kind(
             "a metric",
-            "a replicafit.trainer.metrics.Metric subclass, or a function annotated to return one",
-            _subclass(Metric),
-            lambda obj: isinstance(obj, Metric),
+            "a replicafit.trainer.metrics.Metric or torchmetrics.Metric subclass, or a function annotated to "
+            "return one",
+            lambda cls: issubclass(cls, Metric) or is_torchmetrics_class(cls),
+            lambda obj: isinstance(obj, Metric) or is_torchmetrics_metric(obj),
             True,
         ),
         "callback": Kind(

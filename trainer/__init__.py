@@ -43,6 +43,7 @@ from .callbacks import (
 from .checkpoint import CheckpointError
 from .model_summary import ModelSummary, summary
 from .preemption import Preempted
+from .torch_metrics import TorchMetric
 from .trainer import Trainer
 
 #: The exit status of a run that saved its backup and stopped on a preemption signal
@@ -71,6 +72,7 @@ __all__ = [
     "TensorBoard",
     "TerminateOnNaN",
     "TorchLRScheduler",
+    "TorchMetric",
     "Trainer",
     "callbacks",
     "checkpoint",

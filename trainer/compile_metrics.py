@@ -34,6 +34,7 @@ from replicafit.strategies.variables import aggregated_reads
 from . import checkpoint, metrics
 from .compile_loss import output_names, output_part
 from .replica_states import gather_replica_states, restore_replica_states
+from .torch_metrics import TorchMetric, is_torchmetrics_metric
 
 __all__ = ["CompileMetrics"]
 
@@ -43,7 +44,8 @@ class CompileMetrics:
 
     Args:
       specs: ``Trainer``'s ``metrics`` argument: names (``"accuracy"`` is resolved from the shapes of the
-        first batch's labels and predictions, per output) or ``metrics.Metric`` objects.
+        first batch's labels and predictions, per output), ``metrics.Metric`` objects, or torchmetrics metrics
+        (each wrapped in a ``TorchMetric``, per output).
       strategy: the trainer's strategy, under which the accumulators are made.
 
     Example::
@@ -83,7 +85,10 @@ class CompileMetrics:
                 if name is not None:
                     y_true = _part(labels, name)
                     y_pred = _part(outputs, name)
-                metric = metrics.get(spec, loss, y_true=y_true, y_pred=y_pred)
+                if is_torchmetrics_metric(spec):  # a copy per output, as every output's own metric
+                    metric = TorchMetric(spec)
+                else:
+                    metric = metrics.get(spec, loss, y_true=y_true, y_pred=y_pred)
                 if isinstance(spec, metrics.Metric) and multi:
                     metric = type(spec)()
                 if name is not None:
@@ -186,14 +191,12 @@ class CompileMetrics:
 
             point = compiled.local_values()  # before validation, which a preemption may interrupt
         """
-        local = self._strategy.experimental_local_results
-        return [[c.value().detach().clone() for c in local(v)] for v in self.variables]
+        return [metric.local_values() for metric in self.all_metrics]
 
     def load_local_values(self, values: list) -> None:
         """Gives this worker's replicas' accumulators the values of ``local_values``."""
-        for variable, components in zip(self.variables, values):
-            for index, value in enumerate(components):
-                variable.assign_component(index, value)
+        for metric, own in zip(self.all_metrics, values):
+            metric.load_local_values(own)
 
     # --- checkpoints and backups ----------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -233,8 +236,7 @@ class CompileMetrics:
             saved, current = states.get(metric.name), metric.state_dict()
             if not saved or not current:
                 continue
-            expected = {name: list(value.shape) for name, value in current.items()}
-            found = {name: list(value.shape) for name, value in saved.items()}
+            expected, found = metric.saved_layout(current), metric.saved_layout(saved)
             if found != expected:
                 raise checkpoint.CheckpointError(
                     f"The backup {str(path)!r} holds metric {metric.name!r} with accumulators {found}, but this "

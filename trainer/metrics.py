@@ -153,6 +153,30 @@ class Metric:
             for name, value in state.items():
                 self._states[name].assign(value)
 
+    def saved_layout(self, state: dict) -> dict:
+        """``{accumulator name: its shape}`` of a ``state_dict()``: what a backup's metric state must match
+        (``CompileMetrics.check_state_dict``); None where the shape may change with the data."""
+        return {name: list(value.shape) for name, value in state.items()}
+
+    def local_values(self) -> list:
+        """This worker's replicas' accumulators, copied (no communication): what ``load_local_values`` puts
+        back (a preemption during validation rewinds the training epoch's to them).
+
+        Example::
+
+            point = metric.local_values()
+            ...
+            metric.load_local_values(point)
+        """
+        local = self._strategy.experimental_local_results
+        return [[c.value().detach().clone() for c in local(v)] for v in self.variables]
+
+    def load_local_values(self, values: list) -> None:
+        """Gives this worker's replicas' accumulators the values of ``local_values``."""
+        for variable, components in zip(self.variables, values):
+            for index, value in enumerate(components):
+                variable.assign_component(index, value)
+
     # --- the metric ----------------------------------------------------------------------
     def update_state(self, y_true, y_pred, sample_weight=None) -> None:
         """Adds one batch to the accumulators, for subclasses to implement. Inside ``strategy.run`` (the
@@ -519,7 +543,10 @@ def get(identifier, loss=None, y_true=None, y_pred=None) -> Metric:
     if isinstance(identifier, Metric):
         return identifier
     if not isinstance(identifier, str):
-        raise TypeError(f"Cannot make a metric from {type(identifier).__name__}: pass a name or a Metric.")
+        raise TypeError(
+            f"Cannot make a metric from {type(identifier).__name__}: pass a name, a Metric, or (to the Trainer's "
+            "metrics) a torchmetrics Metric."
+        )
     key = identifier.lower()
     if key in _RESOLVED:
         kind = _kind(loss, y_true, y_pred)

@@ -215,3 +215,23 @@ def test_a_dataset_that_does_not_tell_its_classes_gets_the_fix_in_the_message(tm
     status, _, err = run_cli(capsys, "fit", path, "--run-dir", tmp_path / "run")
     assert status == 2 and "Traceback" not in err
     assert "the model needs 'outputs'" in err and "`targets` attribute" in err and "TensorDataset" in err
+
+
+class _Base:
+    def __init__(self, beta, width=1):
+        self.beta, self.width = beta, width
+
+
+class _PassesBeta(_Base):
+    """Passes its base's required ``beta`` itself (as torchmetrics' MulticlassF1Score does)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(beta=1.0, **kwargs)
+
+
+def test_a_bases_required_argument_that_the_subclass_passes_is_not_required_of_the_recipe():
+    from replicafit.recipes.entries import factory_parameters
+
+    params, open_kwargs = factory_parameters(_PassesBeta)
+    assert not open_kwargs and set(params) == {"beta", "width"}
+    assert params["beta"].default is not params["beta"].empty  # the recipe need not give it

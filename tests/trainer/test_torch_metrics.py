@@ -1,0 +1,228 @@
+"""torchmetrics metrics in ``Trainer(metrics=...)``: every replica updates its own copy, and the logs combine the
+copies by each state's own reduction, so they equal one device's ``compute()`` on the same data (``cat``
+states in the input's order) under every strategy, across workers, in backups and in recipes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch_metrics_scenarios as scenarios
+from conftest import InterruptAt, make_strategy
+from multiworker_harness import results, run_workers
+from torchmetrics.classification import MulticlassAUROC, MulticlassF1Score
+from torchmetrics.regression import MeanSquaredError
+
+import replicafit.strategies as ds
+from replicafit import cli, optimizers
+from replicafit.trainer import Trainer, callbacks
+from replicafit.trainer.torch_metrics import TorchMetric
+
+STRATEGIES = ["default", "mirrored3", "central_storage2", "multi_worker1x2"]
+
+
+def close_logs(got: dict, expected: dict, atol=1e-6, what=""):
+    assert sorted(got) == sorted(expected), what
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, abs=atol), f"{what}: {key}"
+
+
+def one_device_values(model, x, y) -> dict:
+    """torchmetrics on one device, on the whole data at once (the oracle)."""
+    with torch.no_grad():
+        logits = model(x)
+    values = {}
+    for metric in scenarios.classification_metrics():
+        metric.update(logits, y)
+        values[TorchMetric(metric).name] = float(metric.compute())
+    return values
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {
+        "classification": scenarios.classification_run(ds.get_strategy()),
+        "regression": scenarios.regression_run(ds.get_strategy()),
+    }
+
+
+def test_fit_logs_equal_a_hand_loop_with_torchmetrics_on_one_device(reference):
+    """The oracle: a plain torch loop (SGD, the mean loss) updating torchmetrics with each step's predictions."""
+    (x, y), (vx, vy) = scenarios.classification_data()
+    model = scenarios.classifier()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(2):
+        train_metrics = scenarios.classification_metrics()
+        for start in range(0, 115, 32):
+            logits = model(x[start : start + 32])
+            for metric in train_metrics:
+                metric.update(logits.detach(), y[start : start + 32])
+            sgd.zero_grad()
+            torch.nn.functional.cross_entropy(logits, y[start : start + 32]).backward()
+            sgd.step()
+        history = reference["classification"]["history"]
+        for metric in train_metrics:
+            name = TorchMetric(metric).name
+            assert history[name][epoch] == pytest.approx(float(metric.compute()), abs=1e-6), name
+        for name, value in one_device_values(model, vx, vy).items():
+            assert history[f"val_{name}"][epoch] == pytest.approx(value, abs=1e-6), name
+    close_logs(
+        {k: v for k, v in reference["classification"]["evaluate"].items() if k != "loss"},
+        one_device_values(model, vx, vy),
+    )
+
+
+@pytest.mark.parametrize("strategy_name", STRATEGIES)
+def test_every_strategy_logs_one_devices_values(strategy_name, reference):
+    """Mirrored over 3 replicas: the last batches (19 training rows, 5 validation rows) are uneven."""
+    got = scenarios.classification_run(make_strategy(strategy_name))
+    expected = reference["classification"]
+    for key, values in expected["history"].items():
+        assert got["history"][key] == pytest.approx(values, abs=1e-6), key
+    close_logs(got["evaluate"], expected["evaluate"])
+    regression = scenarios.regression_run(make_strategy(strategy_name))
+    for key, values in reference["regression"]["history"].items():
+        assert regression["history"][key] == pytest.approx(values, abs=1e-6), key
+    close_logs(regression["evaluate"], reference["regression"]["evaluate"], atol=1e-4)  # OrderedSum ~ 1e4
+
+
+def test_cat_states_are_combined_in_the_inputs_order():
+    """OrderedSum weighs each target by its position: only the input's order gives sum(i * (i + 1))."""
+    expected = float(sum((i / 100) * (i + 1) for i in range(115)))
+    for name in ["default", "mirrored3", "central_storage2"]:
+        result = scenarios.regression_run(make_strategy(name))
+        assert result["evaluate"]["ordered_sum"] == pytest.approx(expected, rel=1e-6), name
+        assert result["history"]["ordered_sum"][0] == pytest.approx(expected, rel=1e-6), name
+
+
+@pytest.mark.timeout(120)
+def test_two_workers_log_one_devices_values(reference):
+    """Two workers (the last training batch of 19 rows: 10 and 9): the states are combined across them when the
+    logs are read, the cat states in the input's order."""
+    outcomes = results(run_workers(scenarios.__file__, "workers", 2, timeout=100))
+    for worker, got in enumerate(outcomes):
+        for kind in ("classification", "regression"):
+            for key, values in reference[kind]["history"].items():
+                assert got[kind]["history"][key] == pytest.approx(values, abs=1e-6), (worker, kind, key)
+        close_logs(got["classification"]["evaluate"], reference["classification"]["evaluate"], what=str(worker))
+        close_logs(got["regression"]["evaluate"], reference["regression"]["evaluate"], atol=1e-4, what=str(worker))
+
+
+def test_a_backup_mid_epoch_resumes_the_metric_states(tmp_path, reference):
+    """Interrupted at the second epoch's second step, after a backup at every step: the resumed epoch's logs
+    (F1's counts and AUROC's concatenated scores, saved mid-epoch) equal the uninterrupted run's."""
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
+    backup = callbacks.BackupAndRestore(str(tmp_path), save_freq=1)
+    with pytest.raises(KeyboardInterrupt):
+        scenarios.classification_run(strategy, callbacks=[backup, InterruptAt(5)])
+    resumed = scenarios.classification_run(
+        ds.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"]), callbacks=[callbacks.BackupAndRestore(str(tmp_path))]
+    )
+    for key, values in reference["classification"]["history"].items():
+        assert resumed["history"][key][-1] == pytest.approx(values[-1], abs=1e-6), key
+
+
+def test_a_backup_resumes_on_another_replica_count(tmp_path, reference):
+    backup = callbacks.BackupAndRestore(str(tmp_path), save_freq=1)
+    with pytest.raises(KeyboardInterrupt):
+        scenarios.classification_run(ds.MirroredStrategy(["cpu:0", "cpu:1"]), callbacks=[backup, InterruptAt(6)])
+    resumed = scenarios.classification_run(
+        ds.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"]), callbacks=[callbacks.BackupAndRestore(str(tmp_path))]
+    )
+    for key, values in reference["classification"]["history"].items():
+        assert resumed["history"][key][-1] == pytest.approx(values[-1], abs=1e-6), key
+
+
+def test_the_epoch_starts_each_metric_afresh_and_validation_leaves_training_alone(reference):
+    history = reference["classification"]["history"]
+    assert history["multiclass_f1_score"][0] != history["multiclass_f1_score"][1]
+    # validation ran between the epochs: the training logs of epoch 1 equal a fit that validates never
+    plain = scenarios.classification_data()[0]
+    model = scenarios.classifier()
+    trainer = Trainer(optimizer=optimizers.SGD(0.1), loss="cross_entropy", metrics=scenarios.classification_metrics())
+    alone = trainer.fit(model, plain, epochs=2, batch_size=32, shuffle=False, verbose=0).history
+    assert alone["multiclass_auroc"] == pytest.approx(history["multiclass_auroc"], abs=1e-7)
+
+
+def test_zero_weights_leave_rows_out_and_other_weights_are_refused():
+    metric = TorchMetric(MulticlassF1Score(num_classes=3))
+    metric.build(ds.get_strategy())
+    logits = torch.tensor([[3.0, 0.0, 0.0], [0.0, 3.0, 0.0], [0.0, 0.0, 3.0]])
+    metric.update_state(torch.tensor([0, 1, 0]), logits, sample_weight=torch.tensor([1.0, 1.0, 0.0]))
+    assert float(metric.result()) == pytest.approx(1.0)  # the wrong third row was left out
+    with pytest.raises(ValueError, match="counts each example once.*0 \\(left out\\) or 1"):
+        metric.update_state(torch.tensor([0, 1, 2]), logits, sample_weight=torch.tensor([0.5, 1.0, 1.0]))
+
+
+def test_a_metric_computing_several_values_is_refused_with_the_fix():
+    trainer = Trainer(loss="cross_entropy", metrics=[MulticlassF1Score(num_classes=3, average=None)])
+    (x, y), _ = scenarios.classification_data()
+    with pytest.raises(ValueError, match=r"computed \(3,\), but logs hold numbers.*average='macro'"):
+        trainer.fit(scenarios.classifier(), (x, y), batch_size=32, verbose=0)
+
+
+def test_a_failing_update_names_the_metric_and_the_shapes():
+    trainer = Trainer(loss="mse", metrics=[MeanSquaredError()])
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    model = torch.nn.Linear(4, 2)  # two outputs against one target per row
+    with pytest.raises(Exception, match=r"mean_squared_error.*MeanSquaredError.update\(preds, target\).*\(8, 2\)"):
+        trainer.fit(model, (x, y), batch_size=8, verbose=0)
+
+
+def test_the_given_metric_is_a_template_and_a_name_can_be_given():
+    template = MulticlassAUROC(num_classes=3)
+    trainer = Trainer(loss="cross_entropy", metrics=[template, TorchMetric(MulticlassF1Score(num_classes=3), "f1")])
+    (x, y), _ = scenarios.classification_data()
+    history = trainer.fit(scenarios.classifier(), (x, y), batch_size=32, verbose=0)
+    assert set(history.history) == {"loss", "multiclass_auroc", "f1"}
+    assert template._update_count == 0  # never updated itself
+    with pytest.raises(TypeError, match="TorchMetric wraps a torchmetrics Metric"):
+        TorchMetric("accuracy")
+
+
+def test_too_old_a_torchmetrics_is_a_clear_error(monkeypatch):
+    import torchmetrics
+
+    monkeypatch.setattr(torchmetrics, "__version__", "0.11.4")
+    with pytest.raises(ImportError, match=r"torchmetrics 0.11.4 is too old.*replicafit\[torchmetrics\]"):
+        TorchMetric(MulticlassF1Score(num_classes=3))
+
+
+def test_torchmetrics_stays_optional():
+    """Fitting with the trainer's own metrics never imports torchmetrics."""
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        from replicafit.trainer import Trainer
+        Trainer(loss="mse", metrics=["mae"]).fit(torch.nn.Linear(2, 1), (torch.ones(4, 2), torch.ones(4, 1)),
+                                                 batch_size=2, verbose=0)
+        assert "torchmetrics" not in sys.modules, "torchmetrics was imported"
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_recipe_names_a_torchmetrics_metric_with_its_arguments(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        textwrap.dedent(
+            """
+            seed: 0
+            strategy: {type: mirrored, devices: ["cpu:0", "cpu:1"]}
+            data: {type: digits, validation_split: 0.2, batch_size: 64}
+            model: {type: mlp, hidden: [16]}
+            optimizer: {type: adam}
+            loss: cross_entropy
+            metrics:
+              - {type: "torchmetrics.classification:MulticlassF1Score", num_classes: 10}
+            fit: {epochs: 1, verbose: 0}
+            """
+        )
+    )
+    assert cli.main(["validate", str(recipe)]) == 0
+    assert cli.main(["fit", str(recipe), "--run-dir", str(tmp_path / "run")]) == 0
+    header = (tmp_path / "run" / "history.csv").read_text().splitlines()[0].split(",")
+    assert "multiclass_f1_score" in header and "val_multiclass_f1_score" in header

@@ -1,0 +1,101 @@
+"""torchmetrics scenarios, run in worker processes by test_torch_metrics.py (and in-process as its reference)."""
+
+from __future__ import annotations
+
+import torch
+import torchmetrics
+from torchmetrics.classification import MulticlassAUROC, MulticlassF1Score
+from torchmetrics.regression import MeanSquaredError
+from torchmetrics.utilities import dim_zero_cat
+
+import replicafit.strategies as ds
+from replicafit import optimizers
+from replicafit.trainer import Trainer
+
+
+class OrderedSum(torchmetrics.Metric):
+    """``sum(target[i] * (i + 1))`` over the targets in the order they were appended: a ``cat`` state whose
+    value changes with the order (the input's order gives one value)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.add_state("values", default=[], dist_reduce_fx="cat")
+
+    def update(self, preds, target):
+        self.values.append(target.detach().float().reshape(-1))
+
+    def compute(self):
+        values = dim_zero_cat(self.values)
+        return (values.double() * torch.arange(1, values.numel() + 1, dtype=torch.float64)).sum()
+
+
+def strategy_for(rank, num_workers, port, timeout=30.0):
+    resolver = ds.SimpleClusterResolver(num_workers, rank, "127.0.0.1", port)
+    return ds.MultiWorkerMirroredStrategy(ds.CommunicationOptions(timeout_seconds=timeout), resolver)
+
+
+def classification_data():
+    """115 training rows (a last batch of 19 at batch 32: uneven over 2 or 3 replicas) and 37 validation rows
+    (a last batch of 5)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(152, 6, generator=generator)
+    y = (x[:, :2].sum(dim=1) > 0).long() + (x[:, 2] > 0.5).long()
+    return (x[:115], y[:115]), (x[115:], y[115:])
+
+
+def regression_data():
+    """Targets are the row indices (an ordered metric tells the input's order apart)."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(115, 4, generator=generator)
+    return x, torch.arange(115, dtype=torch.float32).reshape(-1, 1) / 100
+
+
+def classifier():
+    torch.manual_seed(7)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def classification_metrics():
+    return [MulticlassF1Score(num_classes=3), MulticlassAUROC(num_classes=3)]
+
+
+def classification_run(strategy, epochs=2, callbacks=(), **fit_kwargs):
+    """A fit with validation and an evaluation: their logs, and the model."""
+    train, validation = classification_data()
+    model = classifier()
+    trainer = Trainer(
+        strategy=strategy, optimizer=optimizers.SGD(0.1), loss="cross_entropy", metrics=classification_metrics()
+    )
+    history = trainer.fit(
+        model,
+        train,
+        epochs=epochs,
+        batch_size=32,
+        validation_data=validation,
+        shuffle=False,
+        verbose=0,
+        callbacks=list(callbacks),
+        **fit_kwargs,
+    )
+    evaluation = trainer.evaluate(model, validation, batch_size=32, verbose=0, return_dict=True)
+    return {
+        "history": history.history,
+        "evaluate": evaluation,
+        "weights": {k: v.clone() for k, v in model.state_dict().items()},
+    }
+
+
+def regression_run(strategy):
+    torch.manual_seed(3)
+    model = torch.nn.Linear(4, 1)
+    trainer = Trainer(
+        strategy=strategy, optimizer=optimizers.SGD(0.01), loss="mse", metrics=[MeanSquaredError(), OrderedSum()]
+    )
+    history = trainer.fit(model, regression_data(), epochs=1, batch_size=32, shuffle=False, verbose=0)
+    evaluation = trainer.evaluate(model, regression_data(), batch_size=32, verbose=0, return_dict=True)
+    return {"history": history.history, "evaluate": evaluation}
+
+
+def workers(rank, num_workers, port):
+    strategy = strategy_for(rank, num_workers, port)
+    return {"classification": classification_run(strategy), "regression": regression_run(strategy)}
