@@ -99,10 +99,11 @@ def test_cat_states_are_combined_in_the_inputs_order():
 
 
 @pytest.mark.timeout(120)
-def test_two_workers_log_one_devices_values(reference):
+@pytest.mark.parametrize("kind", ["multi_worker_mirrored", "fully_sharded"])
+def test_two_workers_log_one_devices_values(kind, reference):
     """Two workers (the last training batch of 19 rows: 10 and 9): the states are combined across them when the
-    logs are read, the cat states in the input's order."""
-    outcomes = results(run_workers(scenarios.__file__, "workers", 2, timeout=100))
+    logs are read, the cat states in the input's order; sharded parameters alike."""
+    outcomes = results(run_workers(scenarios.__file__, "workers", 2, timeout=100, kwargs={"kind": kind}))
     for worker, got in enumerate(outcomes):
         for kind in ("classification", "regression"):
             for key, values in reference[kind]["history"].items():

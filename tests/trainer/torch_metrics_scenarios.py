@@ -29,9 +29,12 @@ class OrderedSum(torchmetrics.Metric):
         return (values.double() * torch.arange(1, values.numel() + 1, dtype=torch.float64)).sum()
 
 
-def strategy_for(rank, num_workers, port, timeout=30.0):
+def strategy_for(rank, num_workers, port, kind="multi_worker_mirrored", timeout=30.0):
     resolver = ds.SimpleClusterResolver(num_workers, rank, "127.0.0.1", port)
-    return ds.MultiWorkerMirroredStrategy(ds.CommunicationOptions(timeout_seconds=timeout), resolver)
+    options = ds.CommunicationOptions(timeout_seconds=timeout)
+    if kind == "fully_sharded":
+        return ds.FullyShardedStrategy(options, resolver)
+    return ds.MultiWorkerMirroredStrategy(options, resolver)
 
 
 def classification_data():
@@ -96,6 +99,6 @@ def regression_run(strategy):
     return {"history": history.history, "evaluate": evaluation}
 
 
-def workers(rank, num_workers, port):
-    strategy = strategy_for(rank, num_workers, port)
+def workers(rank, num_workers, port, kind="multi_worker_mirrored"):
+    strategy = strategy_for(rank, num_workers, port, kind)
     return {"classification": classification_run(strategy), "regression": regression_run(strategy)}
