@@ -39,6 +39,7 @@ import sys
 
 import torch
 
+import replicafit.strategies as ds
 from replicafit.strategies import context, get_replica_context
 from replicafit.strategies.devices import torch_device
 
@@ -122,16 +123,20 @@ class TorchMetric(Metric):
 
     # --- state ----------------------------------------------------------------------------------------
     def build(self, strategy=None) -> None:
-        """Makes one copy of the metric per replica of this worker, on the replica's device (again if built
-        for another strategy)."""
+        """Makes one copy of the metric per replica of this worker, on the replica's device, and the
+        ``SyncOnRead`` variables of its sum and mean states and of its count of updates (again if built for
+        another strategy)."""
         strategy = strategy or context.get_strategy()
         if self._strategy is strategy and self._copies:
             return
         self._strategy = strategy
         self._devices = [torch_device(device) for device in strategy.extended.worker_devices]
         self._copies = [self._fresh().to(device) for device in self._devices]
-        self._marks = [[] for _ in self._devices]
         self._reader = self._fresh().to(self._devices[0])
+        self._states = {}
+        with context.enter_or_assert_strategy(strategy):
+            self.build_state()
+        self.reset_state()
 
     def _fresh(self):
         metric = copy.deepcopy(self.metric)
@@ -144,16 +149,29 @@ class TorchMetric(Metric):
         return metric
 
     def build_state(self) -> None:
-        """Nothing to declare: the states are the torchmetrics metric's own (``build`` copies it per replica)."""
+        """A ``SyncOnRead`` variable per state that sums (``"sum"``) or averages (``"mean"``) a tensor of fixed
+        shape, and ``update_count``: their reads ride the trainer's one batched reduction of the logs (no
+        collective of their own). Each replica's copy of the metric holds its component as that state."""
+        self._states["update_count"] = _variable(f"{self.name}/update_count", torch.zeros((), dtype=torch.int64))
+        for name, default in _defaults(self._reader).items():
+            reduction = _reduction_name(self._reader, name)
+            if isinstance(default, torch.Tensor) and reduction in ("dim_zero_sum", "dim_zero_mean"):
+                self._states[name] = _variable(f"{self.name}/{name}", default, mean=reduction == "dim_zero_mean")
 
-    @property
-    def variables(self) -> list:
-        """Empty: the states live in the per-replica copies of the torchmetrics metric, not in variables."""
-        return []
+    def _components(self, index: int) -> dict:
+        """``{state name: replica index's component tensor}`` of the variables of the states."""
+        local = self._strategy.experimental_local_results
+        return {name: local(variable)[index].value() for name, variable in self._states.items()}
 
-    def state_variables(self) -> dict:
-        """Empty, as ``variables``."""
-        return {}
+    def _set_state(self, index: int, name: str, value) -> None:
+        """Sets one state of one replica's copy: into its variable's component where it has one."""
+        metric = self._copies[index]
+        if name in self._states:
+            component = self._components(index)[name]
+            component.copy_(value)
+            setattr(metric, name, component)
+        else:
+            setattr(metric, name, value)
 
     def _copy(self):
         """This replica's copy (the first outside the replicas)."""
@@ -166,9 +184,13 @@ class TorchMetric(Metric):
         return index, self._copies[index]
 
     def reset_state(self) -> None:
-        """Resets every replica's copy."""
-        for metric in self._copies:
+        """Resets every replica's copy (its variables' components to the states' defaults)."""
+        for index, metric in enumerate(self._copies):
             metric.reset()
+            for name, component in self._components(index).items():
+                component.copy_(getattr(metric, name) if name != "update_count" else torch.zeros_like(component))
+                if name != "update_count":
+                    setattr(metric, name, component)
         self._marks = [[] for _ in self._copies]
 
     # --- the metric ----------------------------------------------------------------------------------
@@ -190,6 +212,12 @@ class TorchMetric(Metric):
                 f"Metric {self.name!r} ({type(metric).__name__}.update(preds, target)) failed on preds "
                 f"{_describe(y_pred)} and target {_describe(y_true)}: {error}"
             ) from error
+        for name, component in self._components(index).items():
+            if name == "update_count":
+                component.add_(1)
+            elif getattr(metric, name) is not component:  # the update made a new tensor: keep the component's
+                component.copy_(getattr(metric, name))
+                setattr(metric, name, component)
         self._marks[index].append(_list_lengths(metric))
 
     def result(self) -> torch.Tensor:
@@ -214,23 +242,33 @@ class TorchMetric(Metric):
         return reader.compute()
 
     def _combined(self, reduce: bool = True) -> dict:
-        """Every state combined over the replicas of every worker by its own reduction, on the first device."""
+        """Every state combined over the replicas of every worker by its own reduction, on the first device:
+        the variables' aggregates (batched with the other logs' inside ``aggregated_reads``), the other
+        states gathered (across workers one ``all_gather``, only for a metric that has such states)."""
         if not self._copies:
             self.build()
-        parts = [self._local_part(index) for index in range(len(self._copies))]
+        with context.enter_or_assert_strategy(self._strategy):
+            read = {name: variable.read_value() for name, variable in self._states.items()}
+        states = {"_update_count": int(read.pop("update_count"))}
+        states.update({name: value.to(self._devices[0]) for name, value in read.items()})
+        others = [name for name in _defaults(self._reader) if name not in self._states]
+        if not others:
+            return states
+        parts = [self._local_part(index, others) for index in range(len(self._copies))]
         cluster = self._strategy.cluster
         if cluster.num_workers > 1:
             gathered = cluster.all_gather(parts, f"combining the states of metric {self.name!r}")
             parts = [part for worker in gathered for part in worker]
-        return _combine(self._reader, parts, self._devices[0], reduce)
+        states.update(_combine(self._reader, others, parts, self._devices[0], reduce))
+        return states
 
-    def _local_part(self, index: int) -> dict:
-        """One copy's states, for combining: tensor states as they are, list states concatenated with the
-        number of rows each update added (on the CPU when they cross workers)."""
+    def _local_part(self, index: int, names: list) -> dict:
+        """One copy's ``names`` states, for combining: tensor states as they are, list states concatenated
+        with the number of rows each update added (on the CPU when they cross workers)."""
         metric, marks = self._copies[index], self._marks[index]
         crossing = self._strategy.cluster.num_workers > 1
-        part = {"_update_count": metric.update_count}
-        for name in metric._reductions:  # private: torchmetrics' state names and their dist_reduce_fx
+        part = {}
+        for name in names:
             value = getattr(metric, name)
             if isinstance(value, torch.Tensor):
                 part[name] = value.detach().cpu() if crossing else value.detach()
@@ -265,25 +303,26 @@ class TorchMetric(Metric):
     def load_state_dict(self, state: dict) -> None:
         """Restores a ``state_dict()``: the first replica's copy takes the combined states (a ``"mean"``,
         ``"min"`` or ``"max"`` state every copy), the others start from their defaults; reads then give the
-        saved value, and later updates add to it."""
+        saved value, and later updates add to it. (A backup also holds each replica's own variables, which
+        ``CompileMetrics`` gives back on as many replicas.)"""
         if not self._copies:
             self.build()
         self.reset_state()
         if not state:
             return
+        count = int(state.get("_update_count", 0))
         for index, (metric, device) in enumerate(zip(self._copies, self._devices)):
-            for name, reduction in metric._reductions.items():  # private: torchmetrics' dist_reduce_fx per state
+            for name in _defaults(metric):
                 if name not in state:
                     continue
                 value = state[name]
                 if isinstance(getattr(metric, name), list):
                     if index == 0 and value.numel():
                         getattr(metric, name).append(value.to(device))
-                    continue
-                if index == 0 or _keeps_value(reduction):
-                    setattr(metric, name, value.to(device))
-            count = int(state.get("_update_count", 0)) if index == 0 else 0
-            metric._update_count = count  # private: torchmetrics' count of updates, restored
+                elif index == 0 or _keeps_value(_reduction_name(metric, name)):
+                    self._set_state(index, name, value.to(device))
+            metric._update_count = count if index == 0 else 0  # private: torchmetrics' count of updates, restored
+            self._components(index)["update_count"].fill_(count if index == 0 else 0)
             self._marks[index].append(_list_lengths(metric))
 
     def saved_layout(self, state: dict) -> dict:
@@ -299,20 +338,21 @@ class TorchMetric(Metric):
         """This worker's copies' states, copied (no communication): what ``load_local_values`` puts back."""
         return [
             (
-                {n: _clone(getattr(m, n)) for n in m._reductions},  # private: torchmetrics' state names
-                m.update_count,
+                {name: _clone(getattr(metric, name)) for name in _defaults(metric)},
+                metric.update_count,
                 [dict(mark) for mark in marks],
             )
-            for m, marks in zip(self._copies, self._marks)
+            for metric, marks in zip(self._copies, self._marks)
         ]
 
     def load_local_values(self, values: list) -> None:
         """Gives this worker's copies the states of ``local_values``."""
-        for metric, (states, count, _) in zip(self._copies, values):
+        for index, (metric, (states, count, _)) in enumerate(zip(self._copies, values)):
             for name, value in states.items():
-                setattr(metric, name, _clone(value))
+                self._set_state(index, name, _clone(value))
             metric._update_count = count  # private: torchmetrics' count of updates, restored
             metric._computed = None  # private: torchmetrics' cached result
+            self._components(index)["update_count"].fill_(count)
         self._marks = [[dict(mark) for mark in marks] for _, _, marks in values]
 
     def get_config(self) -> dict:
@@ -323,13 +363,30 @@ class TorchMetric(Metric):
         return f"TorchMetric({type(self.metric).__name__}, name={self.name!r})"
 
 
-def _combine(reader, parts: list, device, reduce: bool = True) -> dict:
-    """The states of ``parts`` (``_local_part`` of every replica, in global replica order) combined by their
-    reductions as torchmetrics' own synchronisation does: tensor states stacked and reduced; list states
-    concatenated update by update, replica by replica (the input's order), then reduced (``reduce``; else
-    concatenated, as a backup keeps them)."""
-    states = {"_update_count": sum(part["_update_count"] for part in parts)}
-    for name, reduction in reader._reductions.items():  # private: torchmetrics' dist_reduce_fx per state
+def _variable(name: str, default: torch.Tensor, mean: bool = False):
+    """A ``SyncOnRead`` accumulator like the trainer's own metrics' (``SUM``; ``MEAN`` for a mean state)."""
+    return ds.Variable(
+        default.detach().clone(),
+        trainable=False,
+        name=name,
+        synchronization=ds.VariableSynchronization.ON_READ,
+        aggregation=ds.VariableAggregation.MEAN if mean else ds.VariableAggregation.SUM,
+    )
+
+
+def _reduction_name(metric, name: str) -> str:
+    reduction = metric._reductions[name]  # private: torchmetrics' dist_reduce_fx per state (no public accessor)
+    return getattr(reduction, "__name__", "") if reduction is not None else ""
+
+
+def _combine(reader, names: list, parts: list, device, reduce: bool = True) -> dict:
+    """The ``names`` states of ``parts`` (``_local_part`` of every replica, in global replica order) combined
+    by their reductions as torchmetrics' own synchronisation does: tensor states stacked and reduced; list
+    states concatenated update by update, replica by replica (the input's order), then reduced (``reduce``;
+    else concatenated, as a backup keeps them)."""
+    states = {}
+    for name in names:
+        reduction = reader._reductions[name]  # private: torchmetrics' dist_reduce_fx per state
         values = [part[name] for part in parts]
         if not isinstance(values[0], tuple):
             stacked = torch.stack([v.to(device) for v in values])
@@ -351,9 +408,9 @@ def _is_cat(reduction) -> bool:
     return getattr(reduction, "__name__", "") == "dim_zero_cat"
 
 
-def _keeps_value(reduction) -> bool:
+def _keeps_value(reduction: str) -> bool:
     """Whether combining equal copies gives the value back (mean, min, max): every copy restores it."""
-    return getattr(reduction, "__name__", "") in ("dim_zero_mean", "dim_zero_min", "dim_zero_max")
+    return reduction in ("dim_zero_mean", "dim_zero_min", "dim_zero_max")
 
 
 def _list_lengths(metric) -> dict:
