@@ -227,3 +227,11 @@ def test_a_recipe_names_a_torchmetrics_metric_with_its_arguments(tmp_path):
     assert cli.main(["fit", str(recipe), "--run-dir", str(tmp_path / "run")]) == 0
     header = (tmp_path / "run" / "history.csv").read_text().splitlines()[0].split(",")
     assert "multiclass_f1_score" in header and "val_multiclass_f1_score" in header
+
+
+@pytest.mark.timeout(120)
+def test_sum_states_ride_the_logs_reduction_with_no_collective_of_their_own():
+    """F1's counts are SyncOnRead variables: with the logs read at every step across two workers, a fit with
+    F1 issues exactly the collectives of one with the trainer's accuracy alone."""
+    for worker, counts in enumerate(results(run_workers(scenarios.__file__, "collectives_per_read", 2, timeout=100))):
+        assert counts["with_torchmetrics"] == counts["accuracy"], worker

@@ -102,3 +102,36 @@ def regression_run(strategy):
 def workers(rank, num_workers, port, kind="multi_worker_mirrored"):
     strategy = strategy_for(rank, num_workers, port, kind)
     return {"classification": classification_run(strategy), "regression": regression_run(strategy)}
+
+
+def collectives_per_read(rank, num_workers, port):
+    """The collectives a fit issues (every method of the workers' ``Collective``, counted) with the trainer's
+    accuracy alone, then with torchmetrics' F1 and MSE-like sums beside it, with the logs read at every step."""
+    from replicafit.strategies import collective
+    from replicafit.trainer import LambdaCallback
+
+    counts: dict = {}
+    for method in ("all_reduce_flat", "all_gather_object", "sum_ints", "all_gather", "broadcast_object"):
+        original = getattr(collective.Collective, method)
+
+        def counted(self, *args, _original=original, _method=method, **kwargs):
+            counts[_method] = counts.get(_method, 0) + 1
+            return _original(self, *args, **kwargs)
+
+        setattr(collective.Collective, method, counted)
+    strategy = strategy_for(rank, num_workers, port)
+    (x, y), _ = classification_data()
+    out = {}
+    for name, metrics in (
+        ("accuracy", ["accuracy"]),
+        ("with_torchmetrics", ["accuracy", MulticlassF1Score(num_classes=3)]),
+    ):
+        # from the first step on (the metrics' variables are made, and checked across workers, before it)
+        steps = LambdaCallback(
+            on_train_batch_begin=lambda batch, logs: counts.clear() if batch == 0 else None,
+            on_train_batch_end=lambda batch, logs: None,  # wants the logs at every step
+        )
+        trainer = Trainer(strategy=strategy, optimizer=optimizers.SGD(0.1), loss="cross_entropy", metrics=metrics)
+        trainer.fit(classifier(), (x, y), epochs=1, batch_size=32, shuffle=False, verbose=0, callbacks=[steps])
+        out[name] = dict(counts)
+    return out
