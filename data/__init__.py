@@ -1,5 +1,7 @@
 """The distributed dataset layer: sources of global batches, the split across replicas, what each
 worker reads (``AutoShardPolicy``, ``sharding.py``: by default only its replicas' rows), prefetch.
+Hugging Face ``datasets`` are sources too (``hugging_face.py``), their rows collated by ``collate_rows`` or
+by the collator a ``CollatedDataset`` carries (``collation.py``).
 
 Example::
 
@@ -12,6 +14,7 @@ Example::
 """
 
 from . import datasets
+from .collation import CollatedDataset, collate_rows
 from .input_lib import (
     DistributedDataset,
     DistributedDatasetsFromFunction,
@@ -23,11 +26,20 @@ from .input_lib import (
     split_sizes,
 )
 from .options import AutoShardPolicy, InputContext, InputOptions, InputReplicationMode
-from .sources import ArrayBatches, DatasetBatches, as_global_batches, as_tensor, epoch_permutation, is_array_nest
+from .sources import (
+    ArrayBatches,
+    DatasetBatches,
+    IterableBatches,
+    as_global_batches,
+    as_tensor,
+    epoch_permutation,
+    is_array_nest,
+)
 
 __all__ = [
     "ArrayBatches",
     "AutoShardPolicy",
+    "CollatedDataset",
     "DatasetBatches",
     "DistributedDataset",
     "DistributedDatasetsFromFunction",
@@ -36,9 +48,11 @@ __all__ = [
     "InputOptions",
     "InputReplicationMode",
     "InputWorkers",
+    "IterableBatches",
     "NumpyDataset",
     "as_global_batches",
     "as_tensor",
+    "collate_rows",
     "datasets",
     "epoch_permutation",
     "is_array_nest",

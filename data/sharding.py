@@ -35,7 +35,7 @@ import torch
 
 from replicafit.strategies import nest
 
-from . import loader_signals
+from . import hugging_face, loader_signals
 from .options import AutoShardPolicy
 
 __all__ = ["ShardPlan", "ShardedLoader", "plan", "share_of"]
@@ -218,9 +218,10 @@ def _iterable_shards(dataset) -> bool:
 
 
 def _sharded_loader(loader, workers):
-    """A ``DataLoader`` over ``loader.dataset.shard(...)`` (an ``IterableDataset``: no sampler to keep),
-    otherwise the user's: its batches are the worker's."""
-    shard = loader.dataset.shard(workers.num_workers, workers.worker_index)
+    """A ``DataLoader`` over ``loader.dataset.shard(...)`` (an ``IterableDataset``: no sampler to keep; a Hugging
+    Face one split by ``hugging_face.shard``, which never leaves a worker without data), otherwise the user's: its
+    batches are the worker's."""
+    shard = hugging_face.shard(loader.dataset, workers.num_workers, workers.worker_index)
     return torch.utils.data.DataLoader(
         shard, batch_size=loader.batch_size, drop_last=loader.drop_last, **_settings(loader)
     )

@@ -7,7 +7,11 @@ source of global batches, the one form the distributed layer splits:
 * NumPy arrays, tensors, and tuples/dicts/namedtuples of them (Keras-style ``(x, y)``
   or ``(x, y, sample_weight)``): ``ArrayBatches``;
 * a map-style ``torch.utils.data.Dataset``: ``DatasetBatches`` (items collated with
-  torch's ``default_collate``).
+  torch's ``default_collate``);
+* a Hugging Face ``datasets.Dataset`` (dict rows, any format): ``DatasetBatches``, rows collated
+  by ``collation.collate_rows``; a ``datasets.IterableDataset`` (a stream): ``IterableBatches``;
+* a ``CollatedDataset`` (examples with the ``collate_fn`` that batches them, e.g. a padding
+  collator): either of the two, with its ``collate_fn``.
 
 Batched sources shuffle with a seed per epoch (``set_epoch``) and can start at any
 batch (``iterate(epoch, start)``), so an interrupted epoch resumes with exactly the
@@ -30,7 +34,21 @@ import torch
 
 from replicafit.strategies import nest
 
-__all__ = ["as_global_batches", "as_tensor", "ArrayBatches", "DatasetBatches", "epoch_permutation", "is_array_nest"]
+from . import hugging_face
+from .collation import CollatedDataset, collate_rows
+
+__all__ = [
+    "as_global_batches",
+    "as_tensor",
+    "ArrayBatches",
+    "DatasetBatches",
+    "IterableBatches",
+    "epoch_permutation",
+    "indexed_examples",
+    "is_array_nest",
+    "streamed_examples",
+    "subset",
+]
 
 DEFAULT_BATCH_SIZE = 32  # Keras' default for arrays
 
@@ -179,7 +197,10 @@ class ArrayBatches(_Batched):
 
 
 class DatasetBatches(_Batched):
-    """Batches of a map-style ``torch.utils.data.Dataset``, collated like a ``DataLoader``.
+    """Batches of a map-style ``torch.utils.data.Dataset`` (or a Hugging Face ``Dataset``), read and
+    collated as a ``DataLoader`` reads them: a dataset with ``__getitems__`` (Hugging Face's reads a
+    batch of rows from Arrow at once) gets each batch's indices in one call, others one index at a time;
+    ``collate_fn`` (default torch's ``default_collate``) makes the batch of the examples.
 
     Example::
 
@@ -201,8 +222,132 @@ class DatasetBatches(_Batched):
         super().__init__(len(dataset), batch_size, shuffle, seed, drop_remainder)
 
     def _batch(self, order, begin, end):
-        indices = range(begin, end) if order is None else order[begin:end].tolist()
-        return self.collate_fn([self.dataset[i] for i in indices])
+        indices = list(range(begin, end)) if order is None else order[begin:end].tolist()
+        read_many = getattr(self.dataset, "__getitems__", None)  # (torch's fetcher protocol)
+        examples = read_many(indices) if callable(read_many) else [self.dataset[i] for i in indices]
+        return self.collate_fn(examples)
+
+
+class IterableBatches:
+    """Batches of a stream of examples (a Hugging Face ``IterableDataset``; a torch ``IterableDataset`` of
+    single examples in a ``CollatedDataset``): ``batch_size`` examples at a time, in the order the stream
+    yields them, made into a global batch by ``collate_fn`` (default ``collation.collate_rows``); the last
+    batch may be smaller (``drop_remainder`` drops it).
+
+    A stream is not shuffled here (shuffle it yourself: ``dataset.shuffle(seed=..., buffer_size=...)``):
+    each pass (``iterate(epoch)``) tells the stream its epoch (``set_epoch``, where it has one: a shuffled
+    Hugging Face stream then reshuffles per epoch, alike on every worker), and a pass resumed at a later
+    batch reads the batches before it again (a stream cannot be addressed). ``len()`` is unknown.
+
+    Across workers ``shard(num_shards, index)`` is worker ``index``'s part: its shard of the stream
+    (``hugging_face.shard``; a torch ``IterableDataset``'s own ``shard``), batched by its share of
+    ``batch_size``, so that a step's global batch still holds ``batch_size`` examples (Keras' meaning of
+    ``batch_size``; a ``DataLoader`` over a sharded stream batches ``batch_size`` per worker instead). A
+    stream with no ``shard`` has ``shard = None`` (read whole by every worker, with a warning).
+
+    Example::
+
+        stream = datasets.load_dataset("json", data_files=files, split="train", streaming=True).map(tokenize)
+        batches = IterableBatches(stream, batch_size=32, collate_fn=collator)
+        for batch in batches.iterate(epoch=0): ...
+    """
+
+    def __init__(self, dataset, batch_size: int = DEFAULT_BATCH_SIZE, *, collate_fn=None, drop_remainder: bool = False):
+        self.dataset = dataset
+        self.batch_size = _check_batch_size(batch_size)
+        self.collate_fn = collate_fn or collate_rows
+        self.drop_remainder = bool(drop_remainder)
+        self.epoch = 0
+        if not (hugging_face.is_iterable_dataset(dataset) or callable(getattr(dataset, "shard", None))):
+            self.shard = None  # (nothing to shard by: the data layer reads it whole on every worker)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Which epoch the next ``iter()`` walks (told to the stream, where it has ``set_epoch``)."""
+        self.epoch = int(epoch)
+
+    def __iter__(self):
+        return self.iterate(self.epoch)
+
+    def iterate(self, epoch: int | None = None, start: int = 0):
+        """The batches of pass ``epoch`` from batch number ``start`` on (the batches before it are read)."""
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(self.epoch if epoch is None else int(epoch))
+        examples, index = [], 0
+        for example in self.dataset:
+            examples.append(example)
+            if len(examples) == self.batch_size:
+                if index >= start:
+                    yield self.collate_fn(examples)
+                examples, index = [], index + 1
+        if examples and not self.drop_remainder and index >= start:
+            yield self.collate_fn(examples)
+
+    def shard(self, num_shards: int, index: int) -> IterableBatches:
+        """Worker ``index``'s batches among ``num_shards`` workers: its shard of the stream, batched by its
+        share of ``batch_size`` (``split_sizes``: 8 over 2 workers is 4 and 4, 7 is 4 and 3).
+
+        Example::
+
+            mine = batches.shard(2, 1)   # worker 1 of 2
+        """
+        from .input_lib import split_sizes
+
+        share = split_sizes(self.batch_size, num_shards)[index]
+        if share == 0:
+            raise ValueError(
+                f"A batch_size of {self.batch_size} cannot be shared by {num_shards} workers each reading its own "
+                f"shard of the stream: pass a batch_size of {num_shards} at least."
+            )
+        part = hugging_face.shard(self.dataset, num_shards, index)
+        return IterableBatches(part, share, collate_fn=self.collate_fn, drop_remainder=self.drop_remainder)
+
+
+def indexed_examples(source) -> bool:
+    """Whether ``source`` is a dataset of single examples addressed by index that ``as_global_batches``
+    batches (and may shuffle): a map-style torch ``Dataset``, a Hugging Face ``Dataset``, a
+    ``CollatedDataset`` of either.
+
+    Example::
+
+        >>> indexed_examples(CollatedDataset([{"x": 1}], collate_rows)), indexed_examples([1, 2])
+        (True, False)
+    """
+    if isinstance(source, CollatedDataset):
+        return source.by_index
+    if hugging_face.is_dataset(source):
+        return True
+    return isinstance(source, torch.utils.data.Dataset) and not isinstance(source, torch.utils.data.IterableDataset)
+
+
+def streamed_examples(source) -> bool:
+    """Whether ``source`` is a stream of single examples that ``as_global_batches`` batches (never
+    shuffles): a Hugging Face ``IterableDataset``, or a ``CollatedDataset`` of a stream.
+
+    Example::
+
+        >>> streamed_examples(CollatedDataset(iter([{"x": 1}]), collate_rows))
+        True
+    """
+    if isinstance(source, CollatedDataset):
+        return not source.by_index
+    return hugging_face.is_iterable_dataset(source)
+
+
+def subset(dataset, start: int, stop: int):
+    """Examples ``start`` to ``stop`` of a dataset that ``indexed_examples`` accepts, as the same kind of
+    dataset: a Hugging Face ``Dataset``'s ``select`` (its format and rows' collation kept), a
+    ``CollatedDataset`` of the part (its ``collate_fn`` kept), else a ``torch.utils.data.Subset``.
+
+    Example::
+
+        train, held_out = subset(dataset, 0, 800), subset(dataset, 800, 1000)
+    """
+    if isinstance(dataset, CollatedDataset):
+        return CollatedDataset(subset(dataset.dataset, start, stop), dataset.collate_fn)
+    if hugging_face.is_dataset(dataset):
+        return dataset.select(range(start, stop))
+    return torch.utils.data.Subset(dataset, range(start, stop))
 
 
 def is_array_nest(value) -> bool:
@@ -253,9 +398,15 @@ def as_global_batches(
     """A re-iterable source of global batches made from ``source`` (see the module docstring).
 
     ``batch_size`` (default 32 for arrays, required for a ``Dataset``), ``shuffle``,
-    ``seed`` and ``drop_remainder`` apply to arrays and datasets; a source that is
+    ``seed`` and ``drop_remainder`` apply to arrays and datasets (a stream of examples takes
+    ``batch_size`` and ``drop_remainder``: shuffle the stream itself); a source that is
     already batched (a ``DataLoader``, a list of batches, a generator) must not get them.
     A *list* is read as a list of batches; pass a tuple for several arrays.
+
+    Example::
+
+        batches = as_global_batches(hf_dataset.with_format("torch"), batch_size=8, shuffle=True, seed=0)
+        padded = as_global_batches(CollatedDataset(hf_dataset, collator), batch_size=8)
     """
     if is_array_nest(source):
         return ArrayBatches(
@@ -265,13 +416,31 @@ def as_global_batches(
             seed=seed,
             drop_remainder=drop_remainder,
         )
-    if isinstance(source, torch.utils.data.Dataset) and not isinstance(source, torch.utils.data.IterableDataset):
+    if hugging_face.is_dataset_dict(source):
+        raise ValueError(
+            f"A {type(source).__name__} holds named splits ({', '.join(map(str, source))}), not examples: pass one "
+            "split, e.g. fit(model, dataset_dict['train'], batch_size=..., validation_data=dataset_dict['validation'])."
+        )
+    if indexed_examples(source) or streamed_examples(source):
         if batch_size is None:
             raise ValueError(
-                f"A {type(source).__name__} (a torch Dataset of single examples) needs a batch_size "
-                "to be cut into global batches."
+                f"A {type(source).__name__} (a dataset of single examples) needs a batch_size to be cut into "
+                "global batches. (A dataset whose items are batches already, such as a Hugging Face "
+                "Dataset.batch(...) or IterableDataset.batch(...), goes in a DataLoader(dataset, batch_size=None).)"
             )
-        return DatasetBatches(source, batch_size, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder)
+        collated = isinstance(source, CollatedDataset)
+        dataset = source.dataset if collated else source
+        collate_fn = source.collate_fn if collated else collate_rows if hugging_face.is_dataset(source) else None
+        if indexed_examples(source):
+            return DatasetBatches(
+                dataset, batch_size, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder, collate_fn=collate_fn
+            )
+        if shuffle:
+            raise ValueError(
+                f"A stream of examples ({type(dataset).__name__}) is read in its own order and cannot be shuffled "
+                "here: shuffle it itself (a Hugging Face IterableDataset: dataset.shuffle(seed=..., buffer_size=...))."
+            )
+        return IterableBatches(dataset, batch_size, collate_fn=collate_fn, drop_remainder=drop_remainder)
     if isinstance(source, (tuple, Mapping)):
         raise ValueError(
             f"A {type(source).__name__} is read as arrays, such as (x, y) or {{'image': x, 'label': y}}: every leaf "

@@ -15,7 +15,7 @@ import math
 import torch
 
 import replicafit.data as data_layer
-from replicafit.data import loader_internals, sharding
+from replicafit.data import loader_internals, sharding, sources
 from replicafit.strategies import nest
 
 __all__ = [
@@ -65,22 +65,27 @@ def as_dtype(structure, dtype):
 
 
 def batch_source(dataset, batch_size, shuffle, seed):
+    """The global batches of ``dataset``: arrays and datasets of examples are batched by ``batch_size`` (and
+    shuffled where they are addressed by index; a stream never is), other sources are batched already."""
+    addressed = batchable(dataset)
+    batched_here = addressed or sources.streamed_examples(dataset)
     return data_layer.as_global_batches(
-        dataset, batch_size if batchable(dataset) else None, shuffle=shuffle and batchable(dataset), seed=seed
+        dataset, batch_size if batched_here else None, shuffle=shuffle and addressed, seed=seed
     )
 
 
 def split_off_validation(dataset, validation_split: float):
     if validation_split == 0:
         return dataset, None
-    if isinstance(dataset, torch.utils.data.Dataset) and not isinstance(dataset, torch.utils.data.IterableDataset):
+    if sources.indexed_examples(dataset):
         n = len(dataset)
         cut = _split_point(n, validation_split)
-        return (torch.utils.data.Subset(dataset, range(cut)), torch.utils.data.Subset(dataset, range(cut, n)))
+        return sources.subset(dataset, 0, cut), sources.subset(dataset, cut, n)
     if not batchable(dataset):
         raise ValueError(
-            "validation_split needs arrays, tensors or a torch Dataset (it keeps the last examples "
-            "for validation, as Keras does); pass validation_data for other sources."
+            "validation_split needs arrays, tensors or a dataset addressed by index (a torch or Hugging Face "
+            "Dataset; it keeps the last examples for validation, as Keras does); pass validation_data for other "
+            "sources."
         )
     leaves = [data_layer.as_tensor(leaf) for leaf in nest.flatten(dataset)]
     n = leaves[0].shape[0]
@@ -91,10 +96,9 @@ def split_off_validation(dataset, validation_split: float):
 
 
 def batchable(dataset) -> bool:
-    """Arrays, tensors, tuples/dicts of them, or a map-style Dataset: batched by the trainer."""
-    if isinstance(dataset, torch.utils.data.Dataset) and not isinstance(dataset, torch.utils.data.IterableDataset):
-        return True
-    return data_layer.is_array_nest(dataset)
+    """Arrays, tensors, tuples/dicts of them, or a dataset of examples addressed by index (a map-style torch
+    Dataset, a Hugging Face Dataset, a ``CollatedDataset`` of one): batched and shuffled by the trainer."""
+    return sources.indexed_examples(dataset) or data_layer.is_array_nest(dataset)
 
 
 def _split_point(n: int, validation_split: float) -> int:

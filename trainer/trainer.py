@@ -52,6 +52,7 @@ import torch
 
 import replicafit.strategies as ds
 from replicafit import optimizers
+from replicafit.data import is_array_nest
 from replicafit.strategies import context, nest
 
 from . import callbacks as callbacks_module
@@ -61,7 +62,7 @@ from .compile_loss import CompileLoss
 from .compile_metrics import CompileMetrics
 from .fit_loop import FitLoop, FitPlan, fit_callbacks, unwatch_preemption, watch_preemption
 from .input_checks import InputChecks, checked_validation, first_look, in_memory_labels
-from .inputs import Cursor, as_dtype, batch_source, batchable, rows, split_off_validation, unpack
+from .inputs import Cursor, as_dtype, batch_source, rows, split_off_validation, unpack
 from .model_io import ModelIO, call_model, inputs_with_labels, model_loss, prediction_of, real_items
 from .preemption import PreemptedInValidation
 from .training_state import TrainingState
@@ -399,6 +400,13 @@ class Trainer:
         runs out. ``validation_split`` keeps the last fraction of arrays/datasets for
         validation (both parts need at least one example).
 
+        A Hugging Face ``datasets.Dataset`` (any format) is a dataset of dict rows like a torch one
+        (``batch_size``, shuffled, sharded by rows; each column stacked by ``data.collate_rows``); a
+        ``datasets.IterableDataset`` (a stream) takes ``batch_size`` and is never shuffled here (each
+        worker reads its shard). Rows of different lengths need a padding collator:
+        ``fit(model, data.CollatedDataset(dataset, collator), batch_size=8)``. A dict row goes to
+        ``forward`` whole, its ``labels`` included (``Trainer(loss=None)``: the model's own loss).
+
         Floating inputs, targets and sample weights of another float type (NumPy's float64) are
         cast to the model's float type, as Keras casts them to its own (integer labels are kept).
 
@@ -649,7 +657,7 @@ class Trainer:
         (sharded by rows, or read whole) come back in input order; per-worker inputs (``FILE``, ``OFF``)
         step by step in worker order, with what their samplers repeat (a ``DistributedSampler`` pads)."""
         inputs = dataset
-        if batchable(dataset) and not isinstance(dataset, torch.utils.data.Dataset):
+        if is_array_nest(dataset):  # arrays: x alone, or a tuple whose first part is x
             inputs = dataset if isinstance(dataset, tuple) else (dataset,)
         check_arguments("predict", EVALUATE_ARGUMENTS, batch_size=batch_size, steps=steps)
         source = batch_source(inputs, batch_size, False, None)
