@@ -14,6 +14,17 @@ others, without ``**kwargs``, is an error naming the unknown keys and the parame
 has. The decision depends only on ``forward``'s signature and the dict's keys, so it is made once
 per model class and key set and cached. Anything that is not such a dict goes as one argument.
 
+**Wrappers.** A module whose ``forward`` takes ``*args, **kwargs`` and nothing else passes its inputs on
+to a module it wraps, whose ``forward`` then decides as above (``wrapped_module``): PEFT's ``PeftModel``
+(made without ``task_type``) and its ``LoraModel``, torch.compile's ``OptimizedModule``, DDP, a wrapper of
+one's own. The wrapped module is what a public ``get_base_model()`` returns (PEFT's accessor; a prompt-tuning
+``PeftModel`` has a prompt encoder beside its base model), else the wrapper's only child module. The rule
+is followed through several wrappers (``torch.compile`` of a ``PeftModel``); a wrapper with several children
+and no ``get_base_model`` is not looked through, and its dict goes as one argument, as to any
+``forward(*args, **kwargs)``. The rule reads structure only (no private attribute of torch or PEFT), so a
+new wrapper of the same shape needs nothing here; one that keeps a second child module (a loss, a
+preprocessing layer) beside what it wraps gives ``forward`` named parameters, or ``get_base_model()``.
+
 **Outputs.** A ``ModelOutput`` is recognised without importing ``transformers``: a ``Mapping`` that
 is a dataclass instance with a ``to_tuple`` method (``transformers.utils.ModelOutput`` is an
 ``OrderedDict`` dataclass with ``to_tuple``; diffusers' ``BaseOutput`` has the same shape). What
@@ -85,6 +96,7 @@ __all__ = [
     "prediction_of",
     "real_items",
     "select_outputs",
+    "wrapped_module",
 ]
 
 
@@ -132,11 +144,79 @@ def passes_keywords(model, x) -> bool:
 
 
 def _forward_of(model):
-    """The ``forward`` whose signature decides: the user's module under a ``DistributedModule``, the
-    original module under ``torch.compile``."""
-    module = model.module if isinstance(model, DistributedModule) else model
-    module = getattr(module, "_orig_mod", module)  # private: the module torch.compile's OptimizedModule wraps
+    """The ``forward`` whose signature decides: that of the user's module under a ``DistributedModule``, and of
+    the module a wrapper passes its inputs to (``wrapped_module``)."""
+    module = wrapped_module(model)
     return getattr(module, "forward", module)
+
+
+def wrapped_module(model) -> torch.nn.Module:
+    """The module whose ``forward`` takes ``model``'s inputs in the end: ``model`` itself (the user's module
+    under a ``DistributedModule``), or, where its ``forward`` takes only ``*args, **kwargs``, the module it
+    wraps, followed through every such wrapper (the module docstring has the rule: a public
+    ``get_base_model()``, else the only child module).
+
+    Example::
+
+        >>> import torch
+        >>> class Wrapper(torch.nn.Module):
+        ...     def __init__(self, inner):
+        ...         super().__init__()
+        ...         self.inner = inner
+        ...     def forward(self, *args, **kwargs):
+        ...         return self.inner(*args, **kwargs)
+        >>> inner = torch.nn.Linear(2, 3)
+        >>> wrapped_module(Wrapper(Wrapper(inner))) is inner
+        True
+        >>> wrapped_module(inner) is inner
+        True
+    """
+    return _chain(model)[-1]
+
+
+def _chain(model) -> list:
+    """``model`` (the user's module under a ``DistributedModule``) and the modules it passes its inputs on to,
+    outermost first; the last one's ``forward`` decides."""
+    chain = [model.module if isinstance(model, DistributedModule) else model]
+    while True:
+        inner = _passed_to(chain[-1])
+        if inner is None or any(inner is module for module in chain):  # (a cycle: stop where it closes)
+            return chain
+        chain.append(inner)
+
+
+def _passed_to(module):
+    """The module that ``module`` passes its inputs to, or None where it is no wrapper (or hides what it wraps)."""
+    if not isinstance(module, torch.nn.Module) or not _passes_everything(getattr(module, "forward", None)):
+        return None
+    base = getattr(module, "get_base_model", None)  # PEFT's public accessor of the model it wraps
+    if callable(base):
+        try:
+            inner = base()
+        except Exception:  # noqa: BLE001 - a method of that name with another meaning: the children decide
+            inner = None
+        if isinstance(inner, torch.nn.Module) and inner is not module:
+            return inner
+    children = iter(module.children())
+    only = next(children, None)
+    return only if next(children, None) is None else None
+
+
+def _passes_everything(forward) -> bool:
+    """Whether ``forward``'s parameters are ``*args`` and ``**kwargs`` alone (cached per function)."""
+    if forward is None:
+        return False
+    function = getattr(forward, "__func__", forward)
+    cached = _WRAPPERS.get(function, ())
+    if cached is not None:
+        return cached
+    try:
+        kinds = [p.kind for p in inspect.signature(forward).parameters.values()]
+    except (TypeError, ValueError):
+        kinds = []
+    decision = sorted(kinds) == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]
+    _WRAPPERS.put(function, (), decision)
+    return decision
 
 
 def _decide_keywords(forward, keys: tuple, model) -> bool:
@@ -162,7 +242,7 @@ def _decide_keywords(forward, keys: tuple, model) -> bool:
         f"The model's forward({_parameters_text(parameters)}) names the keys {known} of the input dict but not "
         f"{unknown}: a dict of inputs goes to forward as keyword arguments when forward names every key (or takes "
         "**kwargs; Hugging Face's convention), and as one argument when it names none (Keras' convention). Drop or "
-        f"rename the keys {unknown} (forward accepts {named}), or give {_name(model)}.forward those parameters or "
+        f"rename the keys {unknown} (forward accepts {named}), or give {_forward_name(model)} those parameters or "
         "**kwargs."
     )
 
@@ -175,9 +255,11 @@ def _parameters_text(parameters) -> str:
     )
 
 
-def _name(model) -> str:
-    module = model.module if isinstance(model, DistributedModule) else model
-    return type(module).__name__
+def _forward_name(model) -> str:
+    """``"GPT2LMHeadModel.forward"``, with the wrappers that pass it their inputs, outermost first:
+    ``"GPT2LMHeadModel.forward (wrapped by PeftModel, LoraModel)"``."""
+    *wrappers, inner = (type(module).__name__ for module in _chain(model))
+    return f"{inner}.forward (wrapped by {', '.join(wrappers)})" if wrappers else f"{inner}.forward"
 
 
 class _KeywordCache:
@@ -202,6 +284,7 @@ class _KeywordCache:
 
 
 _CACHE = _KeywordCache()
+_WRAPPERS = _KeywordCache()  # (forward function, ()) -> whether it passes everything on
 
 
 # --- outputs -----------------------------------------------------------------------------------------------------
@@ -383,11 +466,10 @@ def counts_items(model, inputs) -> bool:
     """
     if not isinstance(inputs, Mapping) or "labels" not in inputs or not passes_keywords(model, inputs):
         return False
-    module = model.module if isinstance(model, DistributedModule) else model
-    module = getattr(module, "_orig_mod", module)  # private: the module torch.compile's OptimizedModule wraps
-    declared = getattr(module, "accepts_loss_kwargs", None)
-    if isinstance(declared, bool):
-        return declared
+    for module in _chain(model):  # the outermost declaration wins: a wrapper may know better than what it wraps
+        declared = getattr(module, "accepts_loss_kwargs", None)
+        if isinstance(declared, bool):
+            return declared
     try:
         parameters = inspect.signature(_forward_of(model)).parameters.values()
     except (TypeError, ValueError):
@@ -403,7 +485,7 @@ def real_items(model, inputs) -> torch.Tensor:
     labels = inputs.get("shift_labels")
     if labels is None:
         labels = inputs["labels"]
-        module = model.module if isinstance(model, DistributedModule) else model
+        module = wrapped_module(model)  # the model that computes the loss, whatever wraps it
         config = getattr(module, "config", None)
         function = getattr(module, "loss_function", None) if config is not None else None
         causal = getattr(function, "__name__", "") == "ForCausalLMLoss" and not getattr(

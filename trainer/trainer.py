@@ -410,6 +410,11 @@ class Trainer:
         Floating inputs, targets and sample weights of another float type (NumPy's float64) are
         cast to the model's float type, as Keras casts them to its own (integer labels are kept).
 
+        The parameters trained, and given optimizer state, are those that require gradients when the
+        trainer first runs the model (a LoRA model: its adapters alone). A later fit of that model after
+        ``requires_grad`` changed raises ``ValueError``: make a new ``Trainer`` (as Keras compiles again
+        after a change of ``trainable``), e.g. ``Trainer(optimizer=optimizers.Adam(1e-5), loss=None)``.
+
         Training or validation data with no batch at all raises ``ValueError`` before any
         callback runs (as ``predict`` does): an empty run has no loss to report. Arguments of
         the wrong type are refused here, with the fix (Keras' ``fit(x, y)`` habit puts ``y``
@@ -487,6 +492,7 @@ class Trainer:
             # The first step of the first epoch, read once: the entry checks look at it, the first step trains on it.
             first = first_look(cursor, 0 if repeat else initial_epoch, "training data", "fit()")
             dm = self._distribute(model)
+            _check_trainable_unchanged(dm)
             dm.train()
             self._trainable = dm.trainable_variables
             steps = steps_per_epoch if steps_per_epoch is not None else distributed.steps
@@ -793,6 +799,37 @@ class Trainer:
                         self.trainer.restore_training_state(checkpoint.load("backup.pt", kind="backup"), "backup.pt")
         """
         self._training_state.restore_backup(state, path, model=self._distributed)
+
+
+def _check_trainable_unchanged(dm) -> None:
+    """Refuses a fit of a model whose parameters' ``requires_grad`` changed since this trainer distributed it.
+
+    The distributed variables, and the optimizer's slots, are those of the parameters that required gradients
+    then (Keras: a change of ``trainable`` takes effect at the next ``compile()``); trained as they are, a newly
+    frozen parameter would fail inside backward and a newly unfrozen one would silently stay as it is."""
+    variables = dm.named_variables()
+    changed = [
+        (name, parameter.requires_grad)
+        for name, parameter in dm.module.named_parameters()
+        if name in variables and variables[name].trainable != parameter.requires_grad
+    ]
+    if changed:
+        frozen = [name for name, requires in changed if not requires]
+        unfrozen = [name for name, requires in changed if requires]
+        what = "; ".join(
+            text
+            for text in (
+                f"{frozen} no longer require gradients" if frozen else "",
+                f"{unfrozen} now require gradients" if unfrozen else "",
+            )
+            if text
+        )
+        raise ValueError(
+            f"The model's parameters {what}, since this Trainer first ran the model: it trains the parameters that "
+            "required gradients then, with optimizer state for those (as Keras applies a change of trainable at the "
+            "next compile()). Make a new Trainer (with a new optimizer) to train the new set, or set requires_grad "
+            "back."
+        )
 
 
 def _device_type(x) -> str:
