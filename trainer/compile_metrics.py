@@ -31,7 +31,7 @@ import torch
 from replicafit.strategies import context
 from replicafit.strategies.variables import aggregated_reads
 
-from . import checkpoint, metrics
+from . import checkpoint, metrics, torch_metrics
 from .compile_loss import output_names, output_part
 from .replica_states import gather_replica_states, restore_replica_states
 from .torch_metrics import TorchMetric, is_torchmetrics_metric
@@ -45,7 +45,7 @@ class CompileMetrics:
     Args:
       specs: ``Trainer``'s ``metrics`` argument: names (``"accuracy"`` is resolved from the shapes of the
         first batch's labels and predictions, per output), ``metrics.Metric`` objects, or torchmetrics metrics
-        (each wrapped in a ``TorchMetric``, per output).
+        (each wrapped in a ``TorchMetric``, per output; a ``MetricCollection`` gives one per metric it holds).
       strategy: the trainer's strategy, under which the accumulators are made.
 
     Example::
@@ -56,7 +56,7 @@ class CompileMetrics:
     """
 
     def __init__(self, specs, strategy):
-        self.specs = list(specs or ())
+        self.specs = [metric for spec in specs or () for metric in torch_metrics.expanded(spec)]
         self._strategy = strategy
         self._loss_trackers: dict = {}  # "loss", then "<output>_loss" per output of a model with several
         self._metrics: list = []  # (output name, or None for a model with one output; metric)
@@ -87,10 +87,12 @@ class CompileMetrics:
                     y_pred = _part(outputs, name)
                 if is_torchmetrics_metric(spec):  # a copy per output, as every output's own metric
                     metric = TorchMetric(spec)
+                elif isinstance(spec, TorchMetric) and multi:
+                    metric = TorchMetric(spec.metric, spec.name)
                 else:
                     metric = metrics.get(spec, loss, y_true=y_true, y_pred=y_pred)
-                if isinstance(spec, metrics.Metric) and multi:
-                    metric = type(spec)()
+                    if isinstance(spec, metrics.Metric) and multi:
+                        metric = type(spec)()
                 if name is not None:
                     metric.name = f"{name}_{metric.name}"
                 built.append((name, metric))

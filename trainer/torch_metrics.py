@@ -77,6 +77,22 @@ def is_torchmetrics_class(cls) -> bool:
     return module is not None and isinstance(cls, type) and issubclass(cls, module.Metric)
 
 
+def expanded(spec) -> list:
+    """``[spec]``, or for a torchmetrics ``MetricCollection`` a ``TorchMetric`` per metric it holds, named by
+    its key in the collection (with the collection's prefix and postfix; a key that is the class's own name
+    gives the snake-case name, as a metric given alone).
+
+    Example::
+
+        expanded(MetricCollection([MulticlassF1Score(3), MulticlassAUROC(3)], prefix="train_"))
+        # [TorchMetric(MulticlassF1Score, name='train_MulticlassF1Score'), ...]
+    """
+    module = sys.modules.get("torchmetrics")
+    if module is None or not isinstance(spec, module.MetricCollection):
+        return [spec]
+    return [TorchMetric(metric, name if name != type(metric).__name__ else None) for name, metric in spec.items()]
+
+
 def _check_version() -> None:
     import torchmetrics
 

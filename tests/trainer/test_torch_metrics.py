@@ -235,3 +235,50 @@ def test_sum_states_ride_the_logs_reduction_with_no_collective_of_their_own():
     F1 issues exactly the collectives of one with the trainer's accuracy alone."""
     for worker, counts in enumerate(results(run_workers(scenarios.__file__, "collectives_per_read", 2, timeout=100))):
         assert counts["with_torchmetrics"] == counts["accuracy"], worker
+
+
+def test_a_metric_collection_gives_a_metric_per_member_with_its_name(reference):
+    from torchmetrics import MetricCollection
+
+    (x, y), validation = scenarios.classification_data()
+    collection = MetricCollection(scenarios.classification_metrics())
+    prefixed = MetricCollection({"f1": MulticlassF1Score(num_classes=3)}, prefix="my_")
+    trainer = Trainer(optimizer=optimizers.SGD(0.1), loss="cross_entropy", metrics=[collection, prefixed])
+    history = trainer.fit(
+        scenarios.classifier(), (x, y), epochs=2, batch_size=32, validation_data=validation, shuffle=False, verbose=0
+    ).history
+    expected = reference["classification"]["history"]
+    for key in ("multiclass_f1_score", "multiclass_auroc", "val_multiclass_auroc"):
+        assert history[key] == pytest.approx(expected[key], abs=1e-6), key
+    assert history["my_f1"] == pytest.approx(expected["multiclass_f1_score"], abs=1e-6)
+
+
+def test_each_output_of_a_model_with_several_gets_its_own_copy():
+    """A torchmetrics metric, or a TorchMetric, given once measures every output on its own."""
+
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return {"a": self.a(x), "b": self.b(x)}
+
+    x = torch.randn(20, 4, generator=torch.Generator().manual_seed(0))
+    ya, yb = torch.randint(0, 3, (20,)), torch.randint(0, 3, (20,))
+    model = TwoHeads()
+    trainer = Trainer(
+        strategy=ds.MirroredStrategy(["cpu:0", "cpu:1"]),
+        loss="cross_entropy",
+        metrics=[MulticlassAUROC(num_classes=3), TorchMetric(MulticlassF1Score(num_classes=3), name="f1")],
+    )
+    logs = trainer.evaluate(model, (x, {"a": ya, "b": yb}), batch_size=8, verbose=0, return_dict=True)
+    with torch.no_grad():
+        outputs = model(x)
+    for head, labels in (("a", ya), ("b", yb)):
+        auroc, f1 = MulticlassAUROC(num_classes=3), MulticlassF1Score(num_classes=3)
+        auroc.update(outputs[head], labels)
+        f1.update(outputs[head], labels)
+        assert logs[f"{head}_multiclass_auroc"] == pytest.approx(float(auroc.compute()), abs=1e-6)
+        assert logs[f"{head}_f1"] == pytest.approx(float(f1.compute()), abs=1e-6)
