@@ -61,7 +61,8 @@ def build(recipe: Recipe, checked: dict | None = None, run_dir=None) -> Run:
 
     This calls the code the recipe names, and refuses what a factory returns unless it is of its
     section's kind (see ``kinds``). With ``run_dir``, a callback whose ``log_dir`` the recipe leaves
-    out (``{type: tensorboard}``) logs into ``run_dir/tensorboard``.
+    out (``{type: tensorboard}``) logs into ``run_dir/tensorboard``, and one that takes a ``run_dir`` the recipe
+    leaves out (``{type: mlflow_logger}``) gets the run directory itself.
     """
     import torch
 
@@ -190,6 +191,9 @@ def _check_training_data(recipe: Recipe, info: dict, fit_kwargs: dict, data_batc
 
 
 def _in_run_dir(factory, args: dict, run_dir) -> dict:
-    if run_dir is not None and "log_dir" in factory_parameters(factory)[0] and "log_dir" not in args:
+    parameters = factory_parameters(factory)[0] if run_dir is not None else {}
+    if "run_dir" in parameters and "run_dir" not in args:  # the trackers: the run's own store and files
+        args = dict(args, run_dir=run_dir)
+    if "log_dir" in parameters and "log_dir" not in args:
         return dict(args, log_dir=os.path.join(run_dir, TENSORBOARD_DIR))
     return args

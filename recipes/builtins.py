@@ -178,6 +178,8 @@ def _register_all() -> None:
         ("swap_ema_weights", callbacks.SwapEMAWeights),
         ("torch_lr_scheduler", callbacks.TorchLRScheduler),
         ("tensorboard", callbacks.TensorBoard),
+        ("mlflow_logger", callbacks.MLflowLogger),
+        ("wandb_logger", callbacks.WandbLogger),
     ):
         register("callback", name, cls)
 

@@ -14,7 +14,8 @@ loss's reduction), ``compile_metrics.py`` (``CompileMetrics``: the loss trackers
 per fit, ``fit_loop.py`` (``FitLoop``: the epochs, steps, validation and preemption under a ``FitPlan``);
 beside them ``arguments.py`` (the plain arguments at the entry), ``inputs.py`` (the data as the trainer
 reads it, its ``Cursor``) and ``model_io.py`` (the model's inputs and outputs). Then ``callbacks/`` (every
-callback, one per file, a shared monitor base; ``TensorBoard`` among them), ``losses.py``, ``metrics.py``,
+callback, one per file, a shared monitor base; ``TensorBoard`` among them, and the trackers ``MLflowLogger`` and
+``WandbLogger``), ``losses.py``, ``metrics.py``,
 ``checkpoint.py`` (the file format), ``model_summary.py`` (``summary``), ``preemption.py`` (saving before
 preemption) and ``spelling.py`` (the did-you-mean hint of error messages). The recipe system
 (``replicafit.recipes``) and the ``replicafit`` command with its launcher (``replicafit.cli``) live in packages
@@ -32,6 +33,7 @@ from .callbacks import (
     History,
     LambdaCallback,
     LearningRateScheduler,
+    MLflowLogger,
     ModelCheckpoint,
     ProgbarLogger,
     ReduceLROnPlateau,
@@ -39,6 +41,7 @@ from .callbacks import (
     TensorBoard,
     TerminateOnNaN,
     TorchLRScheduler,
+    WandbLogger,
 )
 from .checkpoint import CheckpointError
 from .model_summary import ModelSummary, summary
@@ -63,6 +66,7 @@ __all__ = [
     "History",
     "LambdaCallback",
     "LearningRateScheduler",
+    "MLflowLogger",
     "ModelCheckpoint",
     "ModelSummary",
     "Preempted",
@@ -74,6 +78,7 @@ __all__ = [
     "TorchLRScheduler",
     "TorchMetric",
     "Trainer",
+    "WandbLogger",
     "callbacks",
     "checkpoint",
     "losses",

@@ -8,7 +8,8 @@ worker: at each epoch's end, and after every step where a callback that is not a
 on the logs alone might set it on one worker only (``may_stop_training_alone``).
 
 One callback per module (``early_stopping.py``, ...); the callbacks that read a monitored value
-share ``monitor_callback.py``. This package re-exports them.
+share ``monitor_callback.py``, the experiment trackers (``MLflowLogger``, ``WandbLogger``) ``tracker.py``. This
+package re-exports them.
 
 Example::
 
@@ -31,6 +32,7 @@ from .early_stopping import EarlyStopping
 from .history import History
 from .lambda_callback import LambdaCallback
 from .learning_rate_scheduler import LearningRateScheduler
+from .mlflow_logger import MLflowLogger
 from .model_checkpoint import ModelCheckpoint
 from .progbar_logger import ProgbarLogger
 from .progbar_logger import resolve_verbose as resolve_verbose  # the trainer's, outside __all__
@@ -39,6 +41,7 @@ from .swap_ema_weights import SwapEMAWeights
 from .tensorboard import TensorBoard
 from .terminate_on_nan import TerminateOnNaN
 from .torch_lr_scheduler import TorchLRScheduler
+from .wandb_logger import WandbLogger
 
 __all__ = [
     "Callback",
@@ -56,4 +59,6 @@ __all__ = [
     "SwapEMAWeights",
     "TorchLRScheduler",
     "TensorBoard",
+    "MLflowLogger",
+    "WandbLogger",
 ]
