@@ -202,7 +202,7 @@ class CollatedDataset:
 
     @property
     def by_index(self) -> bool:
-        """Whether the examples are addressed by index (map-style: ``dataset[i]`` and ``len``), rather
+        """True where the examples are addressed by index, map-style (``dataset[i]`` and ``len``), rather
         than streamed in order.
 
         Example::
