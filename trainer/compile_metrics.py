@@ -77,7 +77,7 @@ class CompileMetrics:
         if multi:
             for name in names:
                 self._loss_trackers[f"{name}_loss"] = metrics.Mean(name=f"{name}_loss")
-        built = []
+        built, taken = [], set(self._loss_trackers)
         for spec in self.specs:
             for name in names:
                 loss = loss_for(name)
@@ -95,6 +95,13 @@ class CompileMetrics:
                         metric = type(spec)()
                 if name is not None:
                     metric.name = f"{name}_{metric.name}"
+                if any(metric is other for _, other in built):  # the same object given twice: once
+                    continue
+                if metric.name in taken:  # two of one name (one class, other arguments): Keras 2's suffix
+                    metric.name = next(
+                        f"{metric.name}_{n}" for n in range(1, len(taken) + 2) if f"{metric.name}_{n}" not in taken
+                    )
+                taken.add(metric.name)
                 built.append((name, metric))
         self._metrics = built
         for tracker in self._loss_trackers.values():

@@ -12,8 +12,11 @@ the trainer's ``metrics.Metric`` protocol:
   combined states: the value equals one device's ``compute()`` on the same data (exactly where the states
   are integer counts; ``cat`` states are concatenated in the input's order, step by step and replica by
   replica in global replica order, as one device would have appended them);
-- ``reset_state``, checkpoints and backups (the combined states, restored into the first replica's copy) as
-  for the trainer's own metrics.
+- ``reset_state``, checkpoints and backups (the combined states, counted once again when restored, on any
+  number of replicas and workers) as for the trainer's own metrics.
+
+``torch_metric_states.py`` reads a metric's states (its own and those of the metrics inside it) and combines
+them.
 
 torchmetrics stays an optional dependency: nothing here imports it until a torchmetrics metric is given.
 
@@ -43,6 +46,7 @@ import replicafit.strategies as ds
 from replicafit.strategies import context, get_replica_context
 from replicafit.strategies.devices import torch_device
 
+from . import torch_metric_states as states
 from .metrics import Metric, _snake
 
 __all__ = ["TorchMetric", "is_torchmetrics_metric", "MINIMUM_TORCHMETRICS"]
@@ -111,7 +115,9 @@ class TorchMetric(Metric):
     ``Trainer(metrics=[...])`` wraps a torchmetrics metric in one itself; make one directly to give it
     another name. Logged under ``name``: by default the metric's class name in snake case
     (``MulticlassF1Score`` → ``multiclass_f1_score``). ``compute()`` must give a number (a tensor of one
-    element): a metric that computes several values (``average=None``) is refused with the fix.
+    element): a metric that computes several values (``average=None``) is refused with the fix. Metrics made
+    of metrics (``MeanSquaredError() + MeanAbsoluteError()``, torchmetrics' wrappers) combine the states of
+    every metric inside.
 
     Args:
       metric: a torchmetrics ``Metric`` (a template: copied per replica, never updated itself).
@@ -136,19 +142,29 @@ class TorchMetric(Metric):
         self._marks: list = []  # per copy: the lengths of its list states after each update
         self._reader = None  # a copy whose states are set to the combined ones, to compute from
         self._devices: list = []  # the copies' devices
+        self._keys: dict = {}  # every state of the metric (and of the metrics inside it): key -> (path, name)
+        self._restored = None  # states a backup restored on this worker, other than the variables' (or None)
 
     # --- state ----------------------------------------------------------------------------------------
     def build(self, strategy=None) -> None:
         """Makes one copy of the metric per replica of this worker, on the replica's device, and the
         ``SyncOnRead`` variables of its sum and mean states and of its count of updates (again if built for
-        another strategy)."""
+        another strategy). Outside ``strategy.run``: every replica's copy is made at once."""
         strategy = strategy or context.get_strategy()
         if self._strategy is strategy and self._copies:
             return
+        replica = get_replica_context()
+        if replica is not None and replica.num_replicas_in_sync > 1:
+            raise RuntimeError(
+                f"Metric {self.name!r} (torchmetrics) is used inside strategy.run before it was built: its replicas' "
+                "copies are made together, outside the replicas. Call metric.build(strategy) first (the Trainer "
+                "does it for its metrics)."
+            )
         self._strategy = strategy
         self._devices = [torch_device(device) for device in strategy.extended.worker_devices]
-        self._copies = [self._fresh().to(device) for device in self._devices]
         self._reader = self._fresh().to(self._devices[0])
+        self._keys = states.state_keys(self._reader)
+        self._copies = [self._fresh().to(device) for device in self._devices]
         self._states = {}
         with context.enter_or_assert_strategy(strategy):
             self.build_state()
@@ -159,9 +175,10 @@ class TorchMetric(Metric):
         metric.reset()
         # The strategy combines the states over its replicas and workers: torchmetrics must not synchronise
         # through torch.distributed on its own (it would, in the workers' process group, with no timeout of ours).
-        metric.sync_on_compute = False
-        metric._to_sync = False  # private: torchmetrics reads this flag, not sync_on_compute, in compute()
-        metric.dist_sync_on_step = False
+        for inner in states.metrics_in(metric):
+            inner.sync_on_compute = False
+            inner._to_sync = False  # private: torchmetrics reads this flag, not sync_on_compute, in compute()
+            inner.dist_sync_on_step = False
         return metric
 
     def build_state(self) -> None:
@@ -169,25 +186,18 @@ class TorchMetric(Metric):
         shape, and ``update_count``: their reads ride the trainer's one batched reduction of the logs (no
         collective of their own). Each replica's copy of the metric holds its component as that state."""
         self._states["update_count"] = _variable(f"{self.name}/update_count", torch.zeros((), dtype=torch.int64))
-        for name, default in _defaults(self._reader).items():
-            reduction = _reduction_name(self._reader, name)
-            if isinstance(default, torch.Tensor) and reduction in ("dim_zero_sum", "dim_zero_mean"):
-                self._states[name] = _variable(f"{self.name}/{name}", default, mean=reduction == "dim_zero_mean")
+        for key in self._keys:
+            initial, reduction = states.default(self._reader, self._keys, key), self._reduction(key)
+            if isinstance(initial, torch.Tensor) and reduction in ("dim_zero_sum", "dim_zero_mean"):
+                self._states[key] = _variable(f"{self.name}/{key}", initial, mean=reduction == "dim_zero_mean")
+
+    def _reduction(self, key: str) -> str:
+        return states.reduction_name(self._reader, self._keys, key)
 
     def _components(self, index: int) -> dict:
-        """``{state name: replica index's component tensor}`` of the variables of the states."""
+        """``{state key: replica index's component tensor}`` of the variables of the states."""
         local = self._strategy.experimental_local_results
-        return {name: local(variable)[index].value() for name, variable in self._states.items()}
-
-    def _set_state(self, index: int, name: str, value) -> None:
-        """Sets one state of one replica's copy: into its variable's component where it has one."""
-        metric = self._copies[index]
-        if name in self._states:
-            component = self._components(index)[name]
-            component.copy_(value)
-            setattr(metric, name, component)
-        else:
-            setattr(metric, name, value)
+        return {key: local(variable)[index].value() for key, variable in self._states.items()}
 
     def _copy(self):
         """This replica's copy (the first outside the replicas)."""
@@ -199,42 +209,47 @@ class TorchMetric(Metric):
         index = replica.replica_id_in_sync_group - self._strategy.cluster.first_replica_id
         return index, self._copies[index]
 
+    def _holds_restored(self) -> bool:
+        """Whether this worker holds what a backup restored: the one with global replica 0 (else every worker
+        would add it once)."""
+        return self._strategy.cluster.first_replica_id == 0
+
     def reset_state(self) -> None:
         """Resets every replica's copy (its variables' components to the states' defaults)."""
         for index, metric in enumerate(self._copies):
             metric.reset()
-            for name, component in self._components(index).items():
-                component.copy_(getattr(metric, name) if name != "update_count" else torch.zeros_like(component))
-                if name != "update_count":
-                    setattr(metric, name, component)
+            for key, component in self._components(index).items():
+                if key == "update_count":
+                    component.zero_()
+                else:
+                    component.copy_(states.get(metric, self._keys, key))
+                    states.put(metric, self._keys, key, component)
         self._marks = [[] for _ in self._copies]
+        self._restored = None
 
     # --- the metric ----------------------------------------------------------------------------------
     def update_state(self, y_true, y_pred, sample_weight=None) -> None:
         """Adds one batch to this replica's copy: torchmetrics' ``update(y_pred, y_true)`` (its argument order
         is predictions first). Examples of ``sample_weight`` 0 are left out; a replica without examples adds
-        nothing."""
+        nothing (its step still counts, for the input's order)."""
         index, metric = self._copy()
-        if isinstance(y_pred, torch.Tensor) and y_pred.dim() and y_pred.shape[0] == 0:
-            return
-        if sample_weight is not None:
+        if sample_weight is not None and _rows(y_pred):
             y_true, y_pred = _weighted_rows(y_true, y_pred, sample_weight, self.name)
-            if y_pred.shape[0] == 0:
-                return
-        try:
-            metric.update(y_pred.detach(), y_true.detach() if isinstance(y_true, torch.Tensor) else y_true)
-        except (RuntimeError, ValueError, TypeError) as error:
-            raise type(error)(
-                f"Metric {self.name!r} ({type(metric).__name__}.update(preds, target)) failed on preds "
-                f"{_describe(y_pred)} and target {_describe(y_true)}: {error}"
-            ) from error
-        for name, component in self._components(index).items():
-            if name == "update_count":
-                component.add_(1)
-            elif getattr(metric, name) is not component:  # the update made a new tensor: keep the component's
-                component.copy_(getattr(metric, name))
-                setattr(metric, name, component)
-        self._marks[index].append(_list_lengths(metric))
+        if _rows(y_pred):
+            try:
+                metric.update(y_pred.detach(), y_true.detach() if isinstance(y_true, torch.Tensor) else y_true)
+            except (RuntimeError, ValueError, TypeError) as error:
+                raise type(error)(
+                    f"Metric {self.name!r} ({type(metric).__name__}.update(preds, target)) failed on preds "
+                    f"{_describe(y_pred)} and target {_describe(y_true)}: {error}"
+                ) from error
+            for key, component in self._components(index).items():
+                if key == "update_count":
+                    component.add_(1)
+                elif states.get(metric, self._keys, key) is not component:  # a new tensor: keep the component
+                    component.copy_(states.get(metric, self._keys, key))
+                    states.put(metric, self._keys, key, component)
+        self._marks[index].append(states.list_lengths(metric, self._keys))
 
     def result(self) -> torch.Tensor:
         """Inside a replica: that replica's own ``compute()``. Outside: ``compute()`` on the states combined
@@ -244,17 +259,19 @@ class TorchMetric(Metric):
             return _as_number(self._copy()[1].compute(), self.name)
         return _as_number(self._compute(self._combined()), self.name)
 
-    def _compute(self, states: dict):
-        if not states["_update_count"]:  # no data yet: 0, as the trainer's own metrics (torchmetrics would warn)
+    def _compute(self, combined: dict):
+        count = combined["_update_count"]
+        if not count:  # no data yet: 0, as the trainer's own metrics (torchmetrics would warn)
             return torch.zeros(())
         reader = self._reader
         reader.reset()
-        for name, default in _defaults(reader).items():
-            value = states[name]
-            if isinstance(default, list):  # a list state stays a list (torchmetrics' reset clears it in place)
+        for key in self._keys:
+            value = combined[key]
+            if isinstance(states.default(reader, self._keys, key), list):  # a list state stays a list
                 value = [value] if isinstance(value, torch.Tensor) else list(value)
-            setattr(reader, name, value)
-        reader._update_count = states["_update_count"]  # private: torchmetrics warns on a compute before an update
+            states.put(reader, self._keys, key, value)
+        for inner in states.metrics_in(reader):
+            inner._update_count = count  # private: torchmetrics warns on a compute before an update
         return reader.compute()
 
     def _combined(self, reduce: bool = True) -> dict:
@@ -264,40 +281,26 @@ class TorchMetric(Metric):
         if not self._copies:
             self.build()
         with context.enter_or_assert_strategy(self._strategy):
-            read = {name: variable.read_value() for name, variable in self._states.items()}
-        states = {"_update_count": int(read.pop("update_count"))}
-        states.update({name: value.to(self._devices[0]) for name, value in read.items()})
-        others = [name for name in _defaults(self._reader) if name not in self._states]
+            read = {key: variable.read_value() for key, variable in self._states.items()}
+        combined = {"_update_count": int(read.pop("update_count"))}
+        combined.update({key: value.to(self._devices[0]) for key, value in read.items()})
+        others = [key for key in self._keys if key not in self._states]
         if not others:
-            return states
-        parts = [self._local_part(index, others) for index in range(len(self._copies))]
+            return combined
         cluster = self._strategy.cluster
-        if cluster.num_workers > 1:
+        crossing = cluster.num_workers > 1
+        parts = [
+            states.local_part(metric, marks, others, self._keys, crossing)
+            for metric, marks in zip(self._copies, self._marks)
+        ]
+        if self._restored is not None:  # counted once, before every replica's
+            restored = {key: value.cpu() if crossing else value for key, value in self._restored.items()}
+            parts.insert(0, states.restored_part(restored, self._reader, self._keys))
+        if crossing:
             gathered = cluster.all_gather(parts, f"combining the states of metric {self.name!r}")
             parts = [part for worker in gathered for part in worker]
-        states.update(_combine(self._reader, others, parts, self._devices[0], reduce))
-        return states
-
-    def _local_part(self, index: int, names: list) -> dict:
-        """One copy's ``names`` states, for combining: tensor states as they are, list states concatenated
-        with the number of rows each update added (on the CPU when they cross workers)."""
-        metric, marks = self._copies[index], self._marks[index]
-        crossing = self._strategy.cluster.num_workers > 1
-        part = {}
-        for name in names:
-            value = getattr(metric, name)
-            if isinstance(value, torch.Tensor):
-                part[name] = value.detach().cpu() if crossing else value.detach()
-                continue
-            entries = [_at_least_1d(v) for v in value]
-            sizes, start = [], 0
-            for mark in marks:
-                end = mark.get(name, start)
-                sizes.append(sum(int(e.shape[0]) for e in entries[start:end]))
-                start = end
-            rows = torch.cat(entries) if entries else None
-            part[name] = (rows.cpu() if crossing and rows is not None else rows, sizes)
-        return part
+        combined.update(states.combine(self._reader, self._keys, others, parts, self._devices[0], reduce))
+        return combined
 
     # --- checkpoints and backups ----------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -305,71 +308,85 @@ class TorchMetric(Metric):
         ``load_state_dict`` restores under any strategy. Across workers a collective."""
         if not self._copies:
             return {}
-        states = self._combined(reduce=False)
-        count = torch.tensor(states.pop("_update_count"))
+        combined = self._combined(reduce=False)
+        count = torch.tensor(combined.pop("_update_count"))
         empty = torch.zeros(0)  # a list state without rows (a backup holds tensors only)
         return {
             "_update_count": count,
             **{
-                name: value.detach().clone() if isinstance(value, torch.Tensor) else empty
-                for name, value in states.items()
+                key: value.detach().clone() if isinstance(value, torch.Tensor) else empty
+                for key, value in combined.items()
             },
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores a ``state_dict()``: the first replica's copy takes the combined states (a ``"mean"``,
-        ``"min"`` or ``"max"`` state every copy), the others start from their defaults; reads then give the
-        saved value, and later updates add to it. (A backup also holds each replica's own variables, which
+        """Restores a ``state_dict()``: the replica of global id 0 takes the combined sum and mean states (a mean
+        every replica) and the count of updates, and the worker that holds it the other states, which reads
+        combine before every replica's (the others start from their defaults); reads then give the saved
+        value, and later updates add to it. (A backup also holds each replica's own variables, which
         ``CompileMetrics`` gives back on as many replicas.)"""
         if not self._copies:
             self.build()
         self.reset_state()
         if not state:
             return
-        count = int(state.get("_update_count", 0))
+        first = self._holds_restored()
         for index, (metric, device) in enumerate(zip(self._copies, self._devices)):
-            for name in _defaults(metric):
-                if name not in state:
-                    continue
-                value = state[name]
-                if isinstance(getattr(metric, name), list):
-                    if index == 0 and value.numel():
-                        getattr(metric, name).append(value.to(device))
-                elif index == 0 or _keeps_value(_reduction_name(metric, name)):
-                    self._set_state(index, name, value.to(device))
-            metric._update_count = count if index == 0 else 0  # private: torchmetrics' count of updates, restored
-            self._components(index)["update_count"].fill_(count if index == 0 else 0)
-            self._marks[index].append(_list_lengths(metric))
+            holder = first and index == 0
+            for key in self._states:
+                if key in state and (holder or self._reduction(key) == "dim_zero_mean"):
+                    component = self._components(index)[key]
+                    component.copy_(state[key].to(device))
+                    states.put(metric, self._keys, key, component)
+            count = int(state.get("_update_count", 0)) if holder else 0
+            self._components(index)["update_count"].fill_(count)
+            metric._update_count = count  # private: torchmetrics' count of updates, restored
+        others = {key: state[key] for key in self._keys if key not in self._states and key in state}
+        self._restored = {key: value.to(self._devices[0]) for key, value in others.items()} if first else None
 
     def saved_layout(self, state: dict) -> dict:
-        """The state names, with the shapes of the tensor states whose shape never changes (a list state's
-        length grows with the data)."""
-        fixed = {n for n, v in _defaults(self._reader).items() if isinstance(v, torch.Tensor)}
+        """The state keys, with the shapes of the tensor states whose shape never changes (a list state's length
+        grows with the data, an unreduced state's with the number of replicas)."""
+        fixed = {
+            key
+            for key in self._keys
+            if isinstance(states.default(self._reader, self._keys, key), torch.Tensor)
+            and states.reduction(self._reader, self._keys, key) is not None
+        }
         return {
-            name: (list(value.shape) if name in fixed and isinstance(value, torch.Tensor) else None)
-            for name, value in state.items()
+            key: (list(value.shape) if key in fixed and isinstance(value, torch.Tensor) else None)
+            for key, value in state.items()
         }
 
-    def local_values(self) -> list:
+    def local_values(self) -> dict:
         """This worker's copies' states, copied (no communication): what ``load_local_values`` puts back."""
-        return [
+        copies = [
             (
-                {name: _clone(getattr(metric, name)) for name in _defaults(metric)},
-                metric.update_count,
+                {key: _clone(states.get(metric, self._keys, key)) for key in self._keys},
+                [inner.update_count for inner in states.metrics_in(metric)],
                 [dict(mark) for mark in marks],
             )
             for metric, marks in zip(self._copies, self._marks)
         ]
+        components = [{k: c.clone() for k, c in self._components(i).items()} for i in range(len(self._copies))]
+        return {"copies": copies, "components": components, "restored": self._restored}
 
-    def load_local_values(self, values: list) -> None:
+    def load_local_values(self, values: dict) -> None:
         """Gives this worker's copies the states of ``local_values``."""
-        for index, (metric, (states, count, _)) in enumerate(zip(self._copies, values)):
-            for name, value in states.items():
-                self._set_state(index, name, _clone(value))
-            metric._update_count = count  # private: torchmetrics' count of updates, restored
-            metric._computed = None  # private: torchmetrics' cached result
-            self._components(index)["update_count"].fill_(count)
-        self._marks = [[dict(mark) for mark in marks] for _, _, marks in values]
+        for index, (metric, (saved, counts, _)) in enumerate(zip(self._copies, values["copies"])):
+            components = self._components(index)
+            for key, value in saved.items():
+                if key in components:
+                    components[key].copy_(value)
+                    states.put(metric, self._keys, key, components[key])
+                else:
+                    states.put(metric, self._keys, key, _clone(value))
+            components["update_count"].copy_(values["components"][index]["update_count"])
+            for inner, count in zip(states.metrics_in(metric), counts):
+                inner._update_count = count  # private: torchmetrics' count of updates, restored
+                inner._computed = None  # private: torchmetrics' cached result
+        self._marks = [[dict(mark) for mark in marks] for _, _, marks in values["copies"]]
+        self._restored = values["restored"]
 
     def get_config(self) -> dict:
         """``{"name": ..., "metric": <the torchmetrics class name>}``."""
@@ -390,57 +407,9 @@ def _variable(name: str, default: torch.Tensor, mean: bool = False):
     )
 
 
-def _reduction_name(metric, name: str) -> str:
-    reduction = metric._reductions[name]  # private: torchmetrics' dist_reduce_fx per state (no public accessor)
-    return getattr(reduction, "__name__", "") if reduction is not None else ""
-
-
-def _combine(reader, names: list, parts: list, device, reduce: bool = True) -> dict:
-    """The ``names`` states of ``parts`` (``_local_part`` of every replica, in global replica order) combined
-    by their reductions as torchmetrics' own synchronisation does: tensor states stacked and reduced; list
-    states concatenated update by update, replica by replica (the input's order), then reduced (``reduce``;
-    else concatenated, as a backup keeps them)."""
-    states = {}
-    for name in names:
-        reduction = reader._reductions[name]  # private: torchmetrics' dist_reduce_fx per state
-        values = [part[name] for part in parts]
-        if not isinstance(values[0], tuple):
-            stacked = torch.stack([v.to(device) for v in values])
-            states[name] = reduction(stacked) if reduction is not None else stacked
-            continue
-        per_replica = [list(torch.split(rows.to(device), sizes)) if rows is not None else [] for rows, sizes in values]
-        steps = max(len(chunks) for chunks in per_replica)
-        ordered = [
-            chunks[step] for step in range(steps) for chunks in per_replica if step < len(chunks) and len(chunks[step])
-        ]
-        if not reduce or _is_cat(reduction):
-            states[name] = torch.cat(ordered) if ordered else []
-        else:
-            states[name] = reduction(ordered) if reduction is not None else ordered
-    return states
-
-
-def _is_cat(reduction) -> bool:
-    return getattr(reduction, "__name__", "") == "dim_zero_cat"
-
-
-def _keeps_value(reduction: str) -> bool:
-    """Whether combining equal copies gives the value back (mean, min, max): every copy restores it."""
-    return reduction in ("dim_zero_mean", "dim_zero_min", "dim_zero_max")
-
-
-def _list_lengths(metric) -> dict:
-    states = ((name, getattr(metric, name)) for name in _defaults(metric))
-    return {name: len(value) for name, value in states if isinstance(value, list)}
-
-
-def _defaults(metric) -> dict:
-    """``{state name: its default}`` of a torchmetrics metric (a list default: a list state)."""
-    return metric._defaults  # private: torchmetrics' declared states (torchmetrics has no public accessor)
-
-
-def _at_least_1d(value: torch.Tensor) -> torch.Tensor:
-    return value.unsqueeze(0) if value.dim() == 0 else value
+def _rows(value) -> int:
+    """The number of examples of a prediction (1 for a scalar or anything but a tensor)."""
+    return int(value.shape[0]) if isinstance(value, torch.Tensor) and value.dim() else 1
 
 
 def _clone(value):

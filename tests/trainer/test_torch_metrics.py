@@ -282,3 +282,147 @@ def test_each_output_of_a_model_with_several_gets_its_own_copy():
         f1.update(outputs[head], labels)
         assert logs[f"{head}_multiclass_auroc"] == pytest.approx(float(auroc.compute()), abs=1e-6)
         assert logs[f"{head}_f1"] == pytest.approx(float(f1.compute()), abs=1e-6)
+
+
+@pytest.mark.timeout(150)
+def test_a_backup_resumes_across_workers_counting_the_restored_states_once(tmp_path):
+    """The combined states restored on every worker were counted once per worker (a cat-state count of 104
+    rows for 64); on 2 workers, then on 2 workers of 2 replicas each, the resumed epoch equals the
+    uninterrupted one."""
+    expected = scenarios.resumed_run(ds.get_strategy())
+    assert expected["row_count"] == [64.0]
+    kwargs = {"backup_dir": str(tmp_path / "same")}
+    for worker, got in enumerate(
+        results(run_workers(scenarios.__file__, "interrupted_then_resumed", 2, timeout=120, kwargs=kwargs))
+    ):
+        close_logs({k: v[0] for k, v in got.items()}, {k: v[0] for k, v in expected.items()}, what=str(worker))
+    kwargs = {"backup_dir": str(tmp_path / "other")}
+    results(run_workers(scenarios.__file__, "interrupted_then_resumed", 2, timeout=120, kwargs=kwargs))
+    kwargs["local_devices"] = ["cpu:0", "cpu:1"]
+    for worker, got in enumerate(
+        results(run_workers(scenarios.__file__, "interrupted_then_resumed", 2, timeout=120, kwargs=kwargs))
+    ):
+        close_logs({k: v[0] for k, v in got.items()}, {k: v[0] for k, v in expected.items()}, what=str(worker))
+
+
+def pearson_run(strategy, callbacks=(), epochs=2):
+    from torchmetrics.regression import PearsonCorrCoef
+
+    torch.manual_seed(0)
+    x = torch.randn(48, 3)
+    y = x[:, :1] * 2 + torch.randn(48, 1)
+    torch.manual_seed(1)
+    trainer = Trainer(strategy=strategy, optimizer=optimizers.SGD(0.05), loss="mse", metrics=[PearsonCorrCoef()])
+    return trainer.fit(
+        torch.nn.Linear(3, 1),
+        (x, y),
+        batch_size=8,
+        epochs=epochs,
+        validation_split=0.25,
+        shuffle=False,
+        verbose=0,
+        callbacks=list(callbacks),
+    ).history
+
+
+def test_unreduced_states_survive_validation_backups_and_another_replica_count(tmp_path):
+    """PearsonCorrCoef's states have no reduction (torchmetrics stacks them): restoring them put a stack into a
+    replica's state, and the next read failed; a backup resumes on 3 replicas from 2."""
+    expected = pearson_run(ds.get_strategy())
+    mirrored = pearson_run(ds.MirroredStrategy(["cpu:0", "cpu:1"]), [callbacks.BackupAndRestore(str(tmp_path / "a"))])
+    for key, values in expected.items():
+        assert mirrored[key] == pytest.approx(values, abs=1e-5), key
+    backup = callbacks.BackupAndRestore(str(tmp_path / "b"), save_freq=1)
+    with pytest.raises(KeyboardInterrupt):
+        pearson_run(ds.MirroredStrategy(["cpu:0", "cpu:1"]), [backup, InterruptAt(6)])
+    resumed = pearson_run(
+        ds.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"]), [callbacks.BackupAndRestore(str(tmp_path / "b"))]
+    )
+    for key, values in expected.items():
+        assert resumed[key][-1] == pytest.approx(values[-1], abs=1e-5), key
+
+
+@pytest.mark.parametrize("strategy_name", ["default", "mirrored2"])
+def test_metrics_made_of_metrics_combine_the_states_inside(strategy_name):
+    """MeanSquaredError() + MeanAbsoluteError() and a wrapper keep their states in the metrics inside them (they
+    logged NaN: the reader's inner metrics never saw the data)."""
+    from torchmetrics.regression import MeanAbsoluteError
+    from torchmetrics.wrappers import LambdaInputTransformer
+
+    def made():
+        return [MeanSquaredError() + MeanAbsoluteError(), LambdaInputTransformer(MeanSquaredError(), lambda p: p * 2)]
+
+    torch.manual_seed(0)
+    x, y = torch.randn(18, 3), torch.randn(18, 1)
+    model = torch.nn.Linear(3, 1)
+    trainer = Trainer(strategy=make_strategy(strategy_name), loss="mse", metrics=made())
+    logs = trainer.evaluate(model, (x, y), batch_size=8, verbose=0, return_dict=True)
+    with torch.no_grad():
+        predictions = model(x)
+    for metric, key in zip(made(), ("compositional_metric", "lambda_input_transformer")):
+        metric.update(predictions, y)
+        assert logs[key] == pytest.approx(float(metric.compute()), abs=1e-6), key
+
+
+def test_unreduced_list_states_keep_each_element():
+    """A list state without a reduction holds one element per example, as torchmetrics keeps them."""
+    import torchmetrics
+
+    class Items(torchmetrics.Metric):
+        def __init__(self):
+            super().__init__()
+            self.add_state("items", default=[], dist_reduce_fx=None)
+
+        def update(self, preds, target):
+            self.items.extend((preds - target).abs().reshape(-1))
+
+        def compute(self):
+            return torch.tensor(float(len(self.items)))
+
+    metric = TorchMetric(Items())
+    metric.build(ds.MirroredStrategy(["cpu:0", "cpu:1"]))
+    metric.update_state(torch.zeros(6), torch.ones(6))
+    metric.update_state(torch.zeros(4), torch.ones(4))
+    assert float(metric.result()) == 10.0
+
+
+def test_the_input_order_holds_when_a_replica_has_no_rows_at_a_middle_step():
+    """Replica 1's rows of the first step weigh 0: its later rows must not slide into the first step's place."""
+    x, y = torch.randn(8, 4), torch.arange(8, dtype=torch.float32).reshape(-1, 1) / 100
+    weights = torch.ones(8)
+    weights[2:4] = 0
+    expected = float(sum((i / 100) * (n + 1) for n, i in enumerate([0, 1, 4, 5, 6, 7])))
+    for name in ("default", "mirrored2"):
+        torch.manual_seed(0)
+        trainer = Trainer(
+            strategy=make_strategy(name), optimizer=optimizers.SGD(0.0), loss="mse", metrics=[scenarios.OrderedSum()]
+        )
+        history = trainer.fit(torch.nn.Linear(4, 1), (x, y, weights), batch_size=4, shuffle=False, verbose=0)
+        assert history.history["ordered_sum"][0] == pytest.approx(expected, rel=1e-6), name
+
+
+def test_two_metrics_of_one_name_are_told_apart():
+    """MulticlassAccuracy(top_k=1) and (top_k=3): the second is logged as multiclass_accuracy_1 (Keras 2's
+    suffix), not over the first."""
+    from torchmetrics.classification import MulticlassAccuracy
+
+    (x, y), _ = scenarios.classification_data()
+    model = scenarios.classifier()
+    trainer = Trainer(
+        loss="cross_entropy",
+        metrics=[MulticlassAccuracy(num_classes=3, top_k=1), MulticlassAccuracy(num_classes=3, top_k=2)],
+    )
+    logs = trainer.evaluate(model, (x, y), batch_size=32, verbose=0, return_dict=True)
+    with torch.no_grad():
+        logits = model(x)
+    for key, k in (("multiclass_accuracy", 1), ("multiclass_accuracy_1", 2)):
+        metric = MulticlassAccuracy(num_classes=3, top_k=k)
+        metric.update(logits, y)
+        assert logs[key] == pytest.approx(float(metric.compute()), abs=1e-6), key
+
+
+def test_a_metric_first_used_inside_the_replicas_says_to_build_it():
+    strategy = ds.MirroredStrategy(["cpu:0", "cpu:1"])
+    metric = TorchMetric(MulticlassF1Score(num_classes=3))
+    with pytest.raises(RuntimeError, match=r"before it was built.*metric.build\(strategy\)"):
+        strategy.run(lambda: metric.update_state(torch.tensor([0, 1]), torch.randn(2, 3)))

@@ -135,3 +135,57 @@ def collectives_per_read(rank, num_workers, port):
         trainer.fit(classifier(), (x, y), epochs=1, batch_size=32, shuffle=False, verbose=0, callbacks=[steps])
         out[name] = dict(counts)
     return out
+
+
+class RowCount(torchmetrics.Metric):
+    """The number of rows seen (a ``cat`` state): a restored part counted twice shows at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_state("rows", default=[], dist_reduce_fx="cat")
+
+    def update(self, preds, target):
+        self.rows.append(target.float().reshape(-1))
+
+    def compute(self):
+        return torch.tensor(float(dim_zero_cat(self.rows).numel()))
+
+
+def resumed_run(strategy, callbacks=()):
+    """One epoch of 8 steps (64 rows), with a cat-state count, F1 and AUROC."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 4)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+    torch.manual_seed(1)
+    trainer = Trainer(
+        strategy=strategy,
+        optimizer=optimizers.SGD(0.1),
+        loss="cross_entropy",
+        metrics=[RowCount(), MulticlassF1Score(num_classes=3), MulticlassAUROC(num_classes=3)],
+    )
+    model = torch.nn.Linear(4, 3)
+    return trainer.fit(
+        model, (x, y), batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=list(callbacks)
+    ).history
+
+
+def interrupted_then_resumed(rank, num_workers, port, backup_dir, local_devices=None):
+    """Interrupted at step 5 after a backup at every step (``local_devices`` None), or resumed from such a
+    backup on workers of ``local_devices`` each."""
+    from replicafit.trainer import callbacks
+
+    class Stop(callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 5:
+                raise KeyboardInterrupt("stop")
+
+    if local_devices is None:
+        strategy = strategy_for(rank, num_workers, port)
+        try:
+            resumed_run(strategy, [callbacks.BackupAndRestore(backup_dir, save_freq=1), Stop()])
+        except KeyboardInterrupt:
+            pass
+    else:
+        resolver = ds.SimpleClusterResolver(num_workers, rank, "127.0.0.1", port, devices=local_devices)
+        strategy = ds.MultiWorkerMirroredStrategy(ds.CommunicationOptions(timeout_seconds=30), resolver)
+    return resumed_run(strategy, [callbacks.BackupAndRestore(backup_dir)])
