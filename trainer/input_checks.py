@@ -34,7 +34,7 @@ from replicafit.strategies.describe import describe_structure
 
 from . import losses, metrics
 from .inputs import as_dtype, batch_source, length_of, rows, unpack
-from .model_io import call_model, counts_items, inputs_with_labels, model_loss, passes_keywords
+from .model_io import call_model, counts_items, inputs_with_labels, metric_targets, model_loss, passes_keywords
 
 __all__ = [
     "FirstBatch",
@@ -225,6 +225,9 @@ class InputChecks:
                     if built_in and structure is None and loss is not None:
                         whole = all_labels if all_labels is not None else y
                         self._check_loss_on_first_batch(whole, labels, output, caller)
+                else:  # the labels in the inputs (a model's own loss): what the metrics compare, for their shapes
+                    labels, output = metric_targets(dm.module, probe, None, output)
+                    labels = labels[:1] if isinstance(labels, torch.Tensor) else None
         counts = loss is None and first is not None and self._probe_counts_items(first, dm, float_dtype)
         return FirstBatch(structure, labels, output, counts)
 

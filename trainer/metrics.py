@@ -527,7 +527,9 @@ def get(identifier, loss=None, y_true=None, y_pred=None) -> Metric:
     the predictions, or a last dimension of 1 against several scores, are sparse categorical; equal
     shapes with several scores are categorical (one-hot), unless the loss is a binary cross entropy
     (``nn.BCEWithLogitsLoss``, ``"binary_crossentropy"``, ...): multi-label binary, which shapes
-    alone cannot tell. Binary accuracy thresholds at 0 where the loss takes logits
+    alone cannot tell. Sparse labels of -100 are left out where there is no loss of the trainer's
+    (``Trainer(loss=None)``: the model's own loss ignores them, as Hugging Face's and torch's do).
+    Binary accuracy thresholds at 0 where the loss takes logits
     (``nn.BCEWithLogitsLoss``, ``BinaryCrossentropy(from_logits=True)``), else at 0.5 (Keras');
     categorical cross entropy takes logits (torch models end in logits), binary follows the loss.
     Without shapes (no labels), the loss decides alone: sparse categorical for ``cross_entropy``
@@ -556,7 +558,10 @@ def get(identifier, loss=None, y_true=None, y_pred=None) -> Metric:
                 return BinaryAccuracy(threshold=0.0 if logits else 0.5, name="accuracy")
             if kind == "sparse_categorical":
                 axis = getattr(loss, "class_axis", -1) if getattr(loss, "accuracy_kind", None) else -1
-                ignore = losses.ignore_index(loss) if isinstance(loss, losses.Loss) else None
+                # Trainer(loss=None): the model's own loss, whose labels ignore -100 (Hugging Face's and torch's)
+                ignore = (
+                    losses.ignore_index(loss) if isinstance(loss, losses.Loss) else (-100 if loss is None else None)
+                )
                 return SparseCategoricalAccuracy(name="accuracy", class_axis=axis, ignore_class=ignore)
             return _ACCURACY_FOR_LOSS.get(kind, Accuracy)(name="accuracy")
         if kind == "binary":

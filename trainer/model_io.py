@@ -93,6 +93,7 @@ __all__ = [
     "is_model_output",
     "model_loss",
     "passes_keywords",
+    "metric_targets",
     "prediction_of",
     "real_items",
     "select_outputs",
@@ -485,14 +486,43 @@ def real_items(model, inputs) -> torch.Tensor:
     labels = inputs.get("shift_labels")
     if labels is None:
         labels = inputs["labels"]
-        module = wrapped_module(model)  # the model that computes the loss, whatever wraps it
-        config = getattr(module, "config", None)
-        function = getattr(module, "loss_function", None) if config is not None else None
-        causal = getattr(function, "__name__", "") == "ForCausalLMLoss" and not getattr(
-            config, "is_encoder_decoder", False
-        )
-        labels = labels[..., 1:] if causal else labels
+        labels = labels[..., 1:] if _causal(model) else labels
     return (torch.as_tensor(labels) != -100).sum()
+
+
+def _causal(model) -> bool:
+    """Whether ``model`` is a causal language model whose loss shifts its labels (Hugging Face's
+    ``ForCausalLMLoss``, not an encoder-decoder's)."""
+    module = wrapped_module(model)  # the model that computes the loss, whatever wraps it
+    config = getattr(module, "config", None)
+    function = getattr(module, "loss_function", None) if config is not None else None
+    return getattr(function, "__name__", "") == "ForCausalLMLoss" and not getattr(config, "is_encoder_decoder", False)
+
+
+def metric_targets(model, x, y, y_pred) -> tuple:
+    """``(labels, predictions)`` that the metrics compare: ``y`` and ``y_pred``; without ``y``, the labels in a dict
+    of inputs, where a model that computes its own loss reads them (Hugging Face's convention, ``label_names``):
+    ``shift_labels`` as given, else ``labels``, and for a causal language model (its loss shifts them: position
+    ``t`` predicts token ``t + 1``) ``labels[..., 1:]`` against ``y_pred[..., :-1, :]``. ``(None, y_pred)`` where
+    there are none.
+
+    Example::
+
+        >>> import torch
+        >>> labels, logits = metric_targets(torch.nn.Identity(), {"labels": torch.tensor([1, 0])}, None, torch.eye(2))
+        >>> labels.tolist()
+        [1, 0]
+    """
+    if y is not None or not isinstance(x, Mapping):
+        return y, y_pred
+    if "shift_labels" in x:
+        return x["shift_labels"], y_pred
+    labels = x.get("labels")
+    if labels is None or not isinstance(y_pred, torch.Tensor):
+        return labels, y_pred
+    if _causal(model) and y_pred.dim() >= 3:
+        return labels[..., 1:], y_pred[..., :-1, :]
+    return labels, y_pred
 
 
 # --- the decision a trainer keeps ----------------------------------------------------------------------------------

@@ -25,7 +25,9 @@ Where we differ from torchmetrics: torchmetrics synchronises through ``torch.dis
 (``sync_on_compute``), since the strategy combines the states over its replicas and workers itself, with
 its own timeouts. The metric object given is a template: it is copied, never updated itself. torchmetrics
 metrics take no per-example weights: examples of weight 0 are left out (a partial batch's padding), other
-weights are refused. Where we differ from Keras: Keras 3 takes no torchmetrics metrics.
+weights are refused. Predictions with their classes last (a language model's ``(batch, tokens, classes)``, the
+trainer's convention) reach torchmetrics with their classes second, as it takes them, where the metric's
+``num_classes`` tells which axis they are. Where we differ from Keras: Keras 3 takes no torchmetrics metrics.
 
 Example::
 
@@ -236,6 +238,7 @@ class TorchMetric(Metric):
         if sample_weight is not None and _rows(y_pred):
             y_true, y_pred = _weighted_rows(y_true, y_pred, sample_weight, self.name)
         if _rows(y_pred):
+            y_pred = _classes_second(metric, y_true, y_pred)
             try:
                 metric.update(y_pred.detach(), y_true.detach() if isinstance(y_true, torch.Tensor) else y_true)
             except (RuntimeError, ValueError, TypeError) as error:
@@ -405,6 +408,23 @@ def _variable(name: str, default: torch.Tensor, mean: bool = False):
         synchronization=ds.VariableSynchronization.ON_READ,
         aggregation=ds.VariableAggregation.MEAN if mean else ds.VariableAggregation.SUM,
     )
+
+
+def _classes_second(metric, y_true, y_pred):
+    """``y_pred`` with its classes second, as torchmetrics takes them, where they are last (a language model's
+    ``(batch, tokens, classes)``, the trainer's convention) and the metric's ``num_classes`` tells them apart."""
+    classes = getattr(metric, "num_classes", None)
+    if (
+        isinstance(classes, int)
+        and isinstance(y_pred, torch.Tensor)
+        and isinstance(y_true, torch.Tensor)
+        and y_pred.dim() >= 3
+        and y_pred.dim() == y_true.dim() + 1
+        and y_pred.shape[-1] == classes
+        and y_pred.shape[1] != classes
+    ):
+        return y_pred.movedim(-1, 1)
+    return y_pred
 
 
 def _rows(value) -> int:

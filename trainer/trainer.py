@@ -63,7 +63,15 @@ from .compile_metrics import CompileMetrics
 from .fit_loop import FitLoop, FitPlan, fit_callbacks, unwatch_preemption, watch_preemption
 from .input_checks import InputChecks, checked_validation, first_look, in_memory_labels
 from .inputs import Cursor, as_dtype, batch_source, rows, split_off_validation, unpack
-from .model_io import ModelIO, call_model, inputs_with_labels, model_loss, prediction_of, real_items
+from .model_io import (
+    ModelIO,
+    call_model,
+    inputs_with_labels,
+    metric_targets,
+    model_loss,
+    prediction_of,
+    real_items,
+)
 from .preemption import PreemptedInValidation
 from .training_state import TrainingState
 
@@ -247,7 +255,7 @@ class Trainer:
         grads = self.strategy.extended.gradients(loss, variables)
         self.optimizer.apply_gradients(zip(grads, variables))
         if not empty:
-            self._compile_metrics.update_state(y, y_pred, sample_weight, terms)
+            self._compile_metrics.update_state(*metric_targets(self.model, x, y, y_pred), sample_weight, terms)
 
     def test_step(self, data) -> None:
         """One replica's evaluation step: losses and metrics of its slice."""
@@ -262,7 +270,7 @@ class Trainer:
             return
         with torch.no_grad():
             y_pred, terms = self._forward(x, y, sample_weight)
-        self._compile_metrics.update_state(y, y_pred, sample_weight, terms)
+        self._compile_metrics.update_state(*metric_targets(self.model, x, y, y_pred), sample_weight, terms)
 
     def predict_step(self, data):
         """One replica's prediction: the model's output on its slice."""

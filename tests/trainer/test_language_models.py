@@ -188,3 +188,34 @@ def test_the_probe_reads_more_rows_when_the_first_ones_have_no_real_label(transf
     trainer.fit(model, data, batch_size=ROWS, shuffle=False, verbose=0)
     assert trainer._compile_loss.counts_items
     assert largest_difference(model.state_dict(), expected) <= TOLERANCE
+
+
+@pytest.mark.parametrize("strategy_name", ["default", "mirrored2"])
+def test_metrics_compare_the_labels_in_the_inputs_shifted_for_a_causal_model(transformers, strategy_name):
+    """``Trainer(loss=None)``: the labels live in the input dict (no y), where the metrics read them too (they
+    logged 0.0); a causal model's position t predicts token t + 1, and -100 is left out, as its loss does."""
+    from torchmetrics.classification import MulticlassAccuracy
+
+    model = tiny_gpt2(transformers)
+    ids, real = sequences()
+    labels = ids.masked_fill(~real, -100)
+    data = {"input_ids": ids, "attention_mask": real.long(), "labels": labels}
+    metrics = ["accuracy", MulticlassAccuracy(num_classes=VOCAB, average="micro", ignore_index=-100)]
+    trainer = Trainer(strategy=make_strategy(strategy_name), loss=None, metrics=metrics)
+    logs = trainer.evaluate(model, data, batch_size=BATCH, verbose=0, return_dict=True)
+    with torch.no_grad():
+        predicted = model(input_ids=ids, attention_mask=real.long()).logits[:, :-1].argmax(-1)
+    target = labels[:, 1:]
+    expected = float((predicted == target)[target != -100].float().mean())
+    assert logs["accuracy"] == pytest.approx(expected, abs=1e-6)
+    assert logs["multiclass_accuracy"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_a_classifiers_metrics_read_the_labels_in_its_inputs(transformers):
+    model = tiny_bert(transformers)
+    ids, real = sequences()
+    data = {"input_ids": ids, "attention_mask": real.long(), "labels": torch.arange(ROWS) % 3}
+    logs = Trainer(loss=None).evaluate(model, data, batch_size=BATCH, verbose=0, return_dict=True)
+    with torch.no_grad():
+        predicted = model(input_ids=ids, attention_mask=real.long()).logits.argmax(-1)
+    assert logs["accuracy"] == pytest.approx(float((predicted == data["labels"]).float().mean()), abs=1e-6)
