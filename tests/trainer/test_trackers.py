@@ -379,3 +379,33 @@ def test_bad_arguments_are_refused(make, fragment):
 def test_log_checkpoint_true_needs_a_run_dir():
     with pytest.raises(ValueError, match="run_dir is not set"):
         fit([MLflowLogger(log_checkpoint=True)])
+
+
+def test_a_fit_that_raises_leaves_its_run_failed_at_exit_not_running(tmp_path):
+    """A fit that raises gets no on_train_end: at the process's exit its MLflow run is closed as FAILED (it
+    stayed RUNNING for ever)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import torch
+        from replicafit.trainer import LambdaCallback, MLflowLogger, Trainer
+
+        def stop(epoch, logs):
+            raise RuntimeError("the fit fails")
+
+        x, y = torch.randn(32, 4), torch.randint(0, 2, (32,))
+        trainer = Trainer(loss="cross_entropy", metrics=[])
+        try:
+            trainer.fit(torch.nn.Linear(4, 2), (x, y), batch_size=8, epochs=3, verbose=0,
+                        callbacks=[MLflowLogger(run_dir={str(tmp_path)!r}), LambdaCallback(on_epoch_end=stop)])
+        except RuntimeError:
+            pass
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=dict(os.environ))
+    run = only_run(mlflow_client(tmp_path))
+    assert run.info.status == "FAILED"
+    assert [m.step for m in mlflow_client(tmp_path).get_metric_history(run.info.run_id, "loss")] == [0]

@@ -251,8 +251,8 @@ class _MLflowRun:
         else:
             self._client.log_artifact(self.run_id, path, artifact_path="checkpoints")
 
-    def close(self) -> None:
-        self._client.set_terminated(self.run_id, "FINISHED")
+    def close(self, failed: bool = False) -> None:
+        self._client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
 
 
 def _name(key: str) -> str:

@@ -167,7 +167,7 @@ class Tracker(Callback):
         self.log_checkpoint = log_checkpoint if isinstance(log_checkpoint, bool) else os.fspath(log_checkpoint)
         self.artifacts = [os.fspath(path) for path in artifacts]
         self.flush_timeout = float(flush_timeout)
-        self._run = self._sender = self._saved = None
+        self._run = self._sender = self._saved = self._at_exit = None
         self._active = False  # this process tracks (the chief)
         self._params_sent = False
         self._last_step = None  # the update count of the last batch/ values sent
@@ -238,7 +238,7 @@ class Tracker(Callback):
         self._send("closing the run", "close")
         sender = self._sender
         finished = sender.finish(self.flush_timeout)
-        atexit.unregister(sender.finish)
+        atexit.unregister(self._at_exit)
         if _SENDERS.get(self._run.key, (None,))[0] is sender:
             del _SENDERS[self._run.key]
         self._report(finished)
@@ -261,8 +261,10 @@ class Tracker(Callback):
             self._sender = _Sender(f"replicafit-{type(self).__name__}", before)
             _SENDERS[self._run.key] = (self._sender, self._run)
             self._send("opening the run", "open")
-            # A fit that raises gets no on_train_end: what is queued still goes out at exit, boundedly.
-            atexit.register(self._sender.finish, self.flush_timeout)
+            # A fit that raises gets no on_train_end: at exit what is queued still goes out, boundedly, and the
+            # run is closed as failed (else it would stay "running" in the tracker for ever).
+            self._at_exit = functools.partial(_end_at_exit, self._sender, self._run, self.flush_timeout)
+            atexit.register(self._at_exit)
         return True
 
     def _send(self, what: str, method: str, *args) -> None:
@@ -344,6 +346,18 @@ class Tracker(Callback):
             return
         self._warned = True
         warnings.warn(f"{name}: {message}. Training goes on.", RuntimeWarning, stacklevel=3)
+
+
+def _end_at_exit(sender: _Sender, run, timeout: float) -> None:
+    """At exit, after a fit that raised: its queued calls (at most ``timeout`` s), then its run closed as failed
+    (where a later fit of the same run, resumed in this process, has not taken it over)."""
+    if _SENDERS.get(run.key, (None,))[0] is not sender:
+        return
+    if sender.finish(timeout) and sender.failure is None:
+        try:
+            run.close(failed=True)
+        except Exception:  # noqa: BLE001 - at exit, a tracker that fails has nothing left to stop
+            pass
 
 
 def _end_interrupted(sender: _Sender, run, timeout: float) -> None:

@@ -195,5 +195,5 @@ class _WandbRun:
             artifact.add_file(path)
         self._run.log_artifact(artifact)
 
-    def close(self) -> None:
-        self._run.finish()
+    def close(self, failed: bool = False) -> None:
+        self._run.finish(exit_code=1 if failed else 0)
