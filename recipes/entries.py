@@ -8,9 +8,11 @@ entry's key, or the argument's.
 
 from __future__ import annotations
 
+import ast
 import inspect
 import math
 import re
+import textwrap
 
 from replicafit.trainer.callbacks import Callback
 from replicafit.trainer.spelling import did_you_mean
@@ -25,7 +27,7 @@ _SIMPLE_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "list": l
 
 
 #: The default ``factory_parameters`` gives a base class's required argument reached through a subclass's
-#: ``**kwargs``: the subclass may pass it itself, so a recipe need not (a missing one fails when it is called).
+#: ``**kwargs`` that the subclass passes itself: a recipe need not.
 class SUPPLIED_BY_SUBCLASS:  # a marker (named as inspect.Parameter.empty is a class of its own)
     """The marker ``factory_parameters`` puts as such an argument's default."""
 
@@ -61,18 +63,35 @@ def factory_parameters(factory) -> tuple:
             continue
         params[name] = param
     if var_keyword and classes:  # e.g. SGD(**kwargs) -> Optimizer.__init__
+        passed = _passed_up(factory)
         for base in classes[1:]:
             if "__init__" in vars(base) and base is not object:
                 more, still_open = factory_parameters(base)
                 for name, param in more.items():
-                    # A base's required argument may come from the subclass itself (torchmetrics'
-                    # MulticlassF1Score passes beta=1.0 to MulticlassFBetaScore): not required of the recipe.
-                    if param.default is inspect.Parameter.empty:
+                    # A base's required argument that the subclass passes itself (torchmetrics' MulticlassF1Score
+                    # passes beta=1.0 to MulticlassFBetaScore) is not required of the recipe.
+                    if param.default is inspect.Parameter.empty and (passed is None or name in passed):
                         param = param.replace(default=SUPPLIED_BY_SUBCLASS)
                     params.setdefault(name, param)
                 if not still_open:
                     return params, False
     return params, var_keyword
+
+
+def _passed_up(cls) -> set | None:
+    """The keyword arguments ``cls.__init__`` passes by name to an ``__init__`` above it (``super().__init__(beta=1.0,
+    **kwargs)``), read from its source; None where the source cannot be read (then any may be)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__init__)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    return {
+        keyword.arg
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "__init__"
+        for keyword in node.keywords
+        if keyword.arg is not None
+    }
 
 
 def parameter_default(factory, name):

@@ -687,15 +687,20 @@ class Trainer:
                 if index == 0 and dm.gathers_parameters:
                     self._predict_row = self._first_row(batch)
                 result = self.strategy.run(self.predict_step, args=(batch,))
+                local = self.strategy.experimental_local_results(result)
                 if self.strategy.cluster.num_workers > 1:  # every worker's rows, in input order
-                    outputs.append(self.strategy.gather(result, axis=0))
+                    nest.map_structure(lambda *parts: _same_beyond_first(parts), *local)  # (said here, not in gather)
+                    try:
+                        outputs.append(self.strategy.gather(result, axis=0))
+                    except ValueError as error:
+                        raise ValueError(f"{_RAGGED_PREDICTIONS} ({error})") from error
                 else:
-                    outputs.extend(self.strategy.experimental_local_results(result))
+                    outputs.extend(local)
         finally:
             dm.train(was_training)
         if not outputs:
             raise ValueError("predict() got no data.")
-        return nest.map_structure(lambda *parts: torch.cat([p.detach() for p in parts]), *outputs)
+        return nest.map_structure(lambda *parts: _concatenated(parts), *outputs)
 
     # --- checkpoints and backups: the training state (training_state.py) -------------------------------
     def write_on_chief(self, what: str, write, default=None):
@@ -838,6 +843,27 @@ def _check_trainable_unchanged(dm) -> None:
             "next compile()). Make a new Trainer (with a new optimizer) to train the new set, or set requires_grad "
             "back."
         )
+
+
+_RAGGED_PREDICTIONS = (
+    "predict() cannot put the batches' outputs together: they differ beyond the first axis, as a padding collator "
+    "makes them (each batch, and each replica's and worker's rows, padded to its own longest row). Pad every batch "
+    "to one length (transformers' DataCollatorWithPadding(tokenizer, padding='max_length', max_length=N), or "
+    "pad_to_multiple_of with rows no longer than it), or predict batch by batch"
+)
+
+
+def _same_beyond_first(parts) -> None:
+    """A clear error where the parts of ``predict``'s outputs differ beyond the first axis."""
+    shapes = [tuple(part.shape) for part in parts]
+    if len({shape[1:] for shape in shapes}) > 1:
+        raise ValueError(f"{_RAGGED_PREDICTIONS}: shapes {', '.join(map(str, dict.fromkeys(shapes)))}.")
+
+
+def _concatenated(parts) -> torch.Tensor:
+    """The parts of ``predict``'s outputs concatenated along the first axis."""
+    _same_beyond_first(parts)
+    return torch.cat([part.detach() for part in parts])
 
 
 def _device_type(x) -> str:

@@ -211,3 +211,13 @@ def test_two_workers_each_read_their_shard_of_a_stream(two_workers):
     assert collections.Counter(reads[0] + reads[1]) == collections.Counter(list(range(20)) * 2)
     histories = [worker["stream"]["history"] for worker in workers]
     assert histories[0] == histories[1] and len(histories[0]["loss"]) == 2
+
+
+@pytest.mark.parametrize("strategy_name", ["default", "mirrored2"])
+def test_predict_on_batches_padded_each_to_its_own_length_says_to_pad_to_one(strategy_name):
+    """Each batch (and replica) padded to its longest row gives outputs that cannot be put together: the
+    message says so and names the fix, instead of torch's "Sizes of tensors must match"."""
+    ragged = data.CollatedDataset(scenarios.token_rows(ragged=True), scenarios.pad_rows)
+    trainer = scenarios.make_trainer(make_strategy(strategy_name))
+    with pytest.raises(ValueError, match=r"differ beyond the first axis.*padding='max_length'"):
+        trainer.predict(scenarios.tiny_gpt2(), ragged, batch_size=BATCH)

@@ -235,3 +235,17 @@ def test_a_bases_required_argument_that_the_subclass_passes_is_not_required_of_t
     params, open_kwargs = factory_parameters(_PassesBeta)
     assert not open_kwargs and set(params) == {"beta", "width"}
     assert params["beta"].default is not params["beta"].empty  # the recipe need not give it
+
+
+class _PassesOnly(_Base):
+    """Passes everything on: its base's required ``beta`` stays required of the recipe."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+
+
+def test_a_bases_required_argument_the_subclass_does_not_pass_stays_required():
+    from replicafit.recipes.entries import factory_parameters
+
+    params, _ = factory_parameters(_PassesOnly)
+    assert params["beta"].default is params["beta"].empty
