@@ -7,11 +7,13 @@ the trainer's ``metrics.Metric`` protocol:
 - every replica updates its own copy of the metric (made by ``build``, on the replica's device), with no
   communication: the update is torchmetrics' own ``update(preds, target)``;
 - a read outside the replicas (the logs, ``evaluate``, a backup) combines the copies' states by each state's
-  own reduction, over this worker's replicas and then over the workers (one ``cluster.all_gather`` per read
-  when there are several workers; none in one process), and runs torchmetrics' ``compute()`` on the
-  combined states: the value equals one device's ``compute()`` on the same data (exactly where the states
-  are integer counts; ``cat`` states are concatenated in the input's order, step by step and replica by
-  replica in global replica order, as one device would have appended them);
+  own reduction, over this worker's replicas and then over the workers, and runs torchmetrics' ``compute()``
+  on the combined states: the value equals one device's ``compute()`` on the same data (exactly where the
+  states are integer counts; ``cat`` states are concatenated in the input's order, step by step and replica
+  by replica in global replica order, as one device would have appended them). Sum and mean states are
+  ``SyncOnRead`` variables (the replica's copy holds its component), read in the logs' batched reduction with
+  the trainer's own accumulators; the other states are gathered (one ``cluster.all_gather`` per read across
+  workers, none in one process);
 - ``reset_state``, checkpoints and backups (the combined states, counted once again when restored, on any
   number of replicas and workers) as for the trainer's own metrics.
 
@@ -185,8 +187,10 @@ class TorchMetric(Metric):
 
     def build_state(self) -> None:
         """A ``SyncOnRead`` variable per state that sums (``"sum"``) or averages (``"mean"``) a tensor of fixed
-        shape, and ``update_count``: their reads ride the trainer's one batched reduction of the logs (no
-        collective of their own). Each replica's copy of the metric holds its component as that state."""
+        shape, and ``update_count``: their reads ride the trainer's batched reduction of the logs, one buffer
+        per dtype (integer counts, torchmetrics' usual, add one all-reduce per read across workers for every
+        metric together, started with the float32 one). Each replica's copy of the metric holds its component as
+        that state."""
         self._states["update_count"] = _variable(f"{self.name}/update_count", torch.zeros((), dtype=torch.int64))
         for key in self._keys:
             initial, reduction = states.default(self._reader, self._keys, key), self._reduction(key)

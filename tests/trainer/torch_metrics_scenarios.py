@@ -105,35 +105,49 @@ def workers(rank, num_workers, port, kind="multi_worker_mirrored"):
 
 
 def collectives_per_read(rank, num_workers, port):
-    """The collectives a fit issues (every method of the workers' ``Collective``, counted) with the trainer's
-    accuracy alone, then with torchmetrics' F1 and MSE-like sums beside it, with the logs read at every step."""
+    """The collectives a fit issues (every ``torch.distributed`` call of the workers' ``Collective``, counted)
+    from its first step on, with the logs read at every step: with the trainer's accuracy alone, with F1 beside
+    it, and with F1, MulticlassAccuracy and a binned MulticlassAUROC beside it."""
+    from torchmetrics.classification import MulticlassAccuracy
+
     from replicafit.strategies import collective
     from replicafit.trainer import LambdaCallback
 
     counts: dict = {}
-    for method in ("all_reduce_flat", "all_gather_object", "sum_ints", "all_gather", "broadcast_object"):
-        original = getattr(collective.Collective, method)
+    for name in ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier"):
+        original = getattr(collective.dist, name)
 
-        def counted(self, *args, _original=original, _method=method, **kwargs):
-            counts[_method] = counts.get(_method, 0) + 1
-            return _original(self, *args, **kwargs)
+        def counted(*args, _original=original, _name=name, **kwargs):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _original(*args, **kwargs)
 
-        setattr(collective.Collective, method, counted)
+        setattr(collective.dist, name, counted)
     strategy = strategy_for(rank, num_workers, port)
     (x, y), _ = classification_data()
     out = {}
     for name, metrics in (
         ("accuracy", ["accuracy"]),
-        ("with_torchmetrics", ["accuracy", MulticlassF1Score(num_classes=3)]),
+        ("f1", ["accuracy", MulticlassF1Score(num_classes=3)]),
+        (
+            "three",
+            [
+                "accuracy",
+                MulticlassF1Score(num_classes=3),
+                MulticlassAccuracy(num_classes=3),
+                MulticlassAUROC(num_classes=3, thresholds=20),
+            ],
+        ),
     ):
+        reads = []
         # from the first step on (the metrics' variables are made, and checked across workers, before it)
         steps = LambdaCallback(
             on_train_batch_begin=lambda batch, logs: counts.clear() if batch == 0 else None,
-            on_train_batch_end=lambda batch, logs: None,  # wants the logs at every step
+            on_train_batch_end=lambda batch, logs, _reads=reads: _reads.append(batch),  # the logs at every step
         )
         trainer = Trainer(strategy=strategy, optimizer=optimizers.SGD(0.1), loss="cross_entropy", metrics=metrics)
         trainer.fit(classifier(), (x, y), epochs=1, batch_size=32, shuffle=False, verbose=0, callbacks=[steps])
         out[name] = dict(counts)
+        out["reads"] = len(reads)
     return out
 
 
