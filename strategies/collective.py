@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import re
 import socket
 import threading
 import time
@@ -60,6 +61,39 @@ class WorkerFailedError(RuntimeError):
             print("a worker failed:", error)      # e.g. during batch_reduce_to (pack 1 of 1)
             raise SystemExit(1)
     """
+
+
+# What the backends' texts say, in our words (the text itself stays in the error's __cause__).
+_BACKEND_FAILURES = (
+    (
+        re.compile(r"connection (reset|closed) by peer|broken pipe|end of file", re.I),
+        "its connection to a peer closed",
+    ),
+    (re.compile(r"connection refused", re.I), "a peer refused the connection"),
+    (re.compile(r"timed out|timeout", re.I), "no peer answered within the communication timeout"),
+)
+
+
+def backend_failure(error: BaseException) -> str:
+    """One line of ours for a ``torch.distributed`` backend's error (gloo's name their source file and
+    line, and sign off "GLHF!"): what it means where we know it, else its first sentence without the
+    source location.
+
+    Example::
+
+        >>> backend_failure(RuntimeError("[gloo/pair.cc:537] Read error [127.0.0.1]:3930: Connection reset by peer. "
+        ...                              "Check the logs of the remote worker before reporting an error. GLHF!"))
+        'its connection to a peer closed (Read error [127.0.0.1]:3930: Connection reset by peer)'
+    """
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    first = re.sub(r"^\[[^\]]*:\d+\]\s*", "", first)  # gloo's "[.../pair.cc:537] "
+    sentence = first.split(". ")[0].rstrip(".")
+    sentence = sentence if len(sentence) <= 160 else sentence[:157] + "..."
+    for pattern, meaning in _BACKEND_FAILURES:
+        if pattern.search(sentence):
+            return f"{meaning} ({sentence})"
+    return sentence
 
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
@@ -192,12 +226,11 @@ class Collective:
             self._failed = operation
             self._drain()
             self._abandon()
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise WorkerFailedError(
                 f"Worker {self.rank} of {self.world_size}: another worker died or stopped arriving during "
-                f"{operation} ({first}). Every worker must make the same collectives in the same order; after a "
-                "failure restart every worker (replicafit fit --workers N --max-restarts K) and resume from a "
-                "backup (BackupAndRestore)."
+                f"{operation}: {backend_failure(error)}. Every worker must make the same collectives in the same "
+                "order; after a failure restart every worker (replicafit fit --workers N --max-restarts K) and "
+                "resume from a backup (BackupAndRestore)."
             ) from error
 
     def _drain(self) -> None:

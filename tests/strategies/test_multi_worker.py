@@ -125,6 +125,30 @@ def test_a_stuck_or_killed_worker_is_an_error_on_the_other(mode):
     limit = timeout + 1.0 if mode == "sleep" else 1.0
     assert found["waited"] < limit, found
     assert "another worker died or stopped arriving during" in found["message"]
+    # one line of ours: what the backend's text means, without its source location and sign-off
+    meaning = "no peer answered within the communication timeout" if mode == "sleep" else "connection to a peer closed"
+    assert meaning in found["message"], found["message"]
+    assert "GLHF" not in found["message"] and ".cc:" not in found["message"] and "\n" not in found["message"]
+
+
+def test_a_backends_error_reads_as_one_line_of_ours():
+    from replicafit.strategies.collective import backend_failure
+
+    gloo = RuntimeError(
+        "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:39306: Connection "
+        "reset by peer. This is typically caused by a remote worker hanging or bugs in the application. Check the "
+        "logs of the remote worker before reporting an error. GLHF! \U0001f3d6\ufe0f"
+    )
+    assert (
+        backend_failure(gloo)
+        == "its connection to a peer closed (Read error [127.0.0.1]:39306: Connection reset by peer)"
+    )
+    refused = RuntimeError("[c10d/TCPStore.cpp:120] Connection refused\nmore lines")
+    assert backend_failure(refused) == "a peer refused the connection (Connection refused)"
+    assert backend_failure(RuntimeError("NCCL error in: x.cpp:1, unhandled system error. Last error: y")) == (
+        "NCCL error in: x.cpp:1, unhandled system error"
+    )
+    assert backend_failure(RuntimeError("")) == "RuntimeError"
 
 
 def test_one_worker_in_process_is_mirrored():
