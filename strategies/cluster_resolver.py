@@ -134,7 +134,9 @@ class ClusterResolver:
         local_rank: int = 0,
         local_world_size: int = 1,
         devices: tuple[str, ...] | None = None,
+        attempt: int = 0,
     ) -> None:
+        self._attempt = attempt
         self._num_workers = num_workers
         self._worker_index = worker_index
         self._master_address = master_address
@@ -184,6 +186,14 @@ class ClusterResolver:
     def local_world_size(self) -> int:
         """How many worker processes run on this node."""
         return self._local_world_size
+
+    @property
+    def attempt(self) -> int:
+        """Which start of the job this is: 0, then 1, 2... after the launcher restarted every worker (torchrun's
+        ``TORCHELASTIC_RESTART_COUNT``). The workers of each attempt meet under keys of their own in the
+        rendezvous store, which outlives them under torchrun: the keys an earlier attempt left (its workers'
+        old addresses) would send a restarted worker to a socket that no longer listens."""
+        return self._attempt
 
     @property
     def is_chief(self) -> bool:
@@ -344,6 +354,7 @@ class TorchrunClusterResolver(ClusterResolver):
             local_rank=local_rank,
             local_world_size=local_world_size,
             devices=_check_devices(devices),
+            attempt=_env_int(env, "TORCHELASTIC_RESTART_COUNT", 0, default=0),
         )
 
     @staticmethod

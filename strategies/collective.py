@@ -149,7 +149,15 @@ class Collective:
     prefer_scatter: bool | None = None
 
     def __init__(
-        self, rank: int, world_size: int, address: str, port: int, device, timeout_seconds, implementation="AUTO"
+        self,
+        rank: int,
+        world_size: int,
+        address: str,
+        port: int,
+        device,
+        timeout_seconds,
+        implementation="AUTO",
+        attempt: int = 0,
     ):
         self.rank = rank
         self.world_size = world_size
@@ -178,13 +186,19 @@ class Collective:
                 kwargs = {"timeout": self.timeout} if self.timeout else {}
                 if rank != 0:  # torch's own wait for an absent chief logs C++ stack frames, and retries past T
                     _wait_for_rendezvous(address, port, self.timeout or datetime.timedelta(minutes=30))
-                dist.init_process_group(
-                    backend,
-                    init_method=f"tcp://{_host(address)}:{port}",
-                    rank=rank,
-                    world_size=world_size,
-                    **kwargs,
+                store, _, _ = next(
+                    dist.rendezvous(
+                        f"tcp://{_host(address)}:{port}",
+                        rank=rank,
+                        world_size=world_size,
+                        timeout=self.timeout or datetime.timedelta(minutes=30),
+                    )
                 )
+                # The keys of this attempt only: under torchrun the store outlives a restart, and the addresses
+                # the earlier attempt's workers left in it would send a restarted worker to a closed socket
+                # (gloo's "connectFullMesh failed ... Connection refused").
+                store = dist.PrefixStore(f"replicafit/attempt-{attempt}", store)
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
                 self._owns_default = True
             self.data_group = None  # the default group
             kwargs = {"timeout": self.timeout} if self.timeout else {}
@@ -196,7 +210,9 @@ class Collective:
         self.operations = 0  # data collectives issued (benchmarks count them)
 
     @classmethod
-    def get(cls, rank, world_size, address, port, device, timeout_seconds, implementation="AUTO") -> Collective:
+    def get(
+        cls, rank, world_size, address, port, device, timeout_seconds, implementation="AUTO", attempt: int = 0
+    ) -> Collective:
         """The process's collective for this cluster (created on first use)."""
         with cls._instance_lock:
             current = cls._instance
@@ -207,7 +223,7 @@ class Collective:
                         "a process can be a worker of one cluster only."
                     )
                 return current
-            cls._instance = cls(rank, world_size, address, port, device, timeout_seconds, implementation)
+            cls._instance = cls(rank, world_size, address, port, device, timeout_seconds, implementation, attempt)
             return cls._instance
 
     # --- failure handling ----------------------------------------------------------------

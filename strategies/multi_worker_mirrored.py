@@ -78,6 +78,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
                 torch_device(devices[0]),
                 options.timeout_seconds,
                 options.implementation.value,
+                resolver.attempt,
             )
             nccl = self._collective.backend == "nccl"
             mine = (len(devices), _gpu_identities(devices) if nccl else ())
