@@ -189,10 +189,10 @@ class ClusterResolver:
 
     @property
     def attempt(self) -> int:
-        """Which start of the job this is: 0, then 1, 2... after the launcher restarted every worker (torchrun's
-        ``TORCHELASTIC_RESTART_COUNT``). The workers of each attempt meet under keys of their own in the
-        rendezvous store, which outlives them under torchrun: the keys an earlier attempt left (its workers'
-        old addresses) would send a restarted worker to a socket that no longer listens."""
+        """The number of this start of the job, 0 at first and one more each time the launcher restarted every
+        worker (torchrun's ``TORCHELASTIC_RESTART_COUNT``). The workers of each attempt meet under keys of their
+        own in the rendezvous store, which outlives them under torchrun: the keys an earlier attempt left (its
+        workers' old addresses) would send a restarted worker to a socket that no longer listens."""
         return self._attempt
 
     @property
