@@ -19,10 +19,19 @@ moment; counts the runs where the launcher names worker 1 as the one that stoppe
 moment; the launcher restarts both from the last backup. Counts the runs whose reports and files
 differ from the uninterrupted run's (EarlyStopping's state included), and the steps trained in all.
 
+``peer``: the same recipe on 2 workers under ``--max-restarts 1`` with a backup per epoch only
+(``save_freq: epoch``, ``save_on_peer_failure: true``, ``timeout_seconds: 5``); a random worker is SIGKILLed
+or SIGSTOPped (alternately) at a random moment. A survivor writes the backup of the last step every worker
+finished, and the restart goes on from it. Counts hangs, exit statuses, where each restart resumed from,
+steps trained twice (none expected), and mismatches: final and best weights beyond 1e-6 of the uninterrupted
+run's, a step never trained, validation metrics that differ (the interrupted epoch's training metrics lack the
+dead worker's rows before the failure: not compared).
+
 Run: python benchmarks/fault_preemption.py sigterm --workers 1 [--runs 20] [--targeted 5] [--seed 0]
      python benchmarks/fault_preemption.py sigterm --workers 2 [--runs 20] [--targeted 5]
      python benchmarks/fault_preemption.py sigkill [--runs 12]
      python benchmarks/fault_preemption.py sigstop [--runs 16]
+     python benchmarks/fault_preemption.py peer [--runs 10]
 """
 
 from __future__ import annotations
@@ -48,7 +57,9 @@ def _env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
 
 
-def _command(folder: str, workers: int, restarts: int = 0, signal_in=None, seed=0, timeout=20) -> list:
+def _command(
+    folder: str, workers: int, restarts: int = 0, signal_in=None, seed=0, timeout=20, save_freq=5, peer=False
+) -> list:
     log, pids, backup = (os.path.join(folder, name) for name in ("log", "pids", "backup"))
     to = "launcher" if workers > 1 else "self"
     entries = [
@@ -56,8 +67,8 @@ def _command(folder: str, workers: int, restarts: int = 0, signal_in=None, seed=
         f"{{type: 'fault_callbacks:StepLog', path: '{log}', pid_dir: '{pids}', to: {to}, seed: {seed}, "
         f"step_seconds: {STEP_SECONDS}" + (", signal_in: validation}" if signal_in == "validation" else "}"),
         f"{{type: 'fault_callbacks:TimedBackup', backup_dir: '{backup}', log: '{log}', pid_dir: '{pids}', "
-        f"save_freq: 5, save_before_preemption: true, to: {to}, seed: {seed}"
-        + (", signal_in_write: true}" if signal_in == "write" else "}"),
+        f"save_freq: {save_freq}, save_before_preemption: true, save_on_peer_failure: {str(peer).lower()}, "
+        f"to: {to}, seed: {seed}" + (", signal_in_write: true}" if signal_in == "write" else "}"),
     ]
     argv = [sys.executable, "-m", "replicafit", "fit", "digits_mlp", "--set", f"fit.epochs={EPOCHS}",
             "--set", "fit.verbose=0", "--set", f"callbacks=[{', '.join(entries)}]",
@@ -302,6 +313,100 @@ def sigkill(runs: int, seed: int) -> int:
     return 1 if failures else 0
 
 
+def _weights_gap(folder: str, reference: str) -> float:
+    """The largest difference between the final and best weights of two finished runs."""
+    import torch
+
+    gap = 0.0
+    for name in ("last.pt", "best.pt"):
+        mine, theirs = (
+            torch.load(os.path.join(f, "run", "checkpoints", name), weights_only=True)["model"]
+            for f in (folder, reference)
+        )
+        gap = max([gap, *(float((mine[k] - theirs[k]).abs().max()) for k in theirs)])
+    return gap
+
+
+def peer(runs: int, seed: int, timeout: int = 5) -> int:
+    """A random worker SIGKILLed or SIGSTOPped at a random moment under ``--max-restarts 1`` with a backup per epoch
+    only: a survivor writes the backup of the last step every worker finished, and the restart repeats no step."""
+    rng = random.Random(seed)
+    tally = collections.Counter()
+    replayed, gaps, exits = collections.Counter(), [], []
+    with tempfile.TemporaryDirectory() as root:
+        reference_dir = os.path.join(root, "reference")
+        os.makedirs(reference_dir)
+        done = _run(_command(reference_dir, 2, save_freq="epoch", peer=True, timeout=timeout))
+        assert done.returncode == 0, done.stderr
+        events = _events(reference_dir)
+        step_times = [float(e[-1]) for e in events if e[0] == "step"]
+        reference_steps = _steps(events)
+        reference = _outcome(reference_dir)
+        for index in range(runs):
+            how = ("SIGKILL", "SIGSTOP")[index % 2]
+            rank = rng.randrange(2)
+            folder = os.path.join(root, f"trial{index}")
+            os.makedirs(folder)
+            argv = _command(folder, 2, restarts=1, save_freq="epoch", peer=True, timeout=timeout)
+            child = subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True
+            )
+            try:
+                _wait_for_first_step(folder, child, time.monotonic() + 120)
+                time.sleep(rng.uniform(0.0, step_times[-1] - step_times[0]))
+                try:
+                    with open(os.path.join(folder, "pids", f"rank{rank}")) as file:
+                        os.kill(int(file.read()), getattr(signal, how))
+                    hit = time.monotonic()
+                except (OSError, ValueError):
+                    hit = None
+                try:
+                    _, err = child.communicate(timeout=240)
+                except subprocess.TimeoutExpired:
+                    tally[f"{how}: hang"] += 1
+                    continue
+            finally:
+                if child.poll() is None:
+                    os.killpg(child.pid, signal.SIGKILL)
+                    child.wait(timeout=10)
+            if child.returncode != 0:
+                tally[f"{how}: exit {child.returncode}"] += 1
+                continue
+            if "restarting all 2 workers" not in err:
+                tally[f"{how}: finished before the fault" if hit is None or not err else f"{how}: not restarted"] += 1
+                continue
+            said = [line for line in err.splitlines() if "WorkerFailedError" in line or "backup" in line]
+            if "wrote the backup of the last step every worker finished" in err:
+                tally[f"{how}: restarted from a survivor's backup"] += 1
+            elif "was written before the failure" in err:
+                tally[f"{how}: restarted from the periodic backup of that step"] += 1
+            else:
+                tally[f"{how}: restarted, no survivor's backup: {said[-1:]}"] += 1
+            steps = _steps(_events(folder))
+            twice = len(steps) - len(set(steps))
+            replayed[twice] += 1
+            gap = _weights_gap(folder, reference_dir)
+            gaps.append(gap)
+            exits.append(hit)
+            metrics = _outcome(folder)[0]
+            val_same = all(
+                abs(metrics["final"][k] - reference[0]["final"][k]) <= 1e-6 for k in reference[0]["final"] if "val" in k
+            )
+            if gap > 1e-6 or set(reference_steps) - set(steps) or not val_same:
+                tally["mismatches (weights beyond 1e-6, a step never trained, validation differs)"] += 1
+    print(f"peer: a random worker of `replicafit fit digits_mlp --workers 2 --max-restarts 1` (timeout_seconds: "
+          f"{timeout}, a backup per epoch only) SIGKILLed or SIGSTOPped at a random moment, {runs} runs")  # fmt: skip
+    for kind, count in sorted(tally.items()):
+        print(f"  {kind:<72} {count}")
+    print(f"  steps trained twice per restarted run: {dict(sorted(replayed.items()))}")
+    if gaps:
+        print(f"  largest weight difference from the uninterrupted run: {max(gaps):.2e}")
+    failures = sum(count for kind, count in tally.items() if "hang" in kind or "exit" in kind or "mismatch" in kind)
+    failures += sum(count for twice, count in replayed.items() if twice)
+    print(f"  failures: {failures}")
+    return 1 if failures else 0
+
+
 def sigstop(runs: int, seed: int, timeout: int = 5) -> int:
     """SIGSTOP worker 1 at a random moment (no restarts): the launcher must name worker 1, within the
     collective timeout and the launcher's grace."""
@@ -363,12 +468,17 @@ def main() -> int:
     kill = commands.add_parser("sigkill")
     kill.add_argument("--runs", type=int, default=12)
     kill.add_argument("--seed", type=int, default=0)
+    lost = commands.add_parser("peer")
+    lost.add_argument("--runs", type=int, default=10)
+    lost.add_argument("--seed", type=int, default=0)
     stop = commands.add_parser("sigstop")
     stop.add_argument("--runs", type=int, default=16)
     stop.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.command == "sigterm":
         return sigterm(args.runs, args.targeted, args.workers, args.seed)
+    if args.command == "peer":
+        return peer(args.runs, args.seed)
     return sigkill(args.runs, args.seed) if args.command == "sigkill" else sigstop(args.runs, args.seed)
 
 

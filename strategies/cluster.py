@@ -25,6 +25,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 __all__ = ["Cluster", "CollectiveCluster"]
@@ -148,6 +150,30 @@ class Cluster:
         pair collectives by their order on a channel)."""
         return self
 
+    @property
+    def failed(self) -> bool:
+        """True once a collective of the cluster raised ``WorkerFailedError`` (a worker died or stopped arriving;
+        never in one process). A cluster that failed makes no collective again, except within ``alone()``."""
+        return False
+
+    def alone(self):
+        """A context in which every call of this cluster answers with this worker's part alone, as in a cluster
+        of one (``all_gather`` gives ``[obj]``, ``sum`` this worker's value, ``barrier`` passes), and reductions of
+        distributed values combine this worker's replicas only. For a survivor after a worker's failure
+        (``failed``): it reads its own state through the code that reads it across workers, to write a backup
+        on its own. Raises ``RuntimeError`` where the cluster has not failed (the others would wait). In one
+        process nothing changes.
+
+        Example::
+
+            try:
+                trainer.fit(model, data)
+            except WorkerFailedError:
+                with cluster.alone():
+                    state = trainer.training_state(epoch, step)   # this worker's own view
+        """
+        return contextlib.nullcontext()
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(worker {self.worker_index} of {self.num_workers})"
 
@@ -193,3 +219,10 @@ class CollectiveCluster(Cluster):
 
     def input_channel(self) -> Cluster:
         return CollectiveCluster(self._collective, self.num_local_replicas, self._step_values, group="input")
+
+    @property
+    def failed(self) -> bool:
+        return self._collective.failed
+
+    def alone(self):
+        return self._collective.alone()

@@ -165,6 +165,7 @@ class Collective:
         self.timeout = datetime.timedelta(seconds=timeout_seconds) if timeout_seconds else None
         self._key = (rank, world_size, address, port)
         self._failed: str | None = None
+        self._alone = False  # after a failure, within alone(): every collective answers with this worker's part
         self._owns_default = False
         # Started, not yet waited for. A process must not exit with one of these still pending:
         # torch aborts it ("terminate called without an active exception"), so they are drained
@@ -227,8 +228,38 @@ class Collective:
             return cls._instance
 
     # --- failure handling ----------------------------------------------------------------
+    @property
+    def failed(self) -> bool:
+        """Whether a collective of this cluster failed (a worker died or stopped arriving)."""
+        return self._failed is not None
+
+    @property
+    def answering(self) -> int:
+        """How many workers' parts a collective combines now: ``world_size``, or 1 within ``alone()``."""
+        return 1 if self._alone else self.world_size
+
+    @contextlib.contextmanager
+    def alone(self):
+        """After a failure: within the block every collective answers at once with this worker's own part, as
+        in a cluster of one (sums and gathers of this worker only, broadcasts keep its value, barriers pass),
+        so a survivor can read its own state through the code that reads it across workers. Reductions into
+        parts (sharded states) have no such answer: they raise. Outside a failure it raises ``RuntimeError``:
+        the other workers would wait for this one's collectives."""
+        if self._failed is None:
+            raise RuntimeError("Collective.alone() is for a cluster that lost a worker; this one has not failed.")
+        self._alone = True
+        try:
+            yield
+        finally:
+            self._alone = False
+
     @contextlib.contextmanager
     def _guard(self, operation: str):
+        if self._alone:
+            raise WorkerFailedError(
+                f"Cannot run {operation} alone: after a worker's failure only sums, gathers, broadcasts and "
+                "barriers answer with this worker's own part."
+            )
         if self._failed is not None:
             raise WorkerFailedError(
                 f"Cannot run {operation}: the cluster failed earlier ({self._failed}). A process group that lost "
@@ -273,6 +304,8 @@ class Collective:
     # --- data collectives ------------------------------------------------------------------
     def all_reduce_flat(self, buffers: list, what: str) -> None:
         """Sums each flat buffer across workers in place: all started, then waited in order."""
+        if self._alone:
+            return
         with self._guard(what):
             works = [dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True) for buffer in buffers]
             self._pending.extend(works)
@@ -295,6 +328,8 @@ class Collective:
 
     def all_gather(self, tensor: torch.Tensor, what: str) -> list:
         """Every worker's ``tensor`` (same shape on all), in worker order: one collective into one buffer."""
+        if self._alone:
+            return [tensor.detach().clone()]
         with self._guard(what):
             source = tensor.detach().contiguous()
             if self._staged:
@@ -384,18 +419,24 @@ class Collective:
 
     def broadcast(self, tensor: torch.Tensor, what: str) -> None:
         """Worker 0's ``tensor`` into ``tensor`` on every worker, in place."""
+        if self._alone:
+            return
         with self._guard(what):
             dist.broadcast(tensor, src=0)
             self.operations += 1
 
     # --- control collectives (host, gloo) ----------------------------------------------------
     def all_gather_object(self, obj, what: str, group: str = "control") -> list:
+        if self._alone:
+            return [obj]
         with self._guard(what):
             out = [None] * self.world_size
             dist.all_gather_object(out, obj, group=getattr(self, f"{group}_group"))
             return out
 
     def broadcast_object(self, obj, what: str, group: str = "control"):
+        if self._alone:
+            return obj
         with self._guard(what):
             box = [obj]
             dist.broadcast_object_list(box, src=0, group=getattr(self, f"{group}_group"))
@@ -403,6 +444,8 @@ class Collective:
 
     def all_gather_ints(self, values: list, what: str) -> list:
         """Every worker's integer vector (same length on all), in worker order, on the host."""
+        if self._alone:
+            return [list(values)]
         with self._guard(what):
             tensor = torch.tensor(values, dtype=torch.int64)
             out = [torch.empty_like(tensor) for _ in range(self.world_size)]
@@ -411,6 +454,8 @@ class Collective:
 
     def sum_ints(self, values: list, what: str, group: str = "control") -> list:
         """Element-wise sums of small integer vectors across workers."""
+        if self._alone:
+            return [int(v) for v in values]
         with self._guard(what):
             tensor = torch.tensor(values, dtype=torch.int64)
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=getattr(self, f"{group}_group"))
@@ -418,6 +463,9 @@ class Collective:
 
     def start_sum_ints(self, values: list, what: str, group: str = "input"):
         """``sum_ints`` started now (on the input group unless told); returns ``finish() -> list``."""
+        if self._alone:
+            values = [int(v) for v in values]
+            return lambda: values
         with self._guard(what):
             tensor = torch.tensor(values, dtype=torch.int64)
             work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=getattr(self, f"{group}_group"), async_op=True)
@@ -432,6 +480,8 @@ class Collective:
 
     def barrier(self, what: str, group: str = "control") -> None:
         """Waits for every worker; a missing one is named (gloo's monitored barrier)."""
+        if self._alone:
+            return
         with self._guard(what):
             timeout = self.timeout or datetime.timedelta(minutes=30)
             dist.monitored_barrier(group=getattr(self, f"{group}_group"), timeout=timeout, wait_all_ranks=True)

@@ -434,7 +434,8 @@ class CollectiveAllReduce(CrossDeviceOps):
         results: list = [None] * len(pairs)
         for members, buffer in zip(packs, buffers):
             if reduce_op is ReduceOp.MEAN:
-                buffer = _mean(buffer, self._count)
+                # (within the collective's alone(): over this worker's replicas only)
+                buffer = _mean(buffer, self._count * self._collective.answering // self._collective.world_size)
             pieces = buffer.split([local[i].numel() for i in members])
             for i, piece in zip(members, pieces):
                 results[i] = _broadcast(piece.view(local[i].shape), pairs[i][1])

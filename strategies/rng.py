@@ -165,11 +165,13 @@ class ReplicaStreams:
                 generator.set_state(saved)
 
     def snapshot(self) -> tuple:
-        """The streams as they are now, for ``rewind`` (states are replaced, never changed in place)."""
-        return list(self._cpu), list(self._gpu)
+        """The streams as they are now, for ``rewind`` (states are replaced, never changed in place); None before
+        they are seeded."""
+        return None if self._cpu is None else (list(self._cpu), list(self._gpu))
 
-    def rewind(self, snapshot: tuple) -> None:
-        self._cpu, self._gpu = list(snapshot[0]), list(snapshot[1])
+    def rewind(self, snapshot) -> None:
+        if snapshot is not None:
+            self._cpu, self._gpu = list(snapshot[0]), list(snapshot[1])
 
     # --- threads --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -228,7 +230,8 @@ class ReplicaStreams:
         replica that did not exist before starts a stream of its own seeded from ``(the saved seed, else
         seed, its global id, *salt)`` (``salt``: where the run resumes, e.g. its epoch and step), distinct
         from every other and from the start of the run. A GPU replica whose saved stream has no GPU state
-        gets one from the replica's seed, as in ``load_state_dict``.
+        gets one from the replica's seed, as in ``load_state_dict``. A ``None`` stream (a replica of a worker that
+        died before a survivor wrote the backup) counts as a replica the saver did not have.
 
         Example::
 
@@ -240,7 +243,7 @@ class ReplicaStreams:
         cpu, gpu = [], []
         for r, generator in enumerate(self._accelerators):
             global_id = self._first + r
-            if global_id < len(saved_cpu):
+            if global_id < len(saved_cpu) and saved_cpu[global_id] is not None:
                 cpu.append(saved_cpu[global_id].clone())
                 known = saved_gpu[global_id] if global_id < len(saved_gpu) else None
                 if generator is None:

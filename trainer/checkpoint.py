@@ -244,7 +244,11 @@ def _replica_rng_problem(value, what: str) -> str | None:
     problem = _seed_problem(value.get("seed"), f"{what}['seed']")
     if problem is not None:
         return problem
+    if all(cpu is None for cpu in value["cpu"]):
+        return f"{what}['cpu'] holds no state, found {brief(value['cpu'])}"
     for r, cpu in enumerate(value["cpu"]):
+        if cpu is None:  # a replica of a worker that died: a backup written after its failure lacks its stream
+            continue
         problem = _rng_problem(cpu, f"{what}['cpu'][{r}]")
         if problem is not None:
             return problem

@@ -22,9 +22,10 @@ import dataclasses
 
 import torch
 
-from replicafit.strategies import context
+from replicafit.strategies import WorkerFailedError, context
 
 from . import callbacks as callbacks_module
+from .peer_failure import Point, claim, claims_folder
 from .preemption import Preempted, PreemptedInValidation, PreemptionWatch
 
 __all__ = ["FitLoop", "FitPlan", "fit_callbacks", "unwatch_preemption", "watch_preemption"]
@@ -50,6 +51,7 @@ class FitPlan:
     overlap: object  # the built-in step's reduction in buckets during backward (a context), else None
     preemption: object = None  # the PreemptionWatch of BackupAndRestore(save_before_preemption=...), else None
     settle_each_step: bool = True  # a step's deferred update (sharded optimizer states) is settled before batch hooks
+    rescuer: object = None  # the BackupAndRestore that saves on a peer's failure (several workers), else None
 
 
 def fit_callbacks(callbacks, trainer, model, epochs, steps, verbose) -> tuple:
@@ -157,6 +159,8 @@ class FitLoop:
         self._loss = compiled_loss
         self._train_function = train_function
         self._validate = validate
+        self._point = None  # where the fit stands, for a save after a peer's failure (plan.rescuer only)
+        self._began = (self.first_epoch, resume["step"] if resume is not None else 0)  # where this fit's steps began
 
     @property
     def optimizer(self):
@@ -183,6 +187,8 @@ class FitLoop:
         self.strategy.extended.settle_updates()  # every variable holds the last update from here on
         if preempted:
             self._preempted(epoch, step)
+        if plan.rescuer is not None:  # validation and the epoch's end change only what this puts back
+            self._point = Point("epoch", epoch, step, self._rewind_point())
         if plan.accumulating:  # a partial window is applied, not dropped
             with context.enter_or_assert_strategy(self.strategy):
                 self.optimizer.apply_accumulated_gradients()
@@ -190,7 +196,11 @@ class FitLoop:
         logs = self._metrics.result()
         if plan.validation_data is not None:
             logs.update({f"val_{k}": v for k, v in self._validation_logs(epoch, step).items()})
+        if plan.rescuer is not None:
+            self._point = Point("epoch_hooks", epoch, step, logs=logs)
         self._callbacks.call("on_epoch_end", epoch, logs)
+        if plan.rescuer is not None:
+            self._point.phase = "done"
         cluster = self.strategy.cluster
         if watch is not None:  # stop_training and the preemption flags agreed in one sum
             trainer.stop_training, preempted = watch.at_epoch_end(trainer.stop_training)
@@ -234,6 +244,111 @@ class FitLoop:
             self.strategy.extended.replica_streams.load_state_dict(point["streams"])
         self._metrics.load_local_values(point["metrics"])
 
+    def _step_point(self) -> tuple:
+        """What a training step changes before its update (this worker's own, no communication): where the data
+        stands, torch's generator and the replicas' random streams (their states are replaced, never changed in
+        place: the snapshot keeps references)."""
+        streams = self.strategy.extended.replica_streams
+        cursor = self._cursor
+        return (cursor.pass_index, cursor.position), torch.get_rng_state(), streams.snapshot() if streams else None
+
+    # --- a peer's failure -----------------------------------------------------------------------
+    def after_peer_failure(self, error: WorkerFailedError):
+        """Another worker died or stopped arriving (``error``, raised here by a collective): where the state is
+        whole on this worker, the survivor chosen among those left writes the backup of the last step every
+        worker finished (``peer_failure``); then ``WorkerFailedError`` again, saying what was written. Raises
+        always.
+
+        Example::
+
+            try:
+                logs = loop.run_epoch(epoch)
+            except WorkerFailedError as error:
+                loop.after_peer_failure(error)
+        """
+        rescuer, point = self.plan.rescuer, self._point
+        if rescuer is None:
+            raise error
+        cluster = self.strategy.cluster
+        reason = self._no_rescue(point, cluster)
+        if reason is not None:
+            raise WorkerFailedError(f"{error} No backup was written on this failure: {reason}.") from error
+        folder = claims_folder(rescuer.backup_dir, rescuer.peer_failure_token)
+        with cluster.alone():
+            if not claim(folder, cluster.worker_index, point.progress, cluster.num_workers - 1):
+                raise WorkerFailedError(
+                    f"{error} Another surviving worker writes the backup of the last step every worker finished "
+                    f"(in {rescuer.backup_dir!r}): restart the workers to resume from it."
+                ) from error
+            written = rescuer.saved_at  # a periodic backup every worker finished writing (before the hooks below)
+            try:
+                epoch, step = self._rescue_position(point)
+                ended = (point.epoch, point.logs) if point.phase in ("epoch_hooks", "done") else None
+                if written != (epoch, step):
+                    path = rescuer.save_after_peer_failure(epoch, step, ended)
+            except Exception as failure:  # noqa: BLE001 (any: the last good backup is whole, saves are atomic)
+                raise WorkerFailedError(
+                    f"{error} This worker was to write the backup of the last step every worker finished, and could "
+                    f"not ({type(failure).__name__}: {failure}); the last periodic backup stands."
+                ) from error
+        done = f"epoch {epoch} at its start" if step == 0 else f"epoch {epoch} after step {step}"
+        if written == (epoch, step):  # it holds every worker's part (random streams, metrics): it stands
+            raise WorkerFailedError(
+                f"{error} The backup of the last step every worker finished ({done}) was written before the "
+                f"failure, in {rescuer.backup_dir!r}: restart the workers to resume from it with no step lost."
+            ) from error
+        raise WorkerFailedError(
+            f"{error} Worker {cluster.worker_index} wrote the backup of the last step every worker finished "
+            f"({done}) to {path!r}: restart the workers to resume from it with no step lost."
+        ) from error
+
+    def _no_rescue(self, point, cluster):
+        """Why no backup can be written after this failure (None: it can)."""
+        capabilities = self.strategy.extended.capabilities
+        if capabilities.sharded_checkpoints or capabilities.shards_parameters:
+            return (
+                "the state is sharded across the workers (sharded parameters or optimizer states), and the dead "
+                "worker's part is gone; the last periodic backup stands"
+            )
+        if not cluster.failed:
+            return "the cluster reports no failed collective; the last periodic backup stands"
+        if point is None or (point.phase == "step" and (point.epoch, point.step) == self._began):
+            return "it came before the first training step's update (nothing was trained since the fit began)"
+        if self.optimizer.state_dict().get("accumulation") is not None:
+            return (
+                "it came inside a gradient accumulation window, whose sums on the dead worker are gone; the last "
+                "periodic backup stands"
+            )
+        current = self._callbacks.current
+        if point.phase in ("hooks", "epoch_hooks") and current is not None and current is not self.plan.rescuer:
+            hook = "on_train_batch_end" if point.phase == "hooks" else "on_epoch_end"
+            return (
+                f"it came inside {type(current).__name__}.{hook}, between callbacks (some ran, some did not); the "
+                "last periodic backup stands"
+            )
+        return None
+
+    def _rescue_position(self, point) -> tuple:
+        """``(epoch, step)`` of the backup after a peer's failure at ``point``, this worker's state put where the
+        backup is taken (alone: no communication)."""
+        if point.phase == "step":  # the step never updated: back to where it began
+            (pass_index, position), rng, streams = point.snapshot
+            self._cursor.pass_index, self._cursor.position = pass_index, position
+            torch.set_rng_state(rng)
+            if streams is not None:
+                self.strategy.extended.replica_streams.rewind(streams)
+            return point.epoch, point.step
+        if point.phase == "applied":  # the update applied, its logs unread: its hooks run here, alone
+            read = self.plan.batch_logs
+            self._callbacks.call("on_train_batch_end", point.step - 1, self._metrics.result() if read else {})
+            return point.epoch, point.step
+        if point.phase in ("hooks", "agreed"):
+            return point.epoch, point.step
+        if point.phase == "epoch":  # the epoch's training steps done: validation runs again on resume
+            self._rewind(point.snapshot)
+            return point.epoch, point.step
+        return point.epoch + 1, 0  # "epoch_hooks" (the saving callback's own hook) or "done"
+
     def _start_epoch_data(self, epoch: int, resumed) -> None:
         """Puts the cursor where ``epoch``'s batches begin: where a backup left off mid-epoch (its metric
         accumulators restored too), a pass of its own per epoch, or on from where it stands when
@@ -256,7 +371,10 @@ class FitLoop:
         callback_list, state = self._callbacks, self._state
         cluster = self.strategy.cluster
         watch = plan.preemption
+        rescuing = plan.rescuer is not None
         while plan.steps is None or step < plan.steps:
+            if rescuing:  # what the step changes before its update, to put back after a peer's failure
+                self._point = Point("step", state.epoch, step, self._step_point())
             try:
                 batch = cursor.next()
             except StopIteration:
@@ -271,10 +389,17 @@ class FitLoop:
                 self.strategy.extended.settle_updates()
             step += 1
             state.step = step
+            if rescuing:
+                self._point = Point("applied", state.epoch, step)
             # Across workers reading the logs is a collective (agreed once: every step); in one
             # process only when a callback reads them at this step (a bar redraws now and then).
             read = plan.batch_logs and (plan.agree_logs or callback_list.wants_logs_now("on_train_batch_end"))
-            callback_list.call("on_train_batch_end", step - 1, self._metrics.result() if read else {})
+            logs = self._metrics.result() if read else {}
+            if rescuing:
+                self._point.phase = "hooks"
+            callback_list.call("on_train_batch_end", step - 1, logs)
+            if rescuing:
+                self._point.phase = "agreed"
             if plan.agree_each_step:
                 trainer.stop_training = cluster.any(trainer.stop_training)
             if trainer.stop_training:

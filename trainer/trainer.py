@@ -458,9 +458,14 @@ class Trainer:
                     logs = loop.run_epoch(epoch)
                     if self.stop_training:
                         break
+            except ds.WorkerFailedError as error:  # a survivor writes the backup of the last step every worker finished
+                loop.after_peer_failure(error)
             finally:
                 loop.close()  # before on_train_end: its callbacks may save, or train on in a loop of their own
-            loop.finish(logs)
+            try:
+                loop.finish(logs)
+            except ds.WorkerFailedError as error:  # (the run is trained: the backup written says so)
+                loop.after_peer_failure(error)
         finally:
             unwatch_preemption(loop.plan.preemption)
         return self.history
@@ -562,6 +567,9 @@ class Trainer:
         # moves on) settles them before the batch hooks of callbacks that might read the variables.
         defers = self.strategy.extended.capabilities.defers_updates
         settle = defers and callbacks_module.may_touch_variables_between_steps(callback_list)
+        # Across workers, the BackupAndRestore that writes the backup of the last finished step when a worker fails.
+        rescuers = [cb for cb in callback_list if getattr(cb, "save_on_peer_failure", False)]
+        rescuer = rescuers[0] if rescuers and cluster.num_workers > 1 else None
         return FitPlan(
             steps=steps,
             validation_data=validation_data,
@@ -573,6 +581,7 @@ class Trainer:
             overlap=overlap,
             preemption=watch,
             settle_each_step=settle,
+            rescuer=rescuer,
         )
 
     # --- evaluate / predict ----------------------------------------------------------------------

@@ -365,7 +365,12 @@ class TrainingState:
         if streams is None:
             return {}
         own = streams.state_dict()
-        if cluster.num_workers > 1:
+        if cluster.num_workers > 1 and cluster.failed:  # a survivor alone: its replicas' streams, by global id
+            first, count, total = cluster.first_replica_id, len(own["cpu"]), self.strategy.num_replicas_in_sync
+            cpu, gpu = [None] * total, [None] * total
+            cpu[first : first + count], gpu[first : first + count] = own["cpu"], own["gpu"]
+            own = {"seed": own["seed"], "cpu": cpu, "gpu": gpu}
+        elif cluster.num_workers > 1:
             parts = cluster.all_gather(own)
             own = {
                 "seed": parts[0]["seed"],

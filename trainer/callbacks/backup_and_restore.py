@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import uuid
 
-from .. import sharded_checkpoint
+from .. import checkpoint, sharded_checkpoint
 from ..preemption import preemption_signals
 from ._periodic import _Periodic
 
@@ -32,6 +34,14 @@ class BackupAndRestore(_Periodic):
         the same ``fit`` again resumes and trains no step twice. Where every worker stops, and what
         it costs: ``replicafit.trainer.preemption``. ``False`` (TensorFlow's default): a signal has
         its usual effect.
+      save_on_peer_failure: across workers, when another worker dies or stops arriving, a surviving
+        worker writes the backup of the last step every worker finished (where the state is whole on
+        every worker: ``MultiWorkerMirroredStrategy`` without sharding), so the restarted run repeats
+        no step; then ``fit`` raises ``WorkerFailedError`` saying what was written. On by default: the
+        backup it writes is the one the next periodic save would write, only sooner, and nothing is
+        done until a worker fails (each step keeps a reference to the random streams it began with).
+        Which survivor writes, and what the dead worker took with it: ``replicafit.trainer.peer_failure``.
+        ``False``: the last periodic backup stands (TensorFlow's behaviour).
 
     Arrays and datasets with ``batch_size`` shuffle from the backup's seed and pass and start at the
     saved batch without reading those before it. A source that draws its order as a pass begins (a
@@ -81,8 +91,14 @@ class BackupAndRestore(_Periodic):
         save_freq: str | int = "epoch",
         delete_checkpoint: bool = True,
         save_before_preemption: bool | str | list[str] = False,
+        save_on_peer_failure: bool = True,
     ):
         super().__init__(save_freq)
+        if not isinstance(save_on_peer_failure, bool):
+            raise ValueError(f"save_on_peer_failure must be True or False, got {save_on_peer_failure!r}.")
+        self.save_on_peer_failure = save_on_peer_failure
+        #: The running fit's name for the folder where survivors meet after a failure (the chief's, on every worker).
+        self.peer_failure_token = None
         self.backup_dir = os.fspath(backup_dir)
         self.delete_checkpoint = delete_checkpoint
         self.save_before_preemption = save_before_preemption
@@ -137,7 +153,10 @@ class BackupAndRestore(_Periodic):
         self._saved_at = None
         # The chief decides whether to resume, for every worker (file systems may disagree on exists()).
         cluster = self.trainer.strategy.cluster
-        found = cluster.broadcast(self._newest() if cluster.is_chief else None, "finding the backup")
+        mine = (self._newest(), uuid.uuid4().hex[:16]) if cluster.is_chief else None
+        found, self.peer_failure_token = cluster.broadcast(mine, "finding the backup")
+        if cluster.is_chief:  # the survivors' notes of an earlier failure are spent
+            self._remove_failure_notes()
         if found is not None:
             self.trainer.restore_training_state(self.trainer.read_checkpoint(found, kind="backup"), found)
 
@@ -154,12 +173,39 @@ class BackupAndRestore(_Periodic):
             sharded_checkpoint.remove(self._path_of(not sharded))
         self._saved_at = (state["epoch"], state["step"])
 
+    @property
+    def saved_at(self):
+        """``(epoch, step)`` of the last backup this fit wrote (every worker took part), else None."""
+        return self._saved_at
+
     def save_for_preemption(self, epoch: int, step: int, epoch_logs=None) -> str:
         """Writes the backup of ``step`` steps of ``epoch`` done (``training_state``'s arguments), unless the
         last backup is that one already; returns its path. Called by ``fit`` on every worker alike."""
         if self._saved_at != (epoch, step):
             self._save(self.trainer.training_state(epoch, step, epoch_logs))
         return self.path
+
+    def save_after_peer_failure(self, epoch: int, step: int, epoch_logs=None) -> str:
+        """Writes the backup of ``step`` steps of ``epoch`` done (``training_state``'s arguments) from this worker
+        alone, after another worker's failure (``FitLoop.after_peer_failure``, within ``cluster.alone()``: this
+        worker may not be the chief); returns its path. Atomic: a failure meanwhile leaves the last backup whole.
+
+        Example::
+
+            with cluster.alone():
+                path = backup.save_after_peer_failure(epoch, step)
+        """
+        state = self.trainer.training_state(epoch, step, epoch_logs)
+        path = checkpoint.save(state, self._path_of(False))
+        self._saved_at = (epoch, step)
+        return path
+
+    def _remove_failure_notes(self) -> None:
+        if not os.path.isdir(self.backup_dir):
+            return
+        for name in os.listdir(self.backup_dir):
+            if name.startswith(".peer-failure-"):
+                shutil.rmtree(os.path.join(self.backup_dir, name), ignore_errors=True)
 
     def on_train_end(self, logs=None):
         """Deletes the backup (on the chief) with ``delete_checkpoint``: ``fit`` completed, so a rerun starts

@@ -32,6 +32,8 @@ class CallbackList:
     def __init__(self, callbacks=(), trainer=None, model=None, params=None):
         self.callbacks = list(callbacks)
         self._saving_last = _saving_last(self.callbacks)
+        #: The callback whose hook runs now, else None, which tells where a hook that raised stopped.
+        self.current = None
         for cb in self.callbacks:
             if not isinstance(cb, Callback):
                 raise TypeError(f"callbacks must be Callback instances, got {type(cb).__name__}.")
@@ -75,7 +77,9 @@ class CallbackList:
             callback_list.call("on_epoch_end", epoch, logs)
         """
         for cb in self._saving_last if hook in _SAVING_HOOKS else self.callbacks:
+            self.current = cb
             getattr(cb, hook)(*args)
+        self.current = None
 
 
 def _saving_last(callbacks: list) -> list:

@@ -1,0 +1,147 @@
+"""Worker scenarios of test_peer_failure.py: a worker dies (SIGKILL) or stops (SIGSTOP) during a fit, a survivor
+writes the backup of the last step every worker finished, and a second run resumes from it.
+
+Every worker logs the examples it reads (``reads-<run>-<rank>.txt``: one line per ``__getitem__``, after a line
+``epoch E`` at each epoch's start) so the tests count how often each example was read.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+
+import replicafit.strategies as ds
+from replicafit import optimizers
+from replicafit.trainer import Trainer, callbacks
+
+ROWS, BATCH = 96, 8  # 12 steps per epoch
+EPOCHS = 3
+
+
+class CountedRows(torch.utils.data.Dataset):
+    """Rows that log every read (``__getitem__``) to ``log`` (append, flushed)."""
+
+    def __init__(self, log):
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(ROWS, 6, generator=generator)
+        self.y = (self.x[:, :2].sum(dim=1) > 0).long() + (self.x[:, 2] > 0.5).long()
+        self.log = log
+
+    def __len__(self):
+        return ROWS
+
+    def __getitem__(self, index):
+        if self.log is not None:
+            self.log.write(f"{int(index)}\n")
+            self.log.flush()
+        return self.x[index], self.y[index]
+
+
+class EpochMarks(callbacks.Callback):
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.log.write(f"epoch {epoch}\n")
+        self.log.flush()
+
+
+class Fault(callbacks.Callback):
+    """On worker ``worker``, once (a marker file remembers it): ``signal`` to itself at optimizer iteration
+    ``iteration``, in the hook ``where``: ``"batch_end"`` (after the step's update, before the backup's hook),
+    ``"forward"`` (inside the next step's forward: the failure reaches the others in its gradient reduction),
+    ``"batch_index"`` (after the epoch's step of that index, ``iteration`` counting steps, not updates),
+    ``"validation"`` (in the epoch's validation), ``"first_step"`` (before any step's update)."""
+
+    def __init__(self, worker, iteration, where, signum, marker):
+        super().__init__()
+        self.worker, self.iteration, self.where, self.signum, self.marker = worker, iteration, where, signum, marker
+
+    def _now(self) -> bool:
+        trainer = self.trainer
+        return trainer.strategy.cluster.worker_index == self.worker and not os.path.exists(self.marker)
+
+    def _fire(self):
+        with open(self.marker, "w") as file:
+            file.write("fired")
+        os.kill(os.getpid(), self.signum)
+
+    def on_train_begin(self, logs=None):
+        if self.where == "forward":
+            self.model.register_forward_pre_hook(self._forward)
+
+    def _forward(self, module, args):
+        if self._now() and int(self.trainer.optimizer.iterations) == self.iteration:
+            self._fire()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.where == "first_step" and self._now():
+            self._fire()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.where == "batch_end" and self._now() and int(self.trainer.optimizer.iterations) == self.iteration:
+            self._fire()
+        if self.where == "batch_index" and self._now() and batch == self.iteration:  # (a step within a window)
+            self._fire()
+
+    def on_test_batch_end(self, batch, logs=None):
+        if self.where == "validation" and self._now() and int(self.trainer.optimizer.iterations) >= self.iteration:
+            self._fire()
+
+
+def run(
+    rank,
+    num_workers,
+    port,
+    outdir,
+    name="run",
+    fault=None,
+    save_freq="epoch",
+    timeout=30.0,
+    accumulate=0,
+    fully_sharded=False,
+    save_on_peer_failure=True,
+):
+    """A fit of 3 epochs with ``BackupAndRestore(outdir/backup)`` and validation; ``fault``: ``Fault``'s
+    arguments ``(worker, iteration, where, signal name)``. Returns the weights and history."""
+    resolver = ds.SimpleClusterResolver(num_workers, rank, "127.0.0.1", port)
+    options = ds.CommunicationOptions(timeout_seconds=timeout)
+    if fully_sharded:
+        strategy = ds.FullyShardedStrategy(options, resolver)
+    else:
+        strategy = ds.MultiWorkerMirroredStrategy(options, resolver)
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    optimizer = optimizers.SGD(0.05, momentum=0.9, gradient_accumulation_steps=accumulate or None)
+    trainer = Trainer(strategy=strategy, optimizer=optimizer, loss="cross_entropy", seed=11)
+    log = open(os.path.join(outdir, f"reads-{name}-{rank}.txt"), "a")  # noqa: SIM115 (closed below)
+    cbs = [
+        EpochMarks(log),
+        callbacks.BackupAndRestore(
+            os.path.join(outdir, "backup"), save_freq=save_freq, save_on_peer_failure=save_on_peer_failure
+        ),
+    ]
+    if fault is not None:
+        worker, iteration, where, signame = fault
+        cbs.append(Fault(worker, iteration, where, getattr(signal, signame), os.path.join(outdir, "fired")))
+    validation = CountedRows(None)
+    try:
+        history = trainer.fit(
+            model,
+            CountedRows(log),
+            epochs=EPOCHS,
+            batch_size=BATCH,
+            validation_data=torch.utils.data.Subset(validation, range(24)),
+            callbacks=cbs,
+            verbose=0,
+        )
+    finally:
+        log.close()
+    return {
+        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "history": history.history,
+        "iterations": int(trainer.optimizer.iterations),
+    }

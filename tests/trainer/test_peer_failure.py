@@ -1,0 +1,212 @@
+"""A worker dies or stops mid-fit: a survivor writes the backup of the last step every worker finished, and the
+run resumed from it equals the uninterrupted one, reading each example once (``trainer.peer_failure``)."""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import pytest
+import torch
+from multiworker_harness import results, run_workers
+
+from replicafit.trainer import peer_failure
+
+SCENARIOS = os.path.join(os.path.dirname(__file__), "mw_peer_failure_scenarios.py")
+ROWS, BATCH = 96, 8
+STEPS = ROWS // BATCH
+
+
+def _reads(folder, name, workers, resumed=False) -> dict:
+    """``{epoch: Counter(example -> reads)}`` over every worker's log of the run ``name``. What a worker reads
+    before its first epoch begins is the entry checks' look at the first step of epoch 0: trained on in a fresh
+    run; in a ``resumed`` one, read before the backup is restored and dropped (``"look"``: one step's rows)."""
+    counts: dict = collections.defaultdict(collections.Counter)
+    for rank in range(workers):
+        path = os.path.join(folder, f"reads-{name}-{rank}.txt")
+        epoch = "look" if resumed else 0
+        with open(path) as file:
+            for line in file:
+                if line.startswith("epoch"):
+                    epoch = int(line.split()[1])
+                else:
+                    counts[epoch][int(line)] += 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("straight")
+    return results(run_workers(SCENARIOS, "run", 2, timeout=90, kwargs={"outdir": str(folder)}))[0]
+
+
+def _backup(folder) -> dict:
+    return torch.load(os.path.join(folder, "backup", "backup.pt"), weights_only=True)
+
+
+def _fault_then_resume(folder, fault, workers=2, **kwargs) -> tuple:
+    """The faulty run's outcomes, the backup it left, and the resumed run's results."""
+    first = run_workers(
+        SCENARIOS, "run", workers, timeout=90, kwargs={"outdir": str(folder), "name": "first", "fault": fault, **kwargs}
+    )
+    saved = _backup(folder)
+    again = results(run_workers(SCENARIOS, "run", workers, timeout=90, kwargs={"outdir": str(folder), "name": "again"}))
+    return first, saved, again
+
+
+def _same_weights(run, reference):
+    for key, value in reference["weights"].items():
+        torch.testing.assert_close(run["weights"][key], value, rtol=0, atol=1e-6)
+
+
+def _read_once_from(folder, saved, workers=2):
+    """The resumed run read every example of the interrupted epoch's remaining steps once, and each example of
+    the later epochs once; with the first run's reads of that epoch, every example was read."""
+    first, again = _reads(folder, "first", workers), _reads(folder, "again", workers, resumed=True)
+    assert sum(again["look"].values()) == BATCH
+    epoch, step = saved["epoch"], saved["step"]
+    resumed = again[epoch]
+    assert sum(resumed.values()) == ROWS - step * BATCH
+    assert max(resumed.values()) == 1
+    assert set(resumed) | set(first[epoch]) == set(range(ROWS))
+    for later in range(epoch + 1, 3):
+        assert sum(again[later].values()) == ROWS and max(again[later].values()) == 1
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_killed_after_a_step_loses_no_step_and_the_resumed_run_equals_the_straight_one(tmp_path, straight):
+    first, saved, again = _fault_then_resume(tmp_path, (1, 6, "batch_end", "SIGKILL"))
+    assert first[1]["exitcode"] == -9
+    assert "WorkerFailedError" in first[0]["error"]
+    assert (
+        "Worker 0 wrote the backup of the last step every worker finished (epoch 0 after step 6)" in first[0]["error"]
+    )
+    assert (saved["epoch"], saved["step"]) == (0, 6)  # no periodic backup was due: save_freq="epoch"
+    _same_weights(again[0], straight)
+    _same_weights(again[1], straight)
+    _read_once_from(tmp_path, saved)
+    assert again[0]["history"]["loss"][1:] == pytest.approx(straight["history"]["loss"][1:], abs=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_the_chief_killed_mid_step_the_other_writes_the_backup_of_the_step_before(tmp_path, straight):
+    # Killed inside the forward of the step after iteration 15: the survivor fails in that step's reduction.
+    first, saved, again = _fault_then_resume(tmp_path, (0, 15, "forward", "SIGKILL"))
+    assert first[0]["exitcode"] == -9
+    assert "Worker 1 wrote the backup" in first[1]["error"] and "(epoch 1 after step 3)" in first[1]["error"]
+    assert (saved["epoch"], saved["step"]) == (1, 3)
+    _same_weights(again[0], straight)
+    _read_once_from(tmp_path, saved)
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_worker_is_found_by_the_timeout_and_the_survivor_saves(tmp_path, straight):
+    first, saved, again = _fault_then_resume(tmp_path, (1, 4, "batch_end", "SIGSTOP"), timeout=5.0)
+    assert "Worker 0 wrote the backup" in first[0]["error"] and "(epoch 0 after step 4)" in first[0]["error"]
+    _same_weights(again[0], straight)
+    _read_once_from(tmp_path, saved)
+
+
+@pytest.mark.timeout(240)
+def test_a_failure_in_validation_saves_the_epochs_training_steps(tmp_path, straight):
+    first, saved, again = _fault_then_resume(tmp_path, (1, 12, "validation", "SIGKILL"))
+    assert "(epoch 0 after step 12)" in first[0]["error"]
+    assert (saved["epoch"], saved["step"]) == (0, STEPS)
+    _same_weights(again[0], straight)
+    assert again[0]["history"]["val_loss"] == pytest.approx(straight["history"]["val_loss"], abs=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_of_three_workers_one_survivor_writes_and_both_say_so(tmp_path):
+    folder = tmp_path
+    first = run_workers(
+        SCENARIOS,
+        "run",
+        3,
+        timeout=90,
+        kwargs={"outdir": str(folder), "name": "first", "fault": (2, 5, "batch_end", "SIGKILL")},
+    )
+    assert first[2]["exitcode"] == -9
+    errors = [first[0]["error"], first[1]["error"]]
+    writers = [e for e in errors if "wrote the backup" in e]
+    assert len(writers) == 1  # (the same progress: the lower rank, unless it noticed the failure past the settle time)
+    assert any("Another surviving worker writes the backup" in e for e in errors)
+    assert (_backup(folder)["epoch"], _backup(folder)["step"]) == (0, 5)
+
+
+@pytest.mark.timeout(240)
+def test_no_backup_before_the_first_step_inside_an_accumulation_window_or_under_sharding(tmp_path):
+    cases = {
+        "first_step": ({"fault": (1, 0, "first_step", "SIGKILL")}, "before the first training step"),
+        "window": ({"fault": (1, 3, "batch_index", "SIGKILL"), "accumulate": 3}, "inside a gradient accumulation"),
+        "sharded": ({"fault": (1, 4, "batch_end", "SIGKILL"), "fully_sharded": True}, "sharded across the workers"),
+    }
+    for case, (kwargs, said) in cases.items():
+        folder = tmp_path / case
+        folder.mkdir()
+        first = run_workers(SCENARIOS, "run", 2, timeout=90, kwargs={"outdir": str(folder), "name": "first", **kwargs})
+        assert f"No backup was written on this failure: it came {said}" in first[0]["error"] or (
+            said in first[0]["error"]
+        ), first[0]["error"]
+        assert not os.path.exists(folder / "backup" / "backup.pt")
+
+
+@pytest.mark.timeout(240)
+def test_switched_off_the_last_periodic_backup_stands(tmp_path):
+    first = run_workers(
+        SCENARIOS,
+        "run",
+        2,
+        timeout=90,
+        kwargs={"outdir": str(tmp_path), "name": "first", "fault": (1, 6, "batch_end", "SIGKILL"), "save_freq": 4},
+    )
+    assert (_backup(tmp_path)["epoch"], _backup(tmp_path)["step"]) == (0, 6)  # a periodic one is due at 4: the newer
+    off = tmp_path / "off"
+    off.mkdir()
+    first = run_workers(
+        SCENARIOS,
+        "run",
+        2,
+        timeout=90,
+        kwargs={
+            "outdir": str(off),
+            "name": "first",
+            "fault": (1, 6, "batch_end", "SIGKILL"),
+            "save_freq": 4,
+            "save_on_peer_failure": False,
+        },
+    )
+    assert "wrote the backup" not in first[0]["error"]
+    assert (_backup(off)["epoch"], _backup(off)["step"]) == (0, 4)
+
+
+def test_the_survivors_choose_the_furthest_then_the_lowest_rank(tmp_path):
+    def noted(folder, rank, progress):
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"worker-{rank}.json"), "w") as file:
+            file.write(f'{{"rank": {rank}, "progress": {list(progress)}}}')
+
+    # Worker 2 got one step further (its reduction completed as the peer died): it writes, worker 1 does not.
+    further = str(tmp_path / "further")
+    noted(further, 2, (0, 6, 0))
+    assert not peer_failure.claim(further, 1, (0, 5, 0), survivors=2, settle_seconds=5.0)
+    assert peer_failure.claim(further, 2, (0, 6, 0), survivors=2, settle_seconds=5.0)
+    assert not peer_failure.claim(further, 2, (0, 6, 0), survivors=2, settle_seconds=5.0)  # decided once
+    tie = str(tmp_path / "tie")
+    noted(tie, 1, (1, 0, 1))
+    assert peer_failure.claim(tie, 0, (1, 0, 1), survivors=2, settle_seconds=5.0)
+    alone = str(tmp_path / "alone")  # the other survivor never comes: the wait ends at the settle time
+    assert peer_failure.claim(alone, 3, (0, 2, 0), survivors=2, settle_seconds=0.2)
+
+
+@pytest.mark.timeout(240)
+def test_a_periodic_backup_of_that_very_step_stands(tmp_path, straight):
+    # A backup every step: the one of step 6 holds every worker's part; the failure in step 7's reduction keeps it.
+    first, saved, again = _fault_then_resume(tmp_path, (1, 6, "forward", "SIGKILL"), save_freq=1)
+    assert (
+        "The backup of the last step every worker finished (epoch 0 after step 6) was written before"
+        in (first[0]["error"])
+    )
+    assert (saved["epoch"], saved["step"]) == (0, 6)
+    assert len(saved["replica_rng"]["cpu"]) == 2 and saved["replica_rng"]["cpu"][1] is not None
+    _same_weights(again[0], straight)
