@@ -2,8 +2,9 @@
 ``PYTHONPATH``): a log of what a run did and when, and signals sent from inside a phase.
 
 ``StepLog`` (the chief) appends one line per event to ``path``, across the runs of one trial:
-``step EPOCH STEP TIME``, ``val-begin TIME`` / ``val-end TIME``, ``backup-begin TIME`` / ``backup-end TIME``
-(``TimedBackup``), ``fit-begin TIME``; each worker writes its pid to ``pid_dir/rank{R}``.
+``step EPOCH STEP TIME`` (with ``every_worker``, the other workers' steps in ``path.R``),
+``val-begin TIME`` / ``val-end TIME``, ``backup-begin TIME`` / ``backup-end TIME`` (``TimedBackup``),
+``fit-begin TIME``; each worker writes its pid to ``pid_dir/rank{R}``.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ class StepLog(Callback):
     ``step_seconds``: each training and validation step takes that much longer (a heavier model's
     compute), so that random moments spread over the phases as they would."""
 
-    def __init__(self, path, pid_dir, signal_in=None, to="self", seed=0, step_seconds=0.0):
+    def __init__(self, path, pid_dir, signal_in=None, to="self", seed=0, step_seconds=0.0, every_worker=False):
         super().__init__()
+        self.every_worker = every_worker  # the other workers log their steps too, to ``path.R`` (worker R)
         self.path, self.pid_dir, self.signal_in, self.to = path, pid_dir, signal_in, to
         self.step_seconds = step_seconds
         self.rng = random.Random(seed)
@@ -56,6 +58,8 @@ class StepLog(Callback):
         time.sleep(self.step_seconds)
         if self.chief:
             _log(self.path, f"step {self.epoch} {batch}")
+        elif self.every_worker:
+            _log(f"{self.path}.{self.trainer.strategy.cluster.worker_index}", f"step {self.epoch} {batch}")
 
     def on_test_begin(self, logs=None):
         if self.chief:

@@ -3,7 +3,7 @@
 .. code-block:: text
 
     replicafit fit RECIPE [--set key.path=value ...] [--run-dir DIR]
-                   [--workers N [--max-restarts K] [--log-all-workers]]
+                   [--workers N [--max-restarts K [--min-workers M]] [--log-all-workers]]
     replicafit evaluate RECIPE --checkpoint PATH [--set ...]
     replicafit predict RECIPE --checkpoint PATH [--output FILE.npy] [--set ...]
     replicafit validate RECIPE [--set ...]
@@ -46,8 +46,12 @@ RUN_DIR/checkpoints/ (``--output`` chooses another file).
 A bad recipe prints one line ``file:line: key.path: problem`` and exits with status 2;
 Ctrl-C prints ``interrupted`` and exits with status 130 (128 + SIGINT, as shells report it); a
 worker of a multi-worker run whose peer died or stopped arriving prints one line
-(``WorkerFailedError``) and exits with status 69 (``PEER_FAILED_EXIT_STATUS``, ``EX_UNAVAILABLE``:
-the ``--workers`` launcher then names the worker that failed or stopped arriving, not this one). A
+(``WorkerFailedError``, saying which surviving worker wrote the backup of the last step every worker
+finished, or why none was written) and exits with status 69 (``PEER_FAILED_EXIT_STATUS``,
+``EX_UNAVAILABLE``: "a peer failed; restart to resume"): the ``--workers`` launcher then names the worker
+that failed or stopped arriving, not this one, and with ``--max-restarts K`` starts every worker again
+from that backup (``--min-workers M``: with one worker fewer, down to M, after the same worker failed in
+two attempts in a row). A
 fit that stopped on a preemption signal (``BackupAndRestore(save_before_preemption=True)`` in the
 recipe's callbacks) prints one line and exits with status 75 (``PREEMPTED_EXIT_STATUS``): rerun
 the same command to resume. The ``--workers`` launcher passes SIGTERM on to the workers, exits

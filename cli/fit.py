@@ -30,12 +30,18 @@ _ONE_PROCESS_STRATEGIES = ("default", "one_device", "mirrored", "central_storage
 
 
 def _check_workers(args) -> None:
-    """Usage errors of --workers/--max-restarts/--log-all-workers, before anything is loaded."""
+    """Usage errors of --workers/--max-restarts/--min-workers/--log-all-workers, before anything is loaded."""
     from .launch import launched_worker
 
     if args.workers is None:
-        if args.max_restarts is not None or args.log_all_workers:
-            flag = "--max-restarts" if args.max_restarts is not None else "--log-all-workers"
+        if args.max_restarts is not None or args.log_all_workers or args.min_workers is not None:
+            flag = (
+                "--max-restarts"
+                if args.max_restarts is not None
+                else "--min-workers"
+                if args.min_workers is not None
+                else "--log-all-workers"
+            )
             raise UsageError(f"{flag} goes with --workers N (it sets how the started workers run)")
         return
     if launched_worker():
@@ -44,6 +50,10 @@ def _check_workers(args) -> None:
         raise UsageError(f"--workers must be at least 1, got {args.workers}")
     if args.max_restarts is not None and args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be at least 0, got {args.max_restarts}")
+    if args.min_workers is not None and not 1 <= args.min_workers <= args.workers:
+        raise UsageError(f"--min-workers must be between 1 and --workers ({args.workers}), got {args.min_workers}")
+    if args.min_workers is not None and not args.max_restarts:
+        raise UsageError("--min-workers goes with --max-restarts K (it says how the restarts go on)")
 
 
 def _launch(args) -> int:
@@ -67,7 +77,9 @@ def _launch(args) -> int:
     command += ["--run-dir", _run_dir(args, recipe)]
     if args.tensorboard:
         command.append("--tensorboard")
-    status = launch_local(command, args.workers, args.max_restarts or 0, log_all_workers=args.log_all_workers)
+    # The chief's status 0 is the run's: it writes the run's files after every worker's last collective.
+    extra = {"chief_completes": True} | ({"min_workers": args.min_workers} if args.min_workers is not None else {})
+    status = launch_local(command, args.workers, args.max_restarts or 0, log_all_workers=args.log_all_workers, **extra)
     for signum in (signal.SIGTERM, signal.SIGHUP):  # the run is over: a late signal must not change its status
         signal.signal(signum, signal.SIG_IGN)
     return status

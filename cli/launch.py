@@ -11,14 +11,20 @@ environment that ``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 - **Output**: worker 0 (the chief) writes to this process's stdout and stderr; the others' stdout
   is dropped (``log_all_workers``: shown, each line prefixed ``"[worker i] "``) and the last 64
   lines of their stderr are kept, to show when that worker fails.
-- **Faults**: when a worker exits non-zero or is killed by a signal, the others get SIGTERM,
-  then SIGKILL after ``grace_seconds`` (a worker stuck in a collective ignores a polite
-  request), and the launcher names the worker that failed first. A worker that exits with
+- **Faults**: when a worker exits non-zero or is killed by a signal, the launcher names the worker
+  that failed first and stops the others (SIGTERM, then SIGKILL: a worker stuck in a collective
+  ignores a polite request; the waits are below). A worker that exits with
   ``PEER_FAILED_EXIT_STATUS`` (69: its collective failed because of another) is not the cause:
   the launcher waits up to ``grace_seconds`` for another to fail, and names a worker still running
-  then as the one that stopped arriving (stuck, or stopped by SIGSTOP). With ``max_restarts`` it
-  starts all workers again on a fresh port (torchrun's semantics: the progress since the last
-  ``BackupAndRestore`` backup is lost); else it returns a non-zero status.
+  then as the one that stopped arriving (stuck, or stopped by SIGSTOP). The others get ``grace_seconds`` to
+  notice and exit on their own before SIGTERM, and one that says it writes its backup after the failure
+  (``replicafit.lifeline.tell_launcher``) up to ``rescue_seconds``. With ``max_restarts`` it
+  starts all workers again on a fresh port, and they resume from the newest backup: the one a surviving
+  worker wrote of the last step every worker finished (``BackupAndRestore(save_on_peer_failure=True)``,
+  ``replicafit.trainer.peer_failure``), else the last periodic one. A worker that gave up on a peer says in
+  its last line what it wrote; the launcher shows it. With ``min_workers`` a worker that fails in two
+  attempts in a row is left out of the next (one worker fewer, not below ``min_workers``); else it returns a
+  non-zero status.
 - **Preemption**: a worker that exits with ``PREEMPTED_EXIT_STATUS`` (75: its ``fit`` stopped on a
   preemption signal after the backup was written, ``BackupAndRestore(save_before_preemption=True)``)
   has not failed: once every worker has exited 0 or 75, the launcher returns 75 and does not restart
@@ -65,7 +71,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
-from replicafit.lifeline import LIFELINE_ENV
+from replicafit.lifeline import LIFELINE_ENV, NOTES_ENV
 from replicafit.trainer import PREEMPTED_EXIT_STATUS
 
 __all__ = ["PEER_FAILED_EXIT_STATUS", "TAIL_LINES", "free_port", "launch_local", "launched_worker"]
@@ -119,6 +125,7 @@ def launch_local(
     num_workers: int,
     max_restarts: int = 0,
     *,
+    min_workers: int | None = None,
     log_all_workers: bool = False,
     grace_seconds: float = 3.0,
     poll_seconds: float = 0.1,
@@ -126,6 +133,8 @@ def launch_local(
     cpu_count: int | None = None,
     exit_seconds: float = 60.0,
     preemption_seconds: float = 120.0,
+    rescue_seconds: float = 30.0,
+    chief_completes: bool = False,
 ) -> int:
     """Runs ``command`` in ``num_workers`` processes on this machine; returns 0 when all exit 0.
 
@@ -134,6 +143,9 @@ def launch_local(
         the same for every worker.
       num_workers: how many workers (>= 1).
       max_restarts: how many times all workers are started again after one fails (>= 0).
+      min_workers: go on with fewer workers, down to this many, when one keeps failing: a restart after the same
+        worker failed in two attempts in a row starts one worker fewer (the global batch stays; the workers
+        resume from the newest backup on their new count). ``None``: always ``num_workers``.
       log_all_workers: also show the other workers' stdout and stderr, each line prefixed
         ``"[worker i] "``.
       grace_seconds: between SIGTERM (or the forwarded SIGINT) and SIGKILL.
@@ -146,6 +158,13 @@ def launch_local(
         as stuck and the attempt fails.
       preemption_seconds: after SIGTERM or SIGHUP to the launcher, how long the workers may take to stop
         (a preempted ``fit`` ends its step and writes its backup) before SIGKILL.
+      chief_completes: the chief's exit status 0 means the run is complete (``replicafit fit``: its last
+        collectives are every worker's, and it writes the run's files last): a worker that fails or is signalled
+        after it does not make the run fail, nor restart it (a restart would train the run again).
+      rescue_seconds: after a worker failed, the others get ``grace_seconds`` to notice it and exit on their own
+        before SIGTERM; one that says it writes the backup of the last step every worker finished
+        (``BackupAndRestore(save_on_peer_failure=True)``, through ``replicafit.lifeline.tell_launcher``) gets
+        this long from the failure.
 
     Returns the exit status: 0, ``PREEMPTED_EXIT_STATUS`` (75) when the workers were preempted, or
     after the last attempt the failed worker's exit code when it is positive, else 1 (a worker killed
@@ -160,37 +179,63 @@ def launch_local(
     command = _check_command(command)
     _check_int("num_workers", num_workers, 1)
     _check_int("max_restarts", max_restarts, 0)
-    if not grace_seconds >= 0 or not preemption_seconds >= 0 or not poll_seconds > 0 or not exit_seconds > 0:
+    min_workers = num_workers if min_workers is None else min_workers
+    _check_int("min_workers", min_workers, 1)
+    if min_workers > num_workers:
+        raise ValueError(f"min_workers must be at most num_workers ({num_workers}), got {min_workers}.")
+    if not grace_seconds >= 0 or not preemption_seconds >= 0 or not rescue_seconds >= 0:
         raise ValueError(
-            f"grace_seconds and preemption_seconds must be >= 0, poll_seconds and exit_seconds > 0, got "
-            f"{grace_seconds!r}, {preemption_seconds!r}, {poll_seconds!r}, {exit_seconds!r}."
+            "grace_seconds, preemption_seconds and rescue_seconds must be >= 0, got "
+            f"{grace_seconds!r}, {preemption_seconds!r}, {rescue_seconds!r}."
         )
+    if not poll_seconds > 0 or not exit_seconds > 0:
+        raise ValueError(f"poll_seconds and exit_seconds must be > 0, got {poll_seconds!r}, {exit_seconds!r}.")
     base = dict(os.environ if env is None else env)
     cores = cpu_count if cpu_count is not None else _usable_cores()
     # The lifeline: the workers watch the read end; its write end closes when this process exits,
     # however it exits, and a worker seeing that ends itself (replicafit.lifeline.watch_launcher).
     lifeline, held = os.pipe()
     base[LIFELINE_ENV] = str(lifeline)
+    # The notes: a worker that writes a backup after a peer's failure says so (replicafit.lifeline.tell_launcher).
+    notes, told = os.pipe()
+    os.set_blocking(notes, False)
+    base[NOTES_ENV] = str(told)
     try:
-        waits = _Waits(grace_seconds, poll_seconds, exit_seconds, preemption_seconds)
-        return _attempts(command, num_workers, max_restarts, base, cores, log_all_workers, waits)
+        waits = _Waits(grace_seconds, poll_seconds, exit_seconds, preemption_seconds, rescue_seconds, chief_completes)
+        counts = (num_workers, min_workers)
+        return _attempts(command, counts, max_restarts, base, cores, log_all_workers, waits, notes)
     finally:
         os.close(lifeline)
         os.close(held)
+        os.close(notes)
+        os.close(told)
 
 
-class _Waits(collections.namedtuple("_Waits", "grace poll exit preemption")):
-    """The launcher's bounds, in seconds (``launch_local``'s ``*_seconds`` arguments)."""
+class _Waits(collections.namedtuple("_Waits", "grace poll exit preemption rescue chief_completes")):
+    """The launcher's bounds, in seconds (``launch_local``'s ``*_seconds`` arguments), and ``chief_completes``."""
 
 
-def _attempts(command, num_workers, max_restarts, base, cores, log_all_workers, waits) -> int:
+def _attempts(command, counts, max_restarts, base, cores, log_all_workers, waits, notes: int) -> int:
+    num_workers, min_workers = counts
+    previous = None  # the worker that failed first in the attempt before, if one did
     with _forwarding_signals():
         for attempt in range(max_restarts + 1):
             if attempt:
                 _say(f"restarting all {num_workers} workers (restart {attempt} of {max_restarts})")
-            status = _Attempt(command, num_workers, attempt, base, cores, log_all_workers).run(waits)
+            run = _Attempt(command, num_workers, attempt, base, cores, log_all_workers)
+            run.notes = notes
+            status = run.run(waits)
             if status in (0, PREEMPTED_EXIT_STATUS):  # preempted: the scheduler's to requeue, not a failure
                 return status
+            if run.failed is not None and run.failed == previous and num_workers > min_workers:
+                num_workers -= 1
+                _say(
+                    f"worker {run.failed} failed in two attempts in a row: going on with {num_workers} worker(s) "
+                    f"(--min-workers {min_workers}); they resume from the newest backup"
+                )
+                previous = None
+            else:
+                previous = run.failed
     return status
 
 
@@ -289,6 +334,9 @@ class _Attempt:
         self.base_env, self.cores, self.log_all_workers = base_env, cores, log_all_workers
         self.procs: list = []
         self.output = _Output(log_all_workers)
+        self.failed = None  # after run(): the worker that failed first (or stopped arriving), else None
+        self.notes = None  # the read end of the workers' notes pipe (replicafit.lifeline.tell_launcher)
+        self._saving: set = set()  # the pids of workers that said they write a backup after a peer's failure
 
     def _env(self, rank: int, port: int) -> dict:
         env = dict(self.base_env)
@@ -316,7 +364,7 @@ class _Attempt:
                     self.command,
                     env=self._env(rank, port),
                     start_new_session=True,  # a group of its own: killed with its children, spared the terminal's ^C
-                    pass_fds=(int(self.base_env[LIFELINE_ENV]),),
+                    pass_fds=(int(self.base_env[LIFELINE_ENV]), int(self.base_env[NOTES_ENV])),
                     stdin=subprocess.DEVNULL,
                     stdout=None if chief else subprocess.PIPE if self.log_all_workers else subprocess.DEVNULL,
                     stderr=None if chief else subprocess.PIPE,
@@ -326,6 +374,11 @@ class _Attempt:
             failed = self._watch(waits.poll, waits.exit, waits.grace)
             if failed is None:
                 return 0
+            if waits.chief_completes and failed != "preempted" and self.procs[0].poll() == 0:
+                rank, code = failed
+                what = _describe(code) if code is not None else "still running"
+                _say(f"worker {rank} ended ({what}) after the chief had finished the run: the run is complete")
+                return 0
             if failed == "preempted":
                 _say(
                     f"the workers were preempted and wrote their backup (exit status "
@@ -333,10 +386,13 @@ class _Attempt:
                 )
                 return PREEMPTED_EXIT_STATUS
             rank, code = failed
+            self.failed = rank
             if code is not None:  # (a stuck worker was named by _watch)
                 _say(f"worker {rank} failed first ({_describe(code)}); stopping the other workers")
+            self._let_survivors_notice(rank, waits.grace, waits.poll, waits.rescue)
             self._stop(signal.SIGTERM, waits.grace)
             self._show_tail(rank)
+            self._show_survivors(rank)
             return code if code is not None and code > 0 else 1
         except KeyboardInterrupt:
             self._stop(signal.SIGINT, waits.grace)
@@ -345,8 +401,8 @@ class _Attempt:
             # To each worker, not its group: a DataLoader's worker processes are their worker's to stop.
             self._stop(error.signum, waits.preemption, leaders_only=True)
             codes = [proc.returncode for proc in self.procs]
-            if all(code == 0 for code in codes):  # they had finished: the run is complete
-                return 0
+            if all(code == 0 for code in codes) or (waits.chief_completes and codes[0] == 0):
+                return 0  # they had finished (the chief had: the run is complete)
             if PREEMPTED_EXIT_STATUS in codes and all(code in (0, PREEMPTED_EXIT_STATUS) for code in codes):
                 name = signal.Signals(error.signum).name
                 _say(
@@ -418,7 +474,7 @@ class _Attempt:
             else:
                 self._signal_groups(signum)
             deadline = time.monotonic() + grace_seconds
-            while any(proc.poll() is None for proc in self.procs) and time.monotonic() < deadline:
+            while self._still_running() and time.monotonic() < deadline:
                 self.output.pump(min(0.05, max(0.0, deadline - time.monotonic())))
         finally:
             # The second ^C during the grace lands here too: SIGKILL the groups (children and
@@ -431,12 +487,60 @@ class _Attempt:
                     _say(f"process {proc.pid} did not end after SIGKILL")
             self.output.close()
 
+    def _still_running(self) -> bool:
+        """Whether a worker may still exit by itself (one stopped by a signal cannot: SIGKILL ends it)."""
+        return any(proc.poll() is None and _process_state(proc.pid) != "stopped by a signal" for proc in self.procs)
+
     def _signal_groups(self, signum: int) -> None:
         for proc in self.procs:
             try:
                 os.killpg(proc.pid, signum)  # the group's id is the child's pid (start_new_session)
             except (ProcessLookupError, PermissionError):  # the whole group has exited already
                 pass
+
+    def _let_survivors_notice(self, failed: int, seconds: float, poll_seconds: float, rescue_seconds: float) -> None:
+        """Waits, at most ``seconds``, for the workers other than ``failed`` to exit on their own: their collectives
+        fail at once (or within the collective timeout). One that told the launcher it writes the backup of the
+        last step every worker finished (``"saving"``) is waited for up to ``rescue_seconds`` from the failure.
+        A worker stopped by a signal is not waited for."""
+        start = time.monotonic()
+        while True:
+            self._read_notes()
+            running = [
+                proc
+                for rank, proc in enumerate(self.procs)
+                if rank != failed and proc.poll() is None and _process_state(proc.pid) != "stopped by a signal"
+            ]
+            saving = [proc for proc in running if proc.pid in self._saving]
+            elapsed = time.monotonic() - start
+            if not running or (elapsed > seconds and not saving) or elapsed > rescue_seconds:
+                return
+            self.output.pump(poll_seconds)
+
+    def _read_notes(self) -> None:
+        """What the workers told (``pid note`` lines): who writes a backup after a peer's failure."""
+        while self.notes is not None:
+            try:
+                data = os.read(self.notes, 4096)
+            except BlockingIOError:
+                return
+            if not data:
+                return
+            for line in data.decode(errors="replace").splitlines():
+                pid, _, note = line.partition(" ")
+                if note == "saving" and pid.isdigit():
+                    self._saving.add(int(pid))
+
+    def _show_survivors(self, failed: int) -> None:
+        """The last line of each other worker that gave up on a peer (exit status 69): what it did about the failure
+        (which survivor wrote the backup of the last step every worker finished, or why none was written). The
+        chief's, and every worker's with ``log_all_workers``, were shown as they came."""
+        if self.log_all_workers:
+            return
+        for rank, proc in enumerate(self.procs):
+            lines = self.output.tail(rank)
+            if rank not in (0, failed) and proc.returncode == PEER_FAILED_EXIT_STATUS and lines:
+                _say(f"worker {rank}: {lines[-1]}")
 
     def _show_tail(self, rank: int) -> None:
         lines = self.output.tail(rank)

@@ -53,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --workers: when a worker fails, restart all workers up to K times (default 0)",
     )
     fit.add_argument(
+        "--min-workers",
+        type=int,
+        metavar="M",
+        help="with --max-restarts: when the same worker fails in two attempts in a row, restart with one worker "
+        "fewer, down to M (default: N, always all)",
+    )
+    fit.add_argument(
         "--log-all-workers",
         action="store_true",
         help="with --workers: show every worker's output, prefixed [worker i] (default: the chief's only)",

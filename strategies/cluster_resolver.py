@@ -135,8 +135,10 @@ class ClusterResolver:
         local_world_size: int = 1,
         devices: tuple[str, ...] | None = None,
         attempt: int = 0,
+        shared_store: bool = False,
     ) -> None:
         self._attempt = attempt
+        self._shared_store = shared_store
         self._num_workers = num_workers
         self._worker_index = worker_index
         self._master_address = master_address
@@ -189,11 +191,19 @@ class ClusterResolver:
 
     @property
     def attempt(self) -> int:
-        """The number of this start of the job, 0 at first and one more each time the launcher restarted every
-        worker (torchrun's ``TORCHELASTIC_RESTART_COUNT``). The workers of each attempt meet under keys of their
-        own in the rendezvous store, which outlives them under torchrun: the keys an earlier attempt left (its
-        workers' old addresses) would send a restarted worker to a socket that no longer listens."""
+        """This worker's count of restarts, 0 at first and one more each time its launcher restarted it
+        (torchrun's ``TORCHELASTIC_RESTART_COUNT``). Only a count: under an elastic rendezvous each agent counts
+        its own restarts, so the workers of one start may hold different counts (``shared_store`` says how they
+        meet)."""
         return self._attempt
+
+    @property
+    def shared_store(self) -> bool:
+        """True where the store at ``master_address:master_port`` is the launcher's own, shared by every start of
+        the job (torchrun's agent store, ``TORCHELASTIC_USE_AGENT_STORE``); then the workers of each start meet
+        in a store worker 0 starts for them, whose port it notes there. False where worker 0 hosts it (the
+        ``--workers`` launcher, SLURM, ``TF_CONFIG``)."""
+        return self._shared_store
 
     @property
     def is_chief(self) -> bool:
@@ -355,6 +365,7 @@ class TorchrunClusterResolver(ClusterResolver):
             local_world_size=local_world_size,
             devices=_check_devices(devices),
             attempt=_env_int(env, "TORCHELASTIC_RESTART_COUNT", 0, default=0),
+            shared_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() == "true",
         )
 
     @staticmethod

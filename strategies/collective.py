@@ -157,7 +157,7 @@ class Collective:
         device,
         timeout_seconds,
         implementation="AUTO",
-        attempt: int = 0,
+        shared_store: bool = False,
     ):
         self.rank = rank
         self.world_size = world_size
@@ -185,20 +185,19 @@ class Collective:
                     )
             else:
                 kwargs = {"timeout": self.timeout} if self.timeout else {}
+                wait = self.timeout or datetime.timedelta(minutes=30)
                 if rank != 0:  # torch's own wait for an absent chief logs C++ stack frames, and retries past T
-                    _wait_for_rendezvous(address, port, self.timeout or datetime.timedelta(minutes=30))
-                store, _, _ = next(
-                    dist.rendezvous(
-                        f"tcp://{_host(address)}:{port}",
-                        rank=rank,
-                        world_size=world_size,
-                        timeout=self.timeout or datetime.timedelta(minutes=30),
-                    )
-                )
-                # The keys of this attempt only: under torchrun the store outlives a restart, and the addresses
-                # the earlier attempt's workers left in it would send a restarted worker to a closed socket
-                # (gloo's "connectFullMesh failed ... Connection refused").
-                store = dist.PrefixStore(f"replicafit/attempt-{attempt}", store)
+                    _wait_for_rendezvous(address, port, wait)
+                if shared_store:  # torchrun's agent holds the store: the workers meet in one of their own
+                    store = _own_store(rank, world_size, address, port, wait)
+                else:
+                    address_url = f"tcp://{_host(address)}:{port}"
+                    store, _, _ = next(dist.rendezvous(address_url, rank=rank, world_size=world_size, timeout=wait))
+                # (A store of this start alone: worker 0's, on the port of this start. Keys that an earlier start left
+                # in a store that outlived it sent a restarted worker to a closed socket: gloo's "connectFullMesh
+                # failed ... Connection refused". The restart count cannot name a start: an elastic rendezvous's
+                # agents count their restarts each on their own.)
+                store = dist.PrefixStore("replicafit", store)
                 dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
                 self._owns_default = True
             self.data_group = None  # the default group
@@ -212,7 +211,15 @@ class Collective:
 
     @classmethod
     def get(
-        cls, rank, world_size, address, port, device, timeout_seconds, implementation="AUTO", attempt: int = 0
+        cls,
+        rank,
+        world_size,
+        address,
+        port,
+        device,
+        timeout_seconds,
+        implementation="AUTO",
+        shared_store: bool = False,
     ) -> Collective:
         """The process's collective for this cluster (created on first use)."""
         with cls._instance_lock:
@@ -224,7 +231,7 @@ class Collective:
                         "a process can be a worker of one cluster only."
                     )
                 return current
-            cls._instance = cls(rank, world_size, address, port, device, timeout_seconds, implementation, attempt)
+            cls._instance = cls(rank, world_size, address, port, device, timeout_seconds, implementation, shared_store)
             return cls._instance
 
     # --- failure handling ----------------------------------------------------------------
@@ -543,6 +550,39 @@ def _wait_for_rendezvous(address: str, port: int, timeout: datetime.timedelta) -
                     "exited, or the address or port is wrong"
                 ) from None
         time.sleep(min(0.05, max(0.0, left)))
+
+
+_OWN_STORE_KEY = "replicafit/workers-store-port"
+
+
+def _own_store(rank: int, world_size: int, address: str, port: int, timeout: datetime.timedelta):
+    """A store of this start's workers alone, where torchrun's agent holds the one at ``address:port``.
+
+    The agent's store outlives the workers and is shared by every start (torchrun's restarts; the rounds of an
+    elastic rendezvous, whose agents count their restarts each on their own, so no count names a start on every
+    worker): keys there can be an earlier start's. Worker 0 starts a store of its own on a free port and notes
+    the port in the agent's store; the others read it and connect to that port of ``address`` (worker 0's host).
+    A port an earlier start noted answers no more (the agent ended every worker of a start before the next
+    one began): they read again until worker 0 of this start has noted its own, within ``timeout``."""
+    agent = dist.TCPStore(_host(address).strip("[]"), port, is_master=False, timeout=timeout)
+    if rank == 0:
+        own = dist.TCPStore("0.0.0.0", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        agent.set(_OWN_STORE_KEY, str(own.port))
+        return own
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        noted = int(agent.get(_OWN_STORE_KEY))  # (waits for the key, within the store's timeout)
+        try:
+            with socket.create_connection((address.strip("[]"), noted), timeout=1.0):
+                pass
+            return dist.TCPStore(_host(address).strip("[]"), noted, is_master=False, timeout=timeout)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"worker 0's store at {_host(address)}:{noted} (the port noted in torchrun's store) did not "
+                    f"answer within {timeout.total_seconds():g} s"
+                ) from None
+            time.sleep(0.05)
 
 
 @atexit.register

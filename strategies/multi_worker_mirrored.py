@@ -78,7 +78,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
                 torch_device(devices[0]),
                 options.timeout_seconds,
                 options.implementation.value,
-                resolver.attempt,
+                resolver.shared_store,
             )
             nccl = self._collective.backend == "nccl"
             mine = (len(devices), _gpu_identities(devices) if nccl else ())

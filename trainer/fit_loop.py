@@ -19,16 +19,18 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import signal
 
 import torch
 
+from replicafit.lifeline import tell_launcher
 from replicafit.strategies import WorkerFailedError, context
 
 from . import callbacks as callbacks_module
 from .peer_failure import Point, claim, claims_folder
-from .preemption import Preempted, PreemptedInValidation, PreemptionWatch
+from .preemption import Preempted, PreemptedInValidation, PreemptionWatch, noting
 
-__all__ = ["FitLoop", "FitPlan", "fit_callbacks", "unwatch_preemption", "watch_preemption"]
+__all__ = ["FitLoop", "FitPlan", "fit_callbacks", "resume_point", "unwatch_preemption", "watch_preemption"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,6 +98,19 @@ def watch_preemption(callbacks, cluster):
     watch.start()
     watch.install()
     return watch
+
+
+def resume_point(callbacks, cluster):
+    """Where the newest backup of the first ``BackupAndRestore`` among ``callbacks`` resumes (``{"data_seed",
+    "cursor", "global_batch_size"}``, alike on every worker), else None: a collective where there is such a
+    callback.
+
+    Example::
+
+        point = resume_point(callbacks, strategy.cluster)   # before the first step is read ahead
+    """
+    backups = [cb for cb in callbacks or () if hasattr(cb, "resume_point")]
+    return backups[0].resume_point(cluster) if backups else None
 
 
 def unwatch_preemption(watch) -> None:
@@ -274,7 +289,10 @@ class FitLoop:
         if reason is not None:
             raise WorkerFailedError(f"{error} No backup was written on this failure: {reason}.") from error
         folder = claims_folder(rescuer.backup_dir, rescuer.peer_failure_token)
-        with cluster.alone():
+        # A launcher stops the survivors with SIGTERM once it saw the worker fail: noted, not acted on, until the
+        # backup is written (it waits a while before SIGKILL).
+        with noting([signal.SIGTERM]), cluster.alone():
+            tell_launcher("saving")  # (replicafit's launcher waits for this worker before it stops the others)
             if not claim(folder, cluster.worker_index, point.progress, cluster.num_workers - 1):
                 raise WorkerFailedError(
                     f"{error} Another surviving worker writes the backup of the last step every worker finished "

@@ -411,7 +411,10 @@ class TrainingState:
         history.history = {k: list(v) for k, v in state["history"]["history"].items()}
         history.epoch = list(state["history"]["epoch"])
         self.data_seed = state["data_seed"]
-        self.cursor.forget()  # a step read ahead before the restore came from the old seed and random state
+        # A step read ahead before the restore came from the old seed and random state, unless fit read it with the
+        # backup's seed from a source that shuffles by its seed alone (resume_point: the resumed fit's first step).
+        if not (state["data_seed"] == self.data_seed and hasattr(self.cursor.source, "seed")):
+            self.cursor.forget()
         source = self.cursor.source
         if hasattr(source, "seed"):
             source.seed = self.data_seed

@@ -14,11 +14,48 @@ import stat
 import sys
 import threading
 
-__all__ = ["LIFELINE_ENV", "watch_launcher"]
+__all__ = ["LIFELINE_ENV", "NOTES_ENV", "tell_launcher", "watch_launcher"]
 
 LIFELINE_ENV = "REPLICAFIT_LAUNCHER_FD"  # set by replicafit's launcher: the read end of a pipe it holds open
+NOTES_ENV = "REPLICAFIT_LAUNCHER_NOTES_FD"  # set by replicafit's launcher: the write end of a pipe it reads
 _lifeline_watched = False
 _lifeline_lock = threading.Lock()
+_notes_fd = None  # this worker's end of the launcher's notes pipe, once read from the environment
+
+
+def tell_launcher(note: str) -> bool:
+    """In a worker started by ``replicafit fit --workers N`` (``launch_local``): tells the launcher ``note``
+    (one word: ``"saving"``: this worker writes a backup after a peer's failure; do not stop it until it exits,
+    within the launcher's ``rescue_seconds``). Returns whether a launcher was told (elsewhere a no-op).
+
+    Example::
+
+        from replicafit.lifeline import tell_launcher
+        tell_launcher("saving")   # False outside a launched worker
+    """
+    with _lifeline_lock:
+        fd = _take_notes_fd()
+        if fd < 0:
+            return False
+        try:
+            os.write(fd, f"{os.getpid()} {note}\n".encode())  # (one write under PIPE_BUF: never interleaved)
+        except OSError:
+            return False
+    return True
+
+
+def _take_notes_fd() -> int:
+    """The notes pipe's descriptor (-1: none), taken from the environment once (under ``_lifeline_lock``)."""
+    global _notes_fd
+    if _notes_fd is None:
+        value = os.environ.pop(NOTES_ENV, None)  # not for this worker's own children
+        try:
+            _notes_fd = int(value) if value else -1
+            if _notes_fd >= 0 and not stat.S_ISFIFO(os.fstat(_notes_fd).st_mode):
+                _notes_fd = -1
+        except (ValueError, OSError):
+            _notes_fd = -1
+    return _notes_fd
 
 
 def watch_launcher() -> bool:
@@ -38,6 +75,7 @@ def watch_launcher() -> bool:
     """
     global _lifeline_watched
     with _lifeline_lock:
+        _take_notes_fd()  # (its variable too is not for this worker's own children)
         value = os.environ.pop(LIFELINE_ENV, None)  # not for this worker's own children
         if _lifeline_watched or not value:
             return False

@@ -337,14 +337,14 @@ def test_cli_workers_starts_fit_once_per_worker_with_one_run_dir(monkeypatch, tm
     assert command[:5] == [sys.executable, "-m", "replicafit", "fit", "digits_mlp"]
     assert command[5:9] == ["--set", "strategy={type: multi_worker_mirrored}", "--set", "fit.epochs=1"]
     assert command[9] == "--run-dir" and "digits_mlp" in command[10] and command[11:] == ["--tensorboard"]
-    assert (workers, restarts, kwargs) == (3, 2, {"log_all_workers": False})
+    assert (workers, restarts, kwargs) == (3, 2, {"log_all_workers": False, "chief_completes": True})
     assert not os.path.exists(command[10])  # the chief creates it, not the launcher
     calls.clear()
     run_dir = str(tmp_path / "run")
     assert cli.main([*argv, "--run-dir", run_dir, "--workers", "1", "--log-all-workers"]) == 7
     (command, workers, restarts), kwargs = calls[0]
     assert command[9:] == ["--run-dir", run_dir] and (workers, restarts) == (1, 0)
-    assert kwargs == {"log_all_workers": True}
+    assert kwargs == {"log_all_workers": True, "chief_completes": True}
 
 
 @pytest.mark.timeout(60)
@@ -544,3 +544,47 @@ sys.exit(69)
     assert launch_local(worker(body, tmp_path), 2, grace_seconds=2.0) == 5
     err = capfd.readouterr().err
     assert "worker 1 failed first (exit code 5)" in err and "stopped arriving" not in err
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_that_fails_after_the_chief_completed_the_run_neither_fails_nor_restarts_it(tmp_path, started, capfd):
+    body = """
+if rank == 1:
+    wait_for("chief-done")
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGKILL)
+touch(f"ran-{attempt}")
+touch("chief-done")
+"""
+    assert launch_local(worker(body, tmp_path), 2, max_restarts=1, chief_completes=True) == 0
+    assert not os.path.exists(tmp_path / "ran-1")  # not started again: a restart would train the run again
+    said = "worker 1 ended (exit code -9, killed by SIGKILL) after the chief had finished the run"
+    assert said in capfd.readouterr().err
+    # A launcher not told so takes it as a failure (and restarts).
+    os.remove(tmp_path / "chief-done")
+    assert launch_local(worker(body, tmp_path), 2, max_restarts=1) == 1
+    assert os.path.exists(tmp_path / "ran-1")
+
+
+@pytest.mark.timeout(60)
+def test_a_survivor_that_says_it_saves_is_waited_for_before_the_others_are_stopped(tmp_path, started, capfd):
+    body = """
+from replicafit.lifeline import tell_launcher
+if rank == 1:
+    wait_for("saving")
+    sys.exit(3)
+if rank == 0:
+    signal.signal(signal.SIGTERM, lambda *a: (touch("sigterm"), sys.exit(143)))
+    tell_launcher("saving")
+    touch("saving")
+    time.sleep(2.5)  # longer than grace_seconds: a survivor writing its backup
+    touch("saved")
+    sys.exit(69)
+"""
+    assert launch_local(worker(body, tmp_path), 2, grace_seconds=0.5, rescue_seconds=20) == 3
+    assert os.path.exists(tmp_path / "saved") and not os.path.exists(tmp_path / "sigterm")
+    # Past rescue_seconds it is stopped all the same.
+    for name in ("saving", "saved"):
+        os.remove(tmp_path / name)
+    assert launch_local(worker(body, tmp_path), 2, grace_seconds=0.5, rescue_seconds=1) == 3
+    assert os.path.exists(tmp_path / "sigterm") and not os.path.exists(tmp_path / "saved")

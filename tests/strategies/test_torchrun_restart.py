@@ -1,6 +1,6 @@
 """Workers that torchrun restarts join the cluster again: the rendezvous store outlives them, and the addresses
 the killed attempt's workers left in it sent a restarted worker to a closed socket ("Gloo connectFullMesh failed
-... Connection refused", 4 of 4 tries here before the fix); each attempt now meets under keys of its own."""
+... Connection refused", 4 of 4 tries here before the fix); each start now meets in a store of its own (worker 0's)."""
 
 from __future__ import annotations
 
@@ -53,3 +53,13 @@ def test_the_torchrun_resolver_reads_the_attempt():
     assert ds.TorchrunClusterResolver(env).attempt == 0
     assert ds.TorchrunClusterResolver({**env, "TORCHELASTIC_RESTART_COUNT": "2"}).attempt == 2
     assert ds.SimpleClusterResolver(2, 0, "127.0.0.1", 29500).attempt == 0
+
+
+def test_the_torchrun_resolver_reads_whether_the_agent_holds_the_store():
+    import replicafit.strategies as ds
+
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    assert not ds.TorchrunClusterResolver(env).shared_store  # the launcher's workers: worker 0 hosts it
+    assert ds.TorchrunClusterResolver({**env, "TORCHELASTIC_USE_AGENT_STORE": "True"}).shared_store
+    assert not ds.TorchrunClusterResolver({**env, "TORCHELASTIC_USE_AGENT_STORE": "False"}).shared_store
+    assert not ds.SimpleClusterResolver(2, 0, "127.0.0.1", 29500).shared_store

@@ -145,3 +145,83 @@ def run(
         "history": history.history,
         "iterations": int(trainer.optimizer.iterations),
     }
+
+
+# --- for recipes (test_peer_failure_launcher.py): the workers of `replicafit fit RECIPE --workers 2` -----------
+
+
+def _process_log(log_dir):
+    """This worker process's log of reads (one per process: each start of each worker)."""
+    os.makedirs(log_dir, exist_ok=True)
+    path = os.path.join(log_dir, f"reads-{os.getpid()}.txt")
+    fresh = not os.path.exists(path)
+    log = open(path, "a")  # noqa: SIM115 (the process's, until it exits)
+    if fresh:
+        log.write(f"attempt {os.environ.get('REPLICAFIT_RESTART_COUNT', '0')} rank {os.environ.get('RANK', '0')}\n")
+        log.flush()
+    return log
+
+
+class CountedDigits(torch.utils.data.Dataset):
+    """Rows that log every read to this process's file in ``log_dir``."""
+
+    def __init__(self, x, y, log_dir):
+        self.x, self.y, self.log_dir, self.log = x, y, log_dir, None
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        if self.log is None:
+            self.log = _process_log(self.log_dir)
+        self.log.write(f"{int(index)}\n")
+        self.log.flush()
+        return self.x[index], self.y[index]
+
+
+def counted_digits(log_dir, validation_split=0.2):
+    """The recipe's ``digits`` data with every training read logged (``data: {type: 'mw_peer_failure_scenarios:
+    counted_digits', log_dir: ...}``)."""
+    from replicafit.recipes.datasets import digits
+
+    info = digits(validation_split=validation_split)
+    x, y = info["train"]
+    info["train"] = CountedDigits(torch.as_tensor(x), torch.as_tensor(y), log_dir)
+    return info
+
+
+class EpochLog(callbacks.Callback):
+    """Marks each epoch's start in this process's read log."""
+
+    def __init__(self, log_dir):
+        super().__init__()
+        self.log_dir = log_dir
+
+    def on_epoch_begin(self, epoch, logs=None):
+        log = _process_log(self.log_dir)
+        log.write(f"epoch {epoch}\n")
+        log.close()
+
+
+class FaultAt(callbacks.Callback):
+    """``signal`` (a name) to worker ``worker`` at optimizer iteration ``step`` or later, while the cluster has at
+    least ``while_workers`` workers, ``times`` times in all (marker files in ``marker_dir`` count them)."""
+
+    def __init__(self, worker, step, marker_dir, signal="SIGKILL", times=1, while_workers=2):
+        super().__init__()
+        self.worker, self.step, self.marker_dir, self.signal = worker, step, marker_dir, signal
+        self.times, self.while_workers = times, while_workers
+
+    def on_train_batch_end(self, batch, logs=None):
+        trainer = self.trainer
+        cluster = trainer.strategy.cluster
+        if cluster.worker_index != self.worker or cluster.num_workers < self.while_workers:
+            return
+        if int(trainer.optimizer.iterations) < self.step:
+            return
+        os.makedirs(self.marker_dir, exist_ok=True)
+        fired = len(os.listdir(self.marker_dir))
+        if fired < self.times:
+            with open(os.path.join(self.marker_dir, f"fired-{fired}"), "w") as file:
+                file.write(str(int(trainer.optimizer.iterations)))
+            os.kill(os.getpid(), getattr(signal, self.signal))

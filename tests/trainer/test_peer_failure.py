@@ -19,8 +19,8 @@ STEPS = ROWS // BATCH
 
 def _reads(folder, name, workers, resumed=False) -> dict:
     """``{epoch: Counter(example -> reads)}`` over every worker's log of the run ``name``. What a worker reads
-    before its first epoch begins is the entry checks' look at the first step of epoch 0: trained on in a fresh
-    run; in a ``resumed`` one, read before the backup is restored and dropped (``"look"``: one step's rows)."""
+    before its first epoch begins is the entry checks' look at its first step (``"look"`` in a ``resumed`` run:
+    the step the backup resumes at, trained on as every first step is)."""
     counts: dict = collections.defaultdict(collections.Counter)
     for rank in range(workers):
         path = os.path.join(folder, f"reads-{name}-{rank}.txt")
@@ -65,7 +65,7 @@ def _read_once_from(folder, saved, workers=2):
     first, again = _reads(folder, "first", workers), _reads(folder, "again", workers, resumed=True)
     assert sum(again["look"].values()) == BATCH
     epoch, step = saved["epoch"], saved["step"]
-    resumed = again[epoch]
+    resumed = again[epoch] + again["look"]
     assert sum(resumed.values()) == ROWS - step * BATCH
     assert max(resumed.values()) == 1
     assert set(resumed) | set(first[epoch]) == set(range(ROWS))

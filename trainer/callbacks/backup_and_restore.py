@@ -6,6 +6,8 @@ import os
 import shutil
 import uuid
 
+import torch
+
 from .. import checkpoint, sharded_checkpoint
 from ..preemption import preemption_signals
 from ._periodic import _Periodic
@@ -142,6 +144,32 @@ class BackupAndRestore(_Periodic):
         if not found:
             return None
         return max(found, key=lambda p: os.path.getmtime(p if os.path.isfile(p) else os.path.join(p, "state.pt")))
+
+    def resume_point(self, cluster):
+        """``{"data_seed", "cursor", "global_batch_size"}`` of the newest backup in ``backup_dir`` (the chief's view,
+        for every worker: a collective), else None: where a resumed fit's first step will be, so ``fit`` reads that
+        step ahead for its entry checks rather than the first step of the data (read for nothing). Cheap: the file
+        is mapped, and only those entries are read. None for a sharded backup, or a file that cannot be read (its
+        restore reports it). Called by ``fit`` before the callbacks are given the trainer.
+
+        Example::
+
+            point = backup.resume_point(strategy.cluster)   # {"data_seed": 7, "cursor": [2, 5], ...}
+        """
+        point = None
+        if cluster.is_chief:
+            path = self._path_of(False)
+            if self._newest() == path:
+                try:
+                    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                    point = {
+                        "data_seed": int(state["data_seed"]),
+                        "cursor": [int(p) for p in state["cursor"]],
+                        "global_batch_size": state.get("global_batch_size"),
+                    }
+                except Exception:  # noqa: BLE001 (any damage: the restore says what is wrong)
+                    point = None
+        return cluster.broadcast(point, "finding where the backup resumes")
 
     def on_train_begin(self, logs=None):
         """Resumes from the newest backup in ``backup_dir`` where there is one (as the chief sees it, for every
