@@ -323,7 +323,7 @@ class FitLoop:
     def _no_rescue(self, point, cluster):
         """Why no backup can be written after this failure (None: it can)."""
         capabilities = self.strategy.extended.capabilities
-        if capabilities.sharded_checkpoints or capabilities.shards_parameters:
+        if not capabilities.whole_state_on_every_worker or capabilities.shards_parameters:
             return (
                 "the state is sharded across the workers (sharded parameters or optimizer states), and the dead "
                 "worker's part is gone; the last periodic backup stands"

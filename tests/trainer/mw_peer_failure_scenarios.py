@@ -50,23 +50,27 @@ class EpochMarks(callbacks.Callback):
 
 
 class Fault(callbacks.Callback):
-    """On worker ``worker``, once (a marker file remembers it): ``signal`` to itself at optimizer iteration
+    """On worker ``worker`` (or each of a list), once (marker files remember it): ``signal`` to itself at iteration
     ``iteration``, in the hook ``where``: ``"batch_end"`` (after the step's update, before the backup's hook),
     ``"forward"`` (inside the next step's forward: the failure reaches the others in its gradient reduction),
     ``"batch_index"`` (after the epoch's step of that index, ``iteration`` counting steps, not updates),
-    ``"validation"`` (in the epoch's validation), ``"first_step"`` (before any step's update)."""
+    ``"validation"`` (in the epoch's validation), ``"first_step"`` (before any step's update), ``"train_end"``
+    (in ``on_train_end``, the run trained)."""
 
     def __init__(self, worker, iteration, where, signum, marker):
         super().__init__()
         self.worker, self.iteration, self.where, self.signum, self.marker = worker, iteration, where, signum, marker
 
     def _now(self) -> bool:
-        trainer = self.trainer
-        return trainer.strategy.cluster.worker_index == self.worker and not os.path.exists(self.marker)
+        index = self.trainer.strategy.cluster.worker_index
+        mine = index in self.worker if isinstance(self.worker, (list, tuple)) else index == self.worker
+        return mine and not os.path.exists(f"{self.marker}-{index}")
 
     def _fire(self):
-        with open(self.marker, "w") as file:
-            file.write("fired")
+        index = self.trainer.strategy.cluster.worker_index
+        for path in (self.marker, f"{self.marker}-{index}"):
+            with open(path, "w") as file:
+                file.write("fired")
         os.kill(os.getpid(), self.signum)
 
     def on_train_begin(self, logs=None):
@@ -87,9 +91,26 @@ class Fault(callbacks.Callback):
         if self.where == "batch_index" and self._now() and batch == self.iteration:  # (a step within a window)
             self._fire()
 
+    def on_train_end(self, logs=None):
+        if self.where == "train_end" and self._now():  # the run is trained: the backup is being deleted
+            self._fire()
+
     def on_test_batch_end(self, batch, logs=None):
         if self.where == "validation" and self._now() and int(self.trainer.optimizer.iterations) >= self.iteration:
             self._fire()
+
+
+def _die_in_saves_after(marker):
+    real = torch.save
+
+    def save(obj, file, *args, **kwargs):
+        if not os.path.exists(marker):
+            return real(obj, file, *args, **kwargs)
+        file.write(b"half a backup")
+        file.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    torch.save = save
 
 
 def run(
@@ -104,6 +125,8 @@ def run(
     accumulate=0,
     fully_sharded=False,
     save_on_peer_failure=True,
+    die_in_save=False,
+    shard_states=False,
 ):
     """A fit of 3 epochs with ``BackupAndRestore(outdir/backup)`` and validation; ``fault``: ``Fault``'s
     arguments ``(worker, iteration, where, signal name)``. Returns the weights and history."""
@@ -112,7 +135,7 @@ def run(
     if fully_sharded:
         strategy = ds.FullyShardedStrategy(options, resolver)
     else:
-        strategy = ds.MultiWorkerMirroredStrategy(options, resolver)
+        strategy = ds.MultiWorkerMirroredStrategy(options, resolver, shard_optimizer_states=shard_states)
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
     optimizer = optimizers.SGD(0.05, momentum=0.9, gradient_accumulation_steps=accumulate or None)
@@ -126,7 +149,10 @@ def run(
     ]
     if fault is not None:
         worker, iteration, where, signame = fault
-        cbs.append(Fault(worker, iteration, where, getattr(signal, signame), os.path.join(outdir, "fired")))
+        fault = Fault(worker, iteration, where, getattr(signal, signame), os.path.join(outdir, "fired"))
+        cbs.insert(1 if where == "train_end" else len(cbs), fault)  # (train_end: before the backup's deletion)
+    if die_in_save:  # a survivor that writes a backup after the fault dies half-way through the file
+        _die_in_saves_after(os.path.join(outdir, "fired"))
     validation = CountedRows(None)
     try:
         history = trainer.fit(

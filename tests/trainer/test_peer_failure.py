@@ -140,6 +140,7 @@ def test_no_backup_before_the_first_step_inside_an_accumulation_window_or_under_
         "first_step": ({"fault": (1, 0, "first_step", "SIGKILL")}, "before the first training step"),
         "window": ({"fault": (1, 3, "batch_index", "SIGKILL"), "accumulate": 3}, "inside a gradient accumulation"),
         "sharded": ({"fault": (1, 4, "batch_end", "SIGKILL"), "fully_sharded": True}, "sharded across the workers"),
+        "states": ({"fault": (1, 4, "batch_end", "SIGKILL"), "shard_states": True}, "sharded across the workers"),
     }
     for case, (kwargs, said) in cases.items():
         folder = tmp_path / case
@@ -210,3 +211,38 @@ def test_a_periodic_backup_of_that_very_step_stands(tmp_path, straight):
     assert (saved["epoch"], saved["step"]) == (0, 6)
     assert len(saved["replica_rng"]["cpu"]) == 2 and saved["replica_rng"]["cpu"][1] is not None
     _same_weights(again[0], straight)
+
+
+@pytest.mark.timeout(240)
+def test_two_workers_lost_at_once_the_last_one_writes_alone(tmp_path, straight):
+    first, saved, again = _fault_then_resume(tmp_path, ([1, 2], 6, "batch_end", "SIGKILL"), workers=3)
+    assert first[1]["exitcode"] == first[2]["exitcode"] == -9
+    said = "Worker 0 wrote the backup of the last step every worker finished (epoch 0 after step 6)"
+    assert said in first[0]["error"]  # (after waiting for the notes of two survivors that never came)
+    _same_weights(again[0], straight)
+    _read_once_from(tmp_path, saved, workers=3)
+
+
+@pytest.mark.timeout(240)
+def test_a_survivor_lost_while_it_writes_leaves_the_last_periodic_backup_whole(tmp_path, straight):
+    first, saved, again = _fault_then_resume(
+        tmp_path, (2, 6, "batch_end", "SIGKILL"), workers=3, save_freq=4, die_in_save=True
+    )
+    writers = [rank for rank in (0, 1) if first[rank]["exitcode"] == -9]
+    assert len(writers) == 1  # the one that took the decision died in its write
+    other = 1 - writers[0]
+    assert "Another surviving worker writes the backup" in first[other]["error"]
+    assert (saved["epoch"], saved["step"]) == (0, 4)  # the periodic one, whole (the half-written file was aside)
+    _same_weights(again[0], straight)
+
+
+@pytest.mark.timeout(240)
+def test_a_run_that_finished_stays_finished_when_a_worker_dies_at_its_end(tmp_path, straight):
+    # Worker 1 dies in on_train_end, as the chief deletes the backup: the survivor writes the finished run's.
+    first, saved, again = _fault_then_resume(tmp_path, (1, 0, "train_end", "SIGKILL"), timeout=5.0)
+    assert "(epoch 3 at its start)" in first[0]["error"]
+    assert (saved["epoch"], saved["step"]) == (3, 0)
+    assert again[0]["iterations"] == straight["iterations"]  # the restart trained nothing again
+    assert set(_reads(tmp_path, "again", 2, resumed=True)) <= {"look"}  # no epoch began
+    _same_weights(again[0], straight)
+    assert again[0]["history"]["loss"] == pytest.approx(straight["history"]["loss"], abs=1e-6)

@@ -239,6 +239,7 @@ class BackupAndRestore(_Periodic):
         """Deletes the backup (on the chief) with ``delete_checkpoint``: ``fit`` completed, so a rerun starts
         afresh. A ``fit`` that raises, or exits with ``Preempted``, keeps it."""
         if self.delete_checkpoint:
+            self._saved_at = None  # (gone, or going: a save after a peer's failure from here on writes one again)
             self.trainer.write_on_chief("BackupAndRestore (delete)", self._delete)
 
     def _delete(self) -> None:
