@@ -148,7 +148,7 @@ def fit(args) -> int:
     signals = sorted({signum for cb in backups for signum in cb.preemption_signals})
     with noting(signals) as noted:
         history = run.trainer.fit(run.model, run.train, callbacks=callbacks, **run.fit_kwargs)
-        final = run.trainer.save_checkpoint(os.path.join(run_dir, "checkpoints", "last.pt"))
+        final = _save_last(run, os.path.join(run_dir, "checkpoints", "last.pt"))
         if chief:
             _write_fit_results(run_dir, recipe, history, callbacks, validating, final, run.trainer.optimizer)
     for signum in signals:  # the run is complete and its files written: the rest is the interpreter's exit
@@ -156,6 +156,30 @@ def fit(args) -> int:
     if noted and chief:
         print(f"replicafit: {noted[0].name} received once the run was complete; its files are written", flush=True)
     return 0
+
+
+def _save_last(run, path) -> str:
+    """``last.pt`` of a trained run. A peer lost meanwhile (the run trained, its backup deleted): where every worker
+    holds the whole state, each survivor goes on alone and the chief writes its own, so the run is complete (a
+    restart would train it again); else ``WorkerFailedError``."""
+    from replicafit.strategies import WorkerFailedError
+
+    try:
+        return run.trainer.save_checkpoint(path)
+    except WorkerFailedError as error:
+        strategy = run.strategy
+        if not strategy.cluster.failed or not strategy.extended.capabilities.whole_state_on_every_worker:
+            raise
+        with strategy.cluster.alone():
+            final = run.trainer.save_checkpoint(path)
+        if strategy.extended.should_checkpoint:
+            print(
+                f"replicafit: a peer was lost after the run was trained ({str(error).split(':')[0]}); this worker "
+                "wrote its files alone",
+                file=sys.stderr,
+                flush=True,
+            )
+        return final
 
 
 def _write_fit_results(run_dir, recipe, history, callbacks, validating, final, optimizer) -> None:

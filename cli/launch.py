@@ -17,14 +17,14 @@ environment that ``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
   ``PEER_FAILED_EXIT_STATUS`` (69: its collective failed because of another) is not the cause:
   the launcher waits up to ``grace_seconds`` for another to fail, and names a worker still running
   then as the one that stopped arriving (stuck, or stopped by SIGSTOP). The others get ``grace_seconds`` to
-  notice and exit on their own before SIGTERM, and one that says it writes its backup after the failure
-  (``replicafit.lifeline.tell_launcher``) up to ``rescue_seconds``. With ``max_restarts`` it
+  notice and exit on their own before SIGTERM, and one whose fit says it writes a backup after a peer's
+  failure (``replicafit.lifeline.tell_launcher``) up to ``rescue_seconds``. With ``max_restarts`` it
   starts all workers again on a fresh port, and they resume from the newest backup: the one a surviving
   worker wrote of the last step every worker finished (``BackupAndRestore(save_on_peer_failure=True)``,
   ``replicafit.trainer.peer_failure``), else the last periodic one. A worker that gave up on a peer says in
-  its last line what it wrote; the launcher shows it. With ``min_workers`` a worker that fails in two
-  attempts in a row is left out of the next (one worker fewer, not below ``min_workers``); else it returns a
-  non-zero status.
+  its last line what it wrote; the launcher shows it. With ``min_workers``, after the same worker failed in
+  two attempts in a row the next has one worker fewer (not below ``min_workers``; ranks are numbered from 0
+  again, so the last rank is the one left out); else it returns a non-zero status.
 - **Preemption**: a worker that exits with ``PREEMPTED_EXIT_STATUS`` (75: its ``fit`` stopped on a
   preemption signal after the backup was written, ``BackupAndRestore(save_before_preemption=True)``)
   has not failed: once every worker has exited 0 or 75, the launcher returns 75 and does not restart
@@ -162,9 +162,9 @@ def launch_local(
         collectives are every worker's, and it writes the run's files last): a worker that fails or is signalled
         after it does not make the run fail, nor restart it (a restart would train the run again).
       rescue_seconds: after a worker failed, the others get ``grace_seconds`` to notice it and exit on their own
-        before SIGTERM; one that says it writes the backup of the last step every worker finished
-        (``BackupAndRestore(save_on_peer_failure=True)``, through ``replicafit.lifeline.tell_launcher``) gets
-        this long from the failure.
+        before SIGTERM; one whose fit writes the backup of the last step every worker finished after a peer's
+        failure (``BackupAndRestore(save_on_peer_failure=True)``: it says so through
+        ``replicafit.lifeline.tell_launcher``) gets this long from the failure.
 
     Returns the exit status: 0, ``PREEMPTED_EXIT_STATUS`` (75) when the workers were preempted, or
     after the last attempt the failed worker's exit code when it is positive, else 1 (a worker killed
@@ -337,6 +337,7 @@ class _Attempt:
         self.failed = None  # after run(): the worker that failed first (or stopped arriving), else None
         self.notes = None  # the read end of the workers' notes pipe (replicafit.lifeline.tell_launcher)
         self._saving: set = set()  # the pids of workers that said they write a backup after a peer's failure
+        self._watching: set = set()  # ... and of those whose fit would write one (between "watching" and "done")
 
     def _env(self, rank: int, port: int) -> dict:
         env = dict(self.base_env)
@@ -500,9 +501,10 @@ class _Attempt:
 
     def _let_survivors_notice(self, failed: int, seconds: float, poll_seconds: float, rescue_seconds: float) -> None:
         """Waits, at most ``seconds``, for the workers other than ``failed`` to exit on their own: their collectives
-        fail at once (or within the collective timeout). One that told the launcher it writes the backup of the
-        last step every worker finished (``"saving"``) is waited for up to ``rescue_seconds`` from the failure.
-        A worker stopped by a signal is not waited for."""
+        fail at once (or within the collective timeout). One that told the launcher its fit writes the backup of
+        the last step every worker finished after a peer's failure (``"watching"``, until ``"done"``), or that
+        it writes it now (``"saving"``), is waited for up to ``rescue_seconds`` from the failure: it notices at
+        its next collective. A worker stopped by a signal is not waited for."""
         start = time.monotonic()
         while True:
             self._read_notes()
@@ -511,9 +513,10 @@ class _Attempt:
                 for rank, proc in enumerate(self.procs)
                 if rank != failed and proc.poll() is None and _process_state(proc.pid) != "stopped by a signal"
             ]
-            saving = [proc for proc in running if proc.pid in self._saving]
+            # (a worker whose fit saves on a peer's failure notices it at its next collective, then writes)
+            noticing = [proc for proc in running if proc.pid in self._saving or proc.pid in self._watching]
             elapsed = time.monotonic() - start
-            if not running or (elapsed > seconds and not saving) or elapsed > rescue_seconds:
+            if not running or (elapsed > seconds and not noticing) or elapsed > rescue_seconds:
                 return
             self.output.pump(poll_seconds)
 
@@ -528,8 +531,14 @@ class _Attempt:
                 return
             for line in data.decode(errors="replace").splitlines():
                 pid, _, note = line.partition(" ")
-                if note == "saving" and pid.isdigit():
+                if not pid.isdigit():
+                    continue
+                if note == "saving":
                     self._saving.add(int(pid))
+                elif note == "watching":
+                    self._watching.add(int(pid))
+                elif note == "done":
+                    self._watching.discard(int(pid))
 
     def _show_survivors(self, failed: int) -> None:
         """The last line of each other worker that gave up on a peer (exit status 69): what it did about the failure

@@ -30,7 +30,7 @@ from . import callbacks as callbacks_module
 from .peer_failure import Point, claim, claims_folder
 from .preemption import Preempted, PreemptedInValidation, PreemptionWatch, noting
 
-__all__ = ["FitLoop", "FitPlan", "fit_callbacks", "resume_point", "unwatch_preemption", "watch_preemption"]
+__all__ = ["FitLoop", "FitPlan", "fit_callbacks", "unwatch_preemption", "watch_preemption"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,19 +100,6 @@ def watch_preemption(callbacks, cluster):
     return watch
 
 
-def resume_point(callbacks, cluster):
-    """Where the newest backup of the first ``BackupAndRestore`` among ``callbacks`` resumes (``{"data_seed",
-    "cursor", "global_batch_size"}``, alike on every worker), else None: a collective where there is such a
-    callback.
-
-    Example::
-
-        point = resume_point(callbacks, strategy.cluster)   # before the first step is read ahead
-    """
-    backups = [cb for cb in callbacks or () if hasattr(cb, "resume_point")]
-    return backups[0].resume_point(cluster) if backups else None
-
-
 def unwatch_preemption(watch) -> None:
     """Removes what ``watch_preemption`` installed (nothing for None)."""
     if watch is not None:
@@ -175,6 +162,7 @@ class FitLoop:
         self._train_function = train_function
         self._validate = validate
         self._point = None  # where the fit stands, for a save after a peer's failure (plan.rescuer only)
+        self._forward_changes = None  # (per-replica buffers, several outputs): what a step's forward changes
         self._began = (self.first_epoch, resume["step"] if resume is not None else 0)  # where this fit's steps began
 
     @property
@@ -203,10 +191,12 @@ class FitLoop:
         if preempted:
             self._preempted(epoch, step)
         if plan.rescuer is not None:  # validation and the epoch's end change only what this puts back
-            self._point = Point("epoch", epoch, step, self._rewind_point())
+            self._point = Point("epoch", epoch, step, self._rewind_point(), window=plan.accumulating)
         if plan.accumulating:  # a partial window is applied, not dropped
             with context.enter_or_assert_strategy(self.strategy):
                 self.optimizer.apply_accumulated_gradients()
+            if plan.rescuer is not None:  # (its reduction closes the window first: a failure in it loses the window)
+                self._point.window = False
         self._model.sync_buffers()  # replica-mean statistics for validation and in the user's module
         logs = self._metrics.result()
         if plan.validation_data is not None:
@@ -265,7 +255,17 @@ class FitLoop:
         place: the snapshot keeps references)."""
         streams = self.strategy.extended.replica_streams
         cursor = self._cursor
-        return (cursor.pass_index, cursor.position), torch.get_rng_state(), streams.snapshot() if streams else None
+        if self._forward_changes is None:  # (found once: a model's own statistics, several outputs' loss trackers)
+            buffers = self._state.per_replica_buffers(self._model)
+            self._forward_changes = (list(buffers.values()), not self._metrics.single_output)
+        variables, output_losses = self._forward_changes
+        # What the forward pass changes before the update: per-replica statistics (BatchNorm), per-output losses.
+        changed = (
+            [[c.value().detach().clone() for c in self.strategy.experimental_local_results(v)] for v in variables],
+            self._metrics.local_values() if output_losses else None,
+        )
+        position = (cursor.pass_index, cursor.position)
+        return position, torch.get_rng_state(), streams.snapshot() if streams else None, changed
 
     # --- a peer's failure -----------------------------------------------------------------------
     def after_peer_failure(self, error: WorkerFailedError):
@@ -303,7 +303,9 @@ class FitLoop:
                 epoch, step = self._rescue_position(point)
                 ended = (point.epoch, point.logs) if point.phase in ("epoch_hooks", "done") else None
                 if written != (epoch, step):
-                    path = rescuer.save_after_peer_failure(epoch, step, ended)
+                    stateful = self._callbacks.stateful().items()
+                    chief_only = [key for key, cb in stateful if getattr(cb, "_state_on_chief", False)]
+                    path = rescuer.save_after_peer_failure(epoch, step, ended, chief_only)
             except Exception as failure:  # noqa: BLE001 (any: the last good backup is whole, saves are atomic)
                 raise WorkerFailedError(
                     f"{error} This worker was to write the backup of the last step every worker finished, and could "
@@ -332,7 +334,10 @@ class FitLoop:
             return "the cluster reports no failed collective; the last periodic backup stands"
         if point is None or (point.phase == "step" and (point.epoch, point.step) == self._began):
             return "it came before the first training step's update (nothing was trained since the fit began)"
-        if self.optimizer.state_dict().get("accumulation") is not None:
+        window = self.optimizer.state_dict().get("accumulation") is not None
+        # (A window's last step closes the window before its reduction, and so does the epoch's partial window: a
+        # failure there leaves no open window and no applied update.)
+        if window or (self.plan.accumulating and point.phase == "step") or (point.phase == "epoch" and point.window):
             return (
                 "it came inside a gradient accumulation window, whose sums on the dead worker are gone; the last "
                 "periodic backup stands"
@@ -350,11 +355,16 @@ class FitLoop:
         """``(epoch, step)`` of the backup after a peer's failure at ``point``, this worker's state put where the
         backup is taken (alone: no communication)."""
         if point.phase == "step":  # the step never updated: back to where it began
-            (pass_index, position), rng, streams = point.snapshot
+            (pass_index, position), rng, streams, (values, metrics) = point.snapshot
             self._cursor.pass_index, self._cursor.position = pass_index, position
             torch.set_rng_state(rng)
             if streams is not None:
                 self.strategy.extended.replica_streams.rewind(streams)
+            for variable, components in zip(self._forward_changes[0], values):
+                for index, value in enumerate(components):
+                    variable.assign_component(index, value)
+            if metrics is not None:
+                self._metrics.load_local_values(metrics)
             return point.epoch, point.step
         if point.phase == "applied":  # the update applied, its logs unread: its hooks run here, alone
             read = self.plan.batch_logs

@@ -10,8 +10,9 @@ state is the run's own: the same weights, optimizer slots and data position on e
 ``fit`` knows where the failure came (``FitLoop`` keeps a ``Point`` as it goes):
 
 * **inside a training step**, before its update (the usual case: the gradient reduction, or the input's
-  agreement): the backup of the steps before it, the random streams and the data position put back where
-  the step began (the failed step is trained once, after the restart);
+  agreement): the backup of the steps before it, the random streams, the data position and what the step's
+  forward changed (per-replica BatchNorm statistics, several outputs' loss trackers) put back where the step
+  began (the failed step is trained once, after the restart);
 * **after a step's update**, in the read of its logs: the step's ``on_train_batch_end`` runs on this
   worker with its own replicas' logs, then the backup of the steps up to it; in a callback's hook: only where
   that callback is the ``BackupAndRestore`` saving (every other callback ran), else no backup;
@@ -19,8 +20,9 @@ state is the run's own: the same weights, optimizer slots and data position on e
   epoch's training steps, the random streams and metric accumulators put back as they were (validation
   runs again, as after a preemption); inside ``on_epoch_end`` as inside a step's hook; after it, the backup
   of the finished epoch;
-* **before the first step**, **inside an open gradient-accumulation window** (the dead worker's sums are
-  gone) and **under sharded states** (``FullyShardedStrategy``, ``shard_optimizer_states=True``: the dead
+* **before the first step**, **inside a gradient-accumulation window** (the dead worker's sums are gone; a
+  window's last step closes it before its reduction, so a failure there leaves neither window nor update) and
+  **under sharded states** (``FullyShardedStrategy``, ``shard_optimizer_states=True``: the dead
   worker's part is gone): no backup; the last periodic backup stands, and the error says why.
 
 **Which survivor writes.** The survivors cannot talk through the process group any more, and with the
@@ -32,11 +34,13 @@ it across workers). A survivor that arrives after the decision writes nothing. S
 step unless the failure came as a reduction completed on some of them: then the furthest writes, and if it
 arrived late the written backup is one step earlier (that step is trained again, exactly).
 
-**What a survivor cannot know.** The dead worker's metric accumulators, its replicas' random streams and
-their own BatchNorm statistics went with it: the epoch's training metrics count the survivors' rows before
-the failure (every row after it); the dead worker's replicas start streams seeded from (seed, global replica
-id, epoch, step), as new replicas do on a resume on more workers; per-replica BatchNorm statistics resume from
-the survivors'. Weights, optimizer slots, the data position and the survivors' streams are exact.
+**What the writer cannot know.** It writes what it holds; the rest was on the other workers: the epoch's
+training metrics count the writer's rows before the failure (every row after it); the other replicas (the
+dead worker's, another survivor's) start streams seeded from (seed, global replica id, epoch, step), as new
+replicas do on a resume on more workers, and every worker's torch generator resumes from the writer's;
+per-replica BatchNorm statistics resume from the writer's; callbacks whose state the chief alone keeps
+(``CSVLogger``, trackers) get the last backup's state when the chief is the worker lost. Weights, optimizer
+slots, the data position and what the failed step's forward changed (put back) are exact.
 
 Every survivor then raises ``WorkerFailedError`` again, saying what was written (exit status 69 under
 ``replicafit fit``: "a peer failed; restart to resume"), and the launcher's ``--max-restarts``, torchrun's
@@ -79,6 +83,7 @@ class Point:
     step: int
     snapshot: object = None
     logs: dict | None = None
+    window: bool = False  # ("epoch") the optimizer's open accumulation window is being applied
 
     @property
     def progress(self) -> tuple:

@@ -53,6 +53,7 @@ import torch
 import replicafit.strategies as ds
 from replicafit import optimizers
 from replicafit.data import is_array_nest
+from replicafit.lifeline import tell_launcher
 from replicafit.strategies import context, nest
 
 from . import callbacks as callbacks_module
@@ -60,7 +61,7 @@ from . import losses
 from .arguments import AUTOCAST, EVALUATE_ARGUMENTS, FIT_ARGUMENTS, check_arguments, check_precision
 from .compile_loss import CompileLoss
 from .compile_metrics import CompileMetrics
-from .fit_loop import FitLoop, FitPlan, fit_callbacks, resume_point, unwatch_preemption, watch_preemption
+from .fit_loop import FitLoop, FitPlan, fit_callbacks, unwatch_preemption, watch_preemption
 from .input_checks import InputChecks, checked_validation, first_look, in_memory_labels
 from .inputs import Cursor, as_dtype, batch_source, rows, split_off_validation, unpack
 from .model_io import (
@@ -452,6 +453,8 @@ class Trainer:
             verbose=verbose,
         )
         logs: dict = {}
+        if loop.plan.rescuer is not None:  # (replicafit's launcher then lets this worker notice a peer's failure)
+            tell_launcher("watching")
         try:
             try:
                 for epoch in range(loop.first_epoch, epochs):
@@ -467,6 +470,8 @@ class Trainer:
             except ds.WorkerFailedError as error:  # (the run is trained: the backup written says so)
                 loop.after_peer_failure(error)
         finally:
+            if loop.plan.rescuer is not None:
+                tell_launcher("done")
             unwatch_preemption(loop.plan.preemption)
         return self.history
 
@@ -491,16 +496,9 @@ class Trainer:
         opened is closed if it raises."""
         state = self._training_state
         state.seed_fit(self.seed)
-        # Where a backup resumes: the step the entry checks read ahead (a source that shuffles from its seed reads
-        # that step's rows, which the resumed fit trains on, instead of the data's first step for nothing).
-        point = resume_point(callbacks, self.strategy.cluster)
         train_data, split_validation = split_off_validation(dataset, validation_split)
         validation_data = validation_data if validation_data is not None else split_validation
         source = batch_source(train_data, batch_size, shuffle, state.data_seed)
-        if point is not None and hasattr(source, "seed"):  # (other sources replay their order at the restore)
-            state.data_seed = source.seed = point["data_seed"]
-        else:
-            point = None
         if validation_data is not None:
             validation_data = checked_validation(validation_data, batch_size)
         distributed = self._distribute_data(source)
@@ -510,18 +508,7 @@ class Trainer:
         state.cursor = cursor = Cursor(source, distributed, repeat=repeat)
         try:
             # The first step of the first epoch, read once: the entry checks look at it, the first step trains on it.
-            first = None
-            if point is not None:  # the backup's step; where its pass has ended, the next pass's first
-                pass_index, position = point["cursor"]
-                first = cursor.peek(pass_index, position)
-                if first is None and not repeat and position:
-                    first = cursor.peek(pass_index + 1, 0)
-                if first is not None and cursor.batch_size != point["global_batch_size"]:
-                    # (a pass's partial last step: the fit's global batch size is its first step's rows)
-                    cursor.forget()
-                    first, cursor.batch_size = None, None
-            if first is None:
-                first = first_look(cursor, 0 if repeat else initial_epoch, "training data", "fit()")
+            first = first_look(cursor, 0 if repeat else initial_epoch, "training data", "fit()")
             dm = self._distribute(model)
             _check_trainable_unchanged(dm)
             dm.train()

@@ -404,17 +404,14 @@ class TrainingState:
         self._check_global_batch_size(state.get("global_batch_size"), path)
         self._compiled_metrics.check_state_dict(state["metrics"], path)
         self._load_model_and_optimizer(state, path, "backup", model)
-        restore_replica_states(self.strategy, self._per_replica_buffers(model), state.get("buffer_replicas") or {})
+        restore_replica_states(self.strategy, self.per_replica_buffers(model), state.get("buffer_replicas") or {})
         # (restored once every callback's on_train_begin has reset it: begin_training)
         self._loaded_callback_states = dict(state.get("callbacks") or {}) or None
         history = self._trainer.history
         history.history = {k: list(v) for k, v in state["history"]["history"].items()}
         history.epoch = list(state["history"]["epoch"])
         self.data_seed = state["data_seed"]
-        # A step read ahead before the restore came from the old seed and random state, unless fit read it with the
-        # backup's seed from a source that shuffles by its seed alone (resume_point: the resumed fit's first step).
-        if not (state["data_seed"] == self.data_seed and hasattr(self.cursor.source, "seed")):
-            self.cursor.forget()
+        self.cursor.forget()  # a step read ahead before the restore came from the old seed and random state
         source = self.cursor.source
         if hasattr(source, "seed"):
             source.seed = self.data_seed
@@ -456,7 +453,7 @@ class TrainingState:
         if position and saved.get("pass") is not None and not hasattr(cursor.source, "seed"):
             cursor.replay(pass_index, position, saved["pass"], saved["generators"])
 
-    def _per_replica_buffers(self, dm) -> dict:
+    def per_replica_buffers(self, dm) -> dict:
         """The model's buffers that each replica keeps for itself until the epoch's end (``SyncOnRead``: plain
         BatchNorm statistics), by name; ``{}`` with one replica in all."""
         if dm is None or self.strategy.num_replicas_in_sync == 1:
@@ -471,7 +468,7 @@ class TrainingState:
     def _buffer_replica_states(self, dm) -> dict:
         """``{"buffer_replicas": {name: [tensor per replica]}}``: a backup mid-epoch resumes each replica's own
         statistics (the model state holds their mean); ``{}`` where there are none (alike on every worker)."""
-        buffers = self._per_replica_buffers(dm)
+        buffers = self.per_replica_buffers(dm)
         return {"buffer_replicas": gather_replica_states(self.strategy, buffers)} if buffers else {}
 
 

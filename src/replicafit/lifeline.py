@@ -25,8 +25,10 @@ _notes_fd = None  # this worker's end of the launcher's notes pipe, once read fr
 
 def tell_launcher(note: str) -> bool:
     """In a worker started by ``replicafit fit --workers N`` (``launch_local``): tells the launcher ``note``
-    (one word: ``"saving"``: this worker writes a backup after a peer's failure; do not stop it until it exits,
-    within the launcher's ``rescue_seconds``). Returns whether a launcher was told (elsewhere a no-op).
+    (one word: ``"watching"``: this worker's fit writes a backup after a peer's failure, so after a failure it
+    exits by itself once it noticed and wrote, until ``"done"``; ``"saving"``: it writes that backup now; do not
+    stop it until it exits, within the launcher's ``rescue_seconds``). Returns whether a launcher was told
+    (elsewhere a no-op).
 
     Example::
 

@@ -588,3 +588,23 @@ if rank == 0:
         os.remove(tmp_path / name)
     assert launch_local(worker(body, tmp_path), 2, grace_seconds=0.5, rescue_seconds=1) == 3
     assert os.path.exists(tmp_path / "sigterm") and not os.path.exists(tmp_path / "saved")
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_whose_fit_watches_for_a_peers_failure_gets_time_to_notice_it(tmp_path, started, capfd):
+    body = """
+from replicafit.lifeline import tell_launcher
+if rank == 1:
+    wait_for("watching")
+    sys.exit(3)
+signal.signal(signal.SIGTERM, lambda *a: (touch("sigterm"), sys.exit(143)))
+tell_launcher("watching")
+touch("watching")
+time.sleep(2.0)  # its step: it notices the failure at its next collective, after grace_seconds
+tell_launcher("saving")
+time.sleep(0.5)
+touch("saved")
+sys.exit(69)
+"""
+    assert launch_local(worker(body, tmp_path), 2, grace_seconds=0.5, rescue_seconds=20) == 3
+    assert os.path.exists(tmp_path / "saved") and not os.path.exists(tmp_path / "sigterm")

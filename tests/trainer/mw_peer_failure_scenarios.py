@@ -53,6 +53,7 @@ class Fault(callbacks.Callback):
     """On worker ``worker`` (or each of a list), once (marker files remember it): ``signal`` to itself at iteration
     ``iteration``, in the hook ``where``: ``"batch_end"`` (after the step's update, before the backup's hook),
     ``"forward"`` (inside the next step's forward: the failure reaches the others in its gradient reduction),
+    ``"forward_index"`` (the same, ``iteration`` counting the fit's steps, not updates),
     ``"batch_index"`` (after the epoch's step of that index, ``iteration`` counting steps, not updates),
     ``"validation"`` (in the epoch's validation), ``"first_step"`` (before any step's update), ``"train_end"``
     (in ``on_train_end``, the run trained)."""
@@ -74,11 +75,13 @@ class Fault(callbacks.Callback):
         os.kill(os.getpid(), self.signum)
 
     def on_train_begin(self, logs=None):
-        if self.where == "forward":
+        self.seen = 0  # steps ended in this fit
+        if self.where in ("forward", "forward_index"):
             self.model.register_forward_pre_hook(self._forward)
 
     def _forward(self, module, args):
-        if self._now() and int(self.trainer.optimizer.iterations) == self.iteration:
+        at = self.seen if self.where == "forward_index" else int(self.trainer.optimizer.iterations)
+        if self._now() and at == self.iteration:
             self._fire()
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -86,6 +89,10 @@ class Fault(callbacks.Callback):
             self._fire()
 
     def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.where == "stats":  # (not a fault: this worker's first BatchNorm statistics after each step)
+            with open(f"{self.marker}-stats-{self.trainer.strategy.cluster.worker_index}", "a") as file:
+                file.write(" ".join(f"{v:.9g}" for v in self.model[1].running_mean.tolist()) + "\n")
         if self.where == "batch_end" and self._now() and int(self.trainer.optimizer.iterations) == self.iteration:
             self._fire()
         if self.where == "batch_index" and self._now() and batch == self.iteration:  # (a step within a window)
@@ -127,6 +134,10 @@ def run(
     save_on_peer_failure=True,
     die_in_save=False,
     shard_states=False,
+    batchnorm=False,
+    watch_stats=False,
+    csv=False,
+    epochs=EPOCHS,
 ):
     """A fit of 3 epochs with ``BackupAndRestore(outdir/backup)`` and validation; ``fault``: ``Fault``'s
     arguments ``(worker, iteration, where, signal name)``. Returns the weights and history."""
@@ -137,7 +148,8 @@ def run(
     else:
         strategy = ds.MultiWorkerMirroredStrategy(options, resolver, shard_optimizer_states=shard_states)
     torch.manual_seed(3)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    middle = [torch.nn.BatchNorm1d(16)] if batchnorm else []
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), *middle, torch.nn.ReLU(), torch.nn.Linear(16, 3))
     optimizer = optimizers.SGD(0.05, momentum=0.9, gradient_accumulation_steps=accumulate or None)
     trainer = Trainer(strategy=strategy, optimizer=optimizer, loss="cross_entropy", seed=11)
     log = open(os.path.join(outdir, f"reads-{name}-{rank}.txt"), "a")  # noqa: SIM115 (closed below)
@@ -151,6 +163,10 @@ def run(
         worker, iteration, where, signame = fault
         fault = Fault(worker, iteration, where, getattr(signal, signame), os.path.join(outdir, "fired"))
         cbs.insert(1 if where == "train_end" else len(cbs), fault)  # (train_end: before the backup's deletion)
+    if csv:  # (its rows and the file's offset are the chief's)
+        cbs.append(callbacks.CSVLogger(os.path.join(outdir, "history.csv"), append=True))
+    if watch_stats:
+        cbs.append(Fault(rank, 0, "stats", signal.SIGKILL, os.path.join(outdir, "watch")))
     if die_in_save:  # a survivor that writes a backup after the fault dies half-way through the file
         _die_in_saves_after(os.path.join(outdir, "fired"))
     validation = CountedRows(None)
@@ -158,7 +174,7 @@ def run(
         history = trainer.fit(
             model,
             CountedRows(log),
-            epochs=EPOCHS,
+            epochs=epochs,
             batch_size=BATCH,
             validation_data=torch.utils.data.Subset(validation, range(24)),
             callbacks=cbs,
@@ -251,3 +267,24 @@ class FaultAt(callbacks.Callback):
             with open(os.path.join(self.marker_dir, f"fired-{fired}"), "w") as file:
                 file.write(str(int(trainer.optimizer.iterations)))
             os.kill(os.getpid(), getattr(signal, self.signal))
+
+
+def last_after_fit(rank, num_workers, port, outdir):
+    """``replicafit fit``'s ``last.pt`` when worker 1 dies once ``fit`` returned (its backup deleted): worker 0
+    writes it alone (``cli.fit._save_last``). Returns whether the file exists and the fit's iterations."""
+    import types
+
+    from replicafit.cli.fit import _save_last
+
+    resolver = ds.SimpleClusterResolver(num_workers, rank, "127.0.0.1", port)
+    strategy = ds.MultiWorkerMirroredStrategy(ds.CommunicationOptions(timeout_seconds=5.0), resolver)
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    trainer = Trainer(strategy=strategy, optimizer=optimizers.SGD(0.05), loss="cross_entropy", seed=11)
+    backup = callbacks.BackupAndRestore(os.path.join(outdir, "backup"))
+    trainer.fit(model, CountedRows(None), epochs=1, batch_size=BATCH, callbacks=[backup], verbose=0)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    path = os.path.join(outdir, "last.pt")
+    _save_last(types.SimpleNamespace(trainer=trainer, strategy=strategy), path)
+    return os.path.exists(path), int(trainer.optimizer.iterations)

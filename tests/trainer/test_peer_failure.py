@@ -19,8 +19,9 @@ STEPS = ROWS // BATCH
 
 def _reads(folder, name, workers, resumed=False) -> dict:
     """``{epoch: Counter(example -> reads)}`` over every worker's log of the run ``name``. What a worker reads
-    before its first epoch begins is the entry checks' look at its first step (``"look"`` in a ``resumed`` run:
-    the step the backup resumes at, trained on as every first step is)."""
+    before its first epoch begins is the entry checks' look at the first step of epoch 0: trained on in a fresh
+    run; in a ``resumed`` one read before the backup is restored, and dropped (``"look"``: one step's rows; the
+    restored data order and random state are read anew)."""
     counts: dict = collections.defaultdict(collections.Counter)
     for rank in range(workers):
         path = os.path.join(folder, f"reads-{name}-{rank}.txt")
@@ -65,7 +66,7 @@ def _read_once_from(folder, saved, workers=2):
     first, again = _reads(folder, "first", workers), _reads(folder, "again", workers, resumed=True)
     assert sum(again["look"].values()) == BATCH
     epoch, step = saved["epoch"], saved["step"]
-    resumed = again[epoch] + again["look"]
+    resumed = again[epoch]
     assert sum(resumed.values()) == ROWS - step * BATCH
     assert max(resumed.values()) == 1
     assert set(resumed) | set(first[epoch]) == set(range(ROWS))
@@ -246,3 +247,47 @@ def test_a_run_that_finished_stays_finished_when_a_worker_dies_at_its_end(tmp_pa
     assert set(_reads(tmp_path, "again", 2, resumed=True)) <= {"look"}  # no epoch began
     _same_weights(again[0], straight)
     assert again[0]["history"]["loss"] == pytest.approx(straight["history"]["loss"], abs=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_a_failure_in_the_reduction_that_ends_an_accumulation_window_writes_nothing(tmp_path):
+    # Steps 3, 4, 5 make a window; worker 1 dies in step 5's forward, worker 0 in that step's reduction, which
+    # closes the window before it reduces: a backup "after step 5" would hold neither the update nor the window.
+    kwargs = {"outdir": str(tmp_path), "name": "first", "fault": (1, 5, "forward_index", "SIGKILL"), "accumulate": 3}
+    first = run_workers(SCENARIOS, "run", 2, timeout=90, kwargs=kwargs)
+    assert (
+        "No backup was written on this failure: it came inside a gradient accumulation window" in (first[0]["error"])
+    ), first[0]["error"]
+    assert not os.path.exists(tmp_path / "backup" / "backup.pt")
+
+
+@pytest.mark.timeout(240)
+def test_the_failed_steps_forward_is_undone_in_the_backup_batchnorm_statistics_included(tmp_path):
+    # The chief dies in step 5's forward; worker 1 ran that forward (its statistics moved) and fails in the reduction.
+    kwargs = {"fault": (0, 5, "forward_index", "SIGKILL"), "batchnorm": True, "watch_stats": True}
+    first = run_workers(SCENARIOS, "run", 2, timeout=90, kwargs={"outdir": str(tmp_path), "name": "first", **kwargs})
+    assert "Worker 1 wrote the backup" in first[1]["error"] and "(epoch 0 after step 5)" in first[1]["error"]
+    with open(tmp_path / "watch-stats-1") as file:
+        after_step = [[float(v) for v in line.split()] for line in file]
+    saved = _backup(tmp_path)["model"]["1.running_mean"]
+    assert saved.tolist() == pytest.approx(after_step[4], abs=1e-6)  # after step 5, not after the failed forward
+
+
+@pytest.mark.timeout(240)
+def test_a_survivor_that_writes_for_a_lost_chief_keeps_the_chiefs_csv_rows(tmp_path):
+    with open(tmp_path / "history.csv", "w") as file:
+        file.write("epoch,loss\n0,1.0\n")  # an earlier fit's rows: append=True keeps them
+    earlier = os.path.getsize(tmp_path / "history.csv")
+    kwargs = {"outdir": str(tmp_path), "name": "first", "fault": (0, 15, "forward", "SIGKILL"), "csv": True}
+    first = run_workers(SCENARIOS, "run", 2, timeout=90, kwargs=kwargs)
+    assert "Worker 1 wrote the backup" in first[1]["error"]
+    state = _backup(tmp_path)["callbacks"]["CSVLogger_0"]  # the chief's, from its backup of epoch 1's start
+    assert state["offset"] == earlier and len(state["rows"]) == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_lost_after_fit_returned_leaves_the_survivor_to_write_last_pt_alone(tmp_path):
+    outcomes = run_workers(SCENARIOS, "last_after_fit", 2, timeout=90, kwargs={"outdir": str(tmp_path)})
+    assert outcomes[1]["exitcode"] == -9
+    assert outcomes[0]["ok"], outcomes[0]["error"]
+    assert outcomes[0]["result"] == (True, STEPS)

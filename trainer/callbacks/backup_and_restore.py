@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
@@ -145,32 +146,6 @@ class BackupAndRestore(_Periodic):
             return None
         return max(found, key=lambda p: os.path.getmtime(p if os.path.isfile(p) else os.path.join(p, "state.pt")))
 
-    def resume_point(self, cluster):
-        """``{"data_seed", "cursor", "global_batch_size"}`` of the newest backup in ``backup_dir`` (the chief's view,
-        for every worker: a collective), else None: where a resumed fit's first step will be, so ``fit`` reads that
-        step ahead for its entry checks rather than the first step of the data (read for nothing). Cheap: the file
-        is mapped, and only those entries are read. None for a sharded backup, or a file that cannot be read (its
-        restore reports it). Called by ``fit`` before the callbacks are given the trainer.
-
-        Example::
-
-            point = backup.resume_point(strategy.cluster)   # {"data_seed": 7, "cursor": [2, 5], ...}
-        """
-        point = None
-        if cluster.is_chief:
-            path = self._path_of(False)
-            if self._newest() == path:
-                try:
-                    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-                    point = {
-                        "data_seed": int(state["data_seed"]),
-                        "cursor": [int(p) for p in state["cursor"]],
-                        "global_batch_size": state.get("global_batch_size"),
-                    }
-                except Exception:  # noqa: BLE001 (any damage: the restore says what is wrong)
-                    point = None
-        return cluster.broadcast(point, "finding where the backup resumes")
-
     def on_train_begin(self, logs=None):
         """Resumes from the newest backup in ``backup_dir`` where there is one (as the chief sees it, for every
         worker; a file or a sharded directory, whatever strategy wrote it): the model, the optimizer, the
@@ -213,10 +188,13 @@ class BackupAndRestore(_Periodic):
             self._save(self.trainer.training_state(epoch, step, epoch_logs))
         return self.path
 
-    def save_after_peer_failure(self, epoch: int, step: int, epoch_logs=None) -> str:
+    def save_after_peer_failure(self, epoch: int, step: int, epoch_logs=None, chief_only=()) -> str:
         """Writes the backup of ``step`` steps of ``epoch`` done (``training_state``'s arguments) from this worker
         alone, after another worker's failure (``FitLoop.after_peer_failure``, within ``cluster.alone()``: this
         worker may not be the chief); returns its path. Atomic: a failure meanwhile leaves the last backup whole.
+        ``chief_only``: the keys of the callbacks whose state only the chief keeps (``CSVLogger``'s rows, a
+        tracker's run); written by another worker, their states are those of the last backup (the chief's), or
+        none.
 
         Example::
 
@@ -224,7 +202,19 @@ class BackupAndRestore(_Periodic):
                 path = backup.save_after_peer_failure(epoch, step)
         """
         state = self.trainer.training_state(epoch, step, epoch_logs)
-        path = checkpoint.save(state, self._path_of(False))
+        path = self._path_of(False)
+        if chief_only and not self.trainer.strategy.extended.should_checkpoint:
+            saved = {}
+            if os.path.isfile(path):
+                with contextlib.suppress(Exception):  # (an unreadable backup: none of them)
+                    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("callbacks") or {}
+            callbacks = dict(state.get("callbacks") or {})
+            for key in chief_only:
+                callbacks.pop(key, None)
+                if isinstance(saved.get(key), dict):
+                    callbacks[key] = saved[key]
+            state = dict(state, callbacks=callbacks)
+        path = checkpoint.save(state, path)
         self._saved_at = (epoch, step)
         return path
 

@@ -18,6 +18,7 @@ class CSVLogger(Callback):
 
     _decides_from_logs = True
     _keeps_state = True
+    _state_on_chief = True  # (the rows and the file's offset: the chief's, which writes the file)
 
     def __init__(self, filename, separator: str = ",", append: bool = False):
         super().__init__()

@@ -137,6 +137,7 @@ class Tracker(Callback):
     """
 
     _keeps_state = True  # the run's id, so that a resumed fit continues the run
+    _state_on_chief = True  # (the chief alone makes the calls)
     _decides_from_logs = True  # never stops training: no agreement across workers per step
     leaves_variables_alone = True  # its batch hook reads the update count and the logs, never the variables
     _library = ""  # "MLflow"
