@@ -166,7 +166,7 @@ def _save_last(run, path) -> str:
 
     try:
         return run.trainer.save_checkpoint(path)
-    except WorkerFailedError as error:
+    except WorkerFailedError:
         strategy = run.strategy
         if not strategy.cluster.failed or not strategy.extended.capabilities.whole_state_on_every_worker:
             raise
@@ -174,8 +174,7 @@ def _save_last(run, path) -> str:
             final = run.trainer.save_checkpoint(path)
         if strategy.extended.should_checkpoint:
             print(
-                f"replicafit: a peer was lost after the run was trained ({str(error).split(':')[0]}); this worker "
-                "wrote its files alone",
+                "replicafit: a peer was lost after the run was trained; this worker wrote its files alone",
                 file=sys.stderr,
                 flush=True,
             )

@@ -251,8 +251,9 @@ class FitLoop:
 
     def _step_point(self) -> tuple:
         """What a training step changes before its update (this worker's own, no communication): where the data
-        stands, torch's generator and the replicas' random streams (their states are replaced, never changed in
-        place: the snapshot keeps references)."""
+        stands, torch's generator, the replicas' random streams (their states are replaced, never changed in
+        place: the snapshot keeps references) and what its forward pass changes (per-replica BatchNorm
+        statistics, copied; several outputs' loss trackers, copied only for such a model)."""
         streams = self.strategy.extended.replica_streams
         cursor = self._cursor
         if self._forward_changes is None:  # (found once: a model's own statistics, several outputs' loss trackers)
