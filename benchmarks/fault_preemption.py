@@ -25,13 +25,14 @@ or SIGSTOPped (alternately) at a random moment. A survivor writes the backup of 
 finished, and the restart goes on from it. Counts hangs, exit statuses, where each restart resumed from,
 steps trained twice (none expected), and mismatches: final and best weights beyond 1e-6 of the uninterrupted
 run's, a step never trained, validation metrics that differ (the interrupted epoch's training metrics lack the
-dead worker's rows before the failure: not compared).
+dead worker's rows before the failure: not compared). ``--dropout 0.3`` trains the recipe with dropout: the
+dead worker's masks are drawn again (``fit`` keys every replica's stream by step), so the same checks hold.
 
 Run: python benchmarks/fault_preemption.py sigterm --workers 1 [--runs 20] [--targeted 5] [--seed 0]
      python benchmarks/fault_preemption.py sigterm --workers 2 [--runs 20] [--targeted 5]
      python benchmarks/fault_preemption.py sigkill [--runs 12]
      python benchmarks/fault_preemption.py sigstop [--runs 16]
-     python benchmarks/fault_preemption.py peer [--runs 10]
+     python benchmarks/fault_preemption.py peer [--runs 10] [--dropout 0.3]
 """
 
 from __future__ import annotations
@@ -58,7 +59,15 @@ def _env() -> dict:
 
 
 def _command(
-    folder: str, workers: int, restarts: int = 0, signal_in=None, seed=0, timeout=20, save_freq=5, peer=False
+    folder: str,
+    workers: int,
+    restarts: int = 0,
+    signal_in=None,
+    seed=0,
+    timeout=20,
+    save_freq=5,
+    peer=False,
+    dropout=0.0,
 ) -> list:
     log, pids, backup = (os.path.join(folder, name) for name in ("log", "pids", "backup"))
     to = "launcher" if workers > 1 else "self"
@@ -74,6 +83,7 @@ def _command(
     argv = [sys.executable, "-m", "replicafit", "fit", "digits_mlp", "--set", f"fit.epochs={EPOCHS}",
             "--set", "fit.verbose=0", "--set", f"callbacks=[{', '.join(entries)}]",
             "--run-dir", os.path.join(folder, "run")]  # fmt: skip
+    argv += ["--set", f"model.dropout={dropout}"] if dropout else []
     if workers > 1:
         argv += ["--set", f"strategy={{type: multi_worker_mirrored, timeout_seconds: {timeout}}}"]
         argv += ["--workers", str(workers)]
@@ -328,16 +338,17 @@ def _weights_gap(folder: str, reference: str) -> float:
     return gap
 
 
-def peer(runs: int, seed: int, timeout: int = 5) -> int:
+def peer(runs: int, seed: int, timeout: int = 5, dropout: float = 0.0) -> int:
     """A random worker SIGKILLed or SIGSTOPped at a random moment under ``--max-restarts 1`` with a backup per epoch
-    only: a survivor writes the backup of the last step every worker finished, and the restart repeats no step."""
+    only: a survivor writes the backup of the last step every worker finished, and the restart repeats no step
+    (``dropout``: the recipe's dropout rate; the dead worker's masks are drawn again, keyed by step)."""
     rng = random.Random(seed)
     tally = collections.Counter()
     replayed, gaps, exits = collections.Counter(), [], []
     with tempfile.TemporaryDirectory() as root:
         reference_dir = os.path.join(root, "reference")
         os.makedirs(reference_dir)
-        done = _run(_command(reference_dir, 2, save_freq="epoch", peer=True, timeout=timeout))
+        done = _run(_command(reference_dir, 2, save_freq="epoch", peer=True, timeout=timeout, dropout=dropout))
         assert done.returncode == 0, done.stderr
         events = _events(reference_dir)
         step_times = [float(e[-1]) for e in events if e[0] == "step"]
@@ -348,7 +359,7 @@ def peer(runs: int, seed: int, timeout: int = 5) -> int:
             rank = rng.randrange(2)
             folder = os.path.join(root, f"trial{index}")
             os.makedirs(folder)
-            argv = _command(folder, 2, restarts=1, save_freq="epoch", peer=True, timeout=timeout)
+            argv = _command(folder, 2, restarts=1, save_freq="epoch", peer=True, timeout=timeout, dropout=dropout)
             child = subprocess.Popen(
                 argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True
             )
@@ -402,7 +413,8 @@ def peer(runs: int, seed: int, timeout: int = 5) -> int:
             if gap > 1e-6 or never or not val_same:
                 tally[f"mismatches: weights {gap:.1e}, never trained {never}, validation alike {val_same}"] += 1
     print(f"peer: a random worker of `replicafit fit digits_mlp --workers 2 --max-restarts 1` (timeout_seconds: "
-          f"{timeout}, a backup per epoch only) SIGKILLed or SIGSTOPped at a random moment, {runs} runs")  # fmt: skip
+          f"{timeout}, a backup per epoch only, dropout {dropout}) SIGKILLed or SIGSTOPped at a random moment, "
+          f"{runs} runs")  # fmt: skip
     for kind, count in sorted(tally.items()):
         print(f"  {kind:<72} {count}")
     print(f"  steps trained twice per restarted run: {dict(sorted(replayed.items()))}")
@@ -478,6 +490,7 @@ def main() -> int:
     lost = commands.add_parser("peer")
     lost.add_argument("--runs", type=int, default=10)
     lost.add_argument("--seed", type=int, default=0)
+    lost.add_argument("--dropout", type=float, default=0.0, help="the recipe's dropout rate (model.dropout)")
     stop = commands.add_parser("sigstop")
     stop.add_argument("--runs", type=int, default=16)
     stop.add_argument("--seed", type=int, default=0)
@@ -485,7 +498,7 @@ def main() -> int:
     if args.command == "sigterm":
         return sigterm(args.runs, args.targeted, args.workers, args.seed)
     if args.command == "peer":
-        return peer(args.runs, args.seed)
+        return peer(args.runs, args.seed, dropout=args.dropout)
     return sigkill(args.runs, args.seed) if args.command == "sigkill" else sigstop(args.runs, args.seed)
 
 

@@ -16,6 +16,12 @@ then a strategy seeds them at its first ``run`` from one draw of torch's global 
 multi-worker run those of ``MirroredStrategy`` with as many replicas in one process, and keep the
 workers' dropout masks apart (the same seed in every process would correlate them).
 
+``fit`` keys the streams (``ReplicaStreams.key``): before each training step, and before each epoch's
+validation, every replica's stream starts over at a state that depends only on ``(seed, global replica id,
+epoch, step)``, as JAX training loops fold the step into the key. A fit resumed at any step then draws what
+the uninterrupted fit drew there, for every replica, whatever streams its backup holds (a survivor's backup
+after a peer's failure holds only its own). ``strategy.run`` in a loop of one's own continues the streams.
+
 Outside replicas (the default strategy, code between ``run`` calls, data loading) torch's global
 generator is used as usual. A ``DataLoader``'s worker processes draw their base seed at each epoch
 from the loader's ``generator=`` (else from torch's global generator) and seed torch, ``random`` and
@@ -35,7 +41,8 @@ and CPU draws of replicas that run on GPUs, come from the CPU generator the thre
 
 Difference from TensorFlow: TensorFlow's stateful random ops under ``MirroredStrategy`` share one
 op-level seed and a ``tf.random.Generator`` created in a strategy's scope splits per replica; here
-every replica has its stream without creating anything.
+every replica has its stream without creating anything; and ``fit`` keys the streams per step, where a
+Keras ``SeedGenerator`` continues its state across steps.
 """
 
 from __future__ import annotations
@@ -49,6 +56,10 @@ import torch
 __all__ = ["seed_replicas", "replica_seed"]
 
 _MAX_SEED = 2**64 - 1
+_MASK = 2**64 - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
+_KEYED = 0x5EED  # the last word of a keyed stream's spawn key: a family of its own (see ReplicaStreams.key)
+TRAINING, VALIDATION = 0, 1  # the kinds of keyed streams fit uses
 
 
 def replica_seed(seed: int, global_replica_id: int, *salt: int) -> int:
@@ -62,6 +73,13 @@ def replica_seed(seed: int, global_replica_id: int, *salt: int) -> int:
     """
     sequence = np.random.SeedSequence(int(seed), spawn_key=(int(global_replica_id), *map(int, salt)))
     return int(sequence.generate_state(1, np.uint64)[0])
+
+
+def _mix64(value: int) -> int:
+    """splitmix64's output function: a bijection of 64-bit integers that spreads every input bit."""
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK
+    return value ^ (value >> 31)
 
 
 def seed_replicas(strategy, seed: int) -> None:
@@ -117,6 +135,8 @@ class ReplicaStreams:
         # Logical GPUs on one physical GPU share its generator: on threads their draws are routed too.
         self._shared = [d.type != "cpu" and self._devices.count(d) > 1 for d in self._devices]
         self.base_seed = None
+        self._roots = None  # ((base seed, epoch, kind), [root per local replica]) of the last key()
+        self._keys: list | None = None  # per local replica: the seed key() gave, until its state is made
         self._cpu: list | None = None  # per local replica: a torch CPU generator state
         self._gpu: list | None = None  # per local replica: its GPU generator's state (or None)
         self._lock = threading.Lock()
@@ -127,7 +147,7 @@ class ReplicaStreams:
             value = replica_seed(seed, self._first + r, *salt)
             cpu.append(torch.Generator().manual_seed(value).get_state())
             gpu.append(None if generator is None else _seeded_state(generator, value))
-        self._cpu, self._gpu, self.base_seed = cpu, gpu, seed
+        self._cpu, self._gpu, self._keys, self.base_seed = cpu, gpu, None, seed
 
     def ensure_seeded(self) -> None:
         """Seeds the streams from one draw of torch's global generator, the first time only."""
@@ -137,10 +157,54 @@ class ReplicaStreams:
                     generator = torch.default_generator
                     self.seed(int(torch.randint(0, 2**62, (), device="cpu", generator=generator)))
 
+    def key(self, epoch: int, step: int, kind: int = TRAINING) -> None:
+        """Starts every replica's stream over at a state that depends only on ``(base seed, global replica id,
+        epoch, kind, step)``: ``fit`` keys the streams before each training step (``kind=TRAINING``) and before
+        its validation (``kind=VALIDATION``, ``step=0``), as JAX training loops fold the step into the key. So
+        a fit resumed at any step draws what the uninterrupted fit drew there, for every replica, whatever the
+        backup holds of the streams (a survivor's backup after a peer's failure holds only its own).
+
+        Each replica's seed is ``mix(root + step * 0x9E3779B97F4A7C15)`` (splitmix64), its root drawn once per
+        epoch with ``replica_seed(base seed, global id, epoch, kind, 0x5EED)``. torch's CPU generator takes the
+        low 32 bits of a seed (mt19937), so two keyed steps' streams coincide with probability 2**-32 a pair.
+
+        Example::
+
+            streams.key(epoch=2, step=7)  # what replica r draws next: the same in every run of this seed
+        """
+        if self._cpu is None:
+            self.ensure_seeded()
+        base, roots = self.base_seed, self._roots
+        if roots is None or roots[0] != (base, epoch, kind):
+            first = self._first
+            roots = (
+                (base, epoch, kind),
+                [replica_seed(base, first + r, epoch, kind, _KEYED) for r in range(len(self._devices))],
+            )
+            self._roots = roots
+        offset = (step * _GOLDEN) & _MASK
+        keys = [_mix64((root + offset) & _MASK) for root in roots[1]]
+        # The CPU states are made when first needed (put: the generator seeded in place, the cheaper way).
+        if not self._route_cpu:  # (some replica on a GPU)
+            self._gpu = [None if g is None else _seeded_state(g, v) for g, v in zip(self._accelerators, keys)]
+        self._keys = keys
+
+    def _settle(self, r: int) -> None:
+        """Makes replica ``r``'s CPU state from the seed ``key`` gave it, if it has not been yet."""
+        keys = self._keys
+        if keys is not None and keys[r] is not None:
+            self._cpu[r] = torch.Generator().manual_seed(keys[r]).get_state()
+            keys[r] = None
+
     # --- switching ------------------------------------------------------------------------
     def put(self, r: int) -> None:
         """Makes replica ``r``'s stream the one in force on the CPU (and its GPU)."""
-        torch.default_generator.set_state(self._cpu[r])
+        keys = self._keys
+        if keys is not None and keys[r] is not None:  # keyed: the state a fresh generator of that seed has
+            torch.default_generator.manual_seed(keys[r])
+            keys[r] = None
+        else:
+            torch.default_generator.set_state(self._cpu[r])
         generator = self._accelerators[r]
         if generator is not None:
             generator.set_state(self._gpu[r])
@@ -165,13 +229,16 @@ class ReplicaStreams:
                 generator.set_state(saved)
 
     def snapshot(self) -> tuple:
-        """The streams as they are now, for ``rewind`` (states are replaced, never changed in place); None before
-        they are seeded."""
-        return None if self._cpu is None else (list(self._cpu), list(self._gpu))
+        """The streams as they are now, for ``rewind`` (states are replaced, never changed in place; seeds ``key``
+        gave and no ``put`` used yet are kept as seeds); None before they are seeded."""
+        if self._cpu is None:
+            return None
+        return list(self._cpu), list(self._gpu), None if self._keys is None else list(self._keys)
 
     def rewind(self, snapshot) -> None:
         if snapshot is not None:
-            self._cpu, self._gpu = list(snapshot[0]), list(snapshot[1])
+            cpu, gpu, keys = snapshot
+            self._cpu, self._gpu, self._keys = list(cpu), list(gpu), None if keys is None else list(keys)
 
     # --- threads --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -180,6 +247,7 @@ class ReplicaStreams:
         GPU's generator is its own (draws routed to its stream when logical GPUs share the physical
         one); CPU draws are routed to its stream when every replica is on the CPU (replicas on GPUs
         draw on the CPU from the generator the threads share)."""
+        self._settle(r)
         generator = None if self._shared[r] else self._accelerators[r]
         if generator is not None:
             generator.set_state(self._gpu[r])
@@ -198,6 +266,8 @@ class ReplicaStreams:
     def state_dict(self) -> dict:
         """``{"seed": base seed, "cpu": [state per local replica], "gpu": [...]}`` (CPU tensors)."""
         self.ensure_seeded()
+        for r in range(len(self._cpu)):  # (every keyed state made)
+            self._settle(r)
         return {
             "seed": self.base_seed,
             "cpu": [s.clone() for s in self._cpu],
@@ -210,7 +280,7 @@ class ReplicaStreams:
             raise ValueError(
                 f"The saved random streams are of {len(state['cpu'])} replicas; this worker has {len(self._devices)}."
             )
-        self._cpu = [s.clone() for s in state["cpu"]]
+        self._cpu, self._keys = [s.clone() for s in state["cpu"]], None
         saved_gpu = state.get("gpu") or [None] * len(self._devices)
         gpu = []
         for r, generator in enumerate(self._accelerators):
@@ -255,7 +325,7 @@ class ReplicaStreams:
             value = replica_seed(base, global_id, *salt)
             cpu.append(torch.Generator().manual_seed(value).get_state())
             gpu.append(None if generator is None else _seeded_state(generator, value))
-        self._cpu, self._gpu, self.base_seed = cpu, gpu, base
+        self._cpu, self._gpu, self._keys, self.base_seed = cpu, gpu, None, base
 
 
 def _random_functions() -> frozenset:

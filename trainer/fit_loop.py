@@ -25,6 +25,7 @@ import torch
 
 from replicafit.lifeline import tell_launcher
 from replicafit.strategies import WorkerFailedError, context
+from replicafit.strategies.rng import VALIDATION
 
 from . import callbacks as callbacks_module
 from .peer_failure import Point, claim, claims_folder
@@ -161,6 +162,7 @@ class FitLoop:
         self._loss = compiled_loss
         self._train_function = train_function
         self._validate = validate
+        self._streams = self.strategy.extended.replica_streams  # keyed per step (rng.ReplicaStreams.key)
         self._point = None  # where the fit stands, for a save after a peer's failure (plan.rescuer only)
         self._forward_changes = None  # (per-replica buffers, several outputs): what a step's forward changes
         self._began = (self.first_epoch, resume["step"] if resume is not None else 0)  # where this fit's steps began
@@ -220,6 +222,8 @@ class FitLoop:
         training steps (the resumed fit validates from the start)."""
         watch = self.plan.preemption
         rewind = self._rewind_point() if watch is not None else None
+        if self._streams is not None:  # validation draws alike however the fit got here (a resume at the epoch's end)
+            self._streams.key(epoch, 0, VALIDATION)
         try:
             return self._validate(self.plan.validation_data, self.plan.batch_size, self._callbacks, watch)
         except PreemptedInValidation:
@@ -409,6 +413,8 @@ class FitLoop:
             except StopIteration:
                 break
             state.step = step
+            if self._streams is not None:  # each replica draws what it drew at this step in any run of this seed
+                self._streams.key(state.epoch, step)
             if callback_list.wants_batch_logs["on_train_batch_begin"]:
                 callback_list.call("on_train_batch_begin", step, {})
             if watch is not None:  # this worker's flag rides with the step's reduction

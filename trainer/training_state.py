@@ -28,6 +28,7 @@ import torch
 
 from replicafit.strategies import context
 from replicafit.strategies.parameter_shards import consolidate, load_target, sharded_state_dict
+from replicafit.strategies.rng import replica_seed
 from replicafit.strategies.variables import SyncOnReadVariable, VariableAggregation
 
 from . import checkpoint, sharded_checkpoint
@@ -101,11 +102,14 @@ class TrainingState:
             # torch's generator too (a DataLoader's shuffle draws from it): the chief's on every
             # worker, as a seed would make it.
             torch.set_rng_state(cluster.broadcast(torch.get_rng_state()))
-        # Each replica's own random stream (dropout...), from (seed, global replica id); a checkpoint
-        # loaded before a seedless fit keeps the streams it held, as it keeps torch's generator.
+        # Each replica's own random stream (dropout...), from (seed, global replica id); after a checkpoint
+        # loaded before a seedless fit, from the seed of the streams it held (as it keeps torch's generator).
         streams = self.strategy.extended.replica_streams
         if streams is not None and (seed is not None or not self._replica_rng_loaded):
             streams.seed(self.data_seed)
+        elif streams is not None:  # fit keys the streams per step (ReplicaStreams.key) from their seed: from the
+            # loaded one and this fit's data seed, so that the fit repeats none of the saver's draws
+            streams.seed(replica_seed(streams.base_seed, 0, self.data_seed))
         self._replica_rng_loaded = False
 
     def begin_training(self, callback_list):

@@ -201,3 +201,24 @@ def test_replicas_sharing_an_accelerator_generator_on_threads_each_draw_their_ow
         expected = torch.rand(20, 3, generator=torch.Generator().manual_seed(replica_seed(7, r)))
         assert torch.equal(out[r], expected), r
     assert torch.equal(torch.default_generator.get_state(), host)  # the shared generator is given back
+
+
+def test_keyed_streams_depend_only_on_the_seed_the_replica_epoch_kind_and_step():
+    """``ReplicaStreams.key`` (fit's, before each step): what a replica draws next depends on (base seed, global
+    replica id, epoch, kind, step) alone, not on what the stream drew before; the state made when first put (the
+    generator seeded in place) equals the one made for a snapshot."""
+    from replicafit.strategies.rng import TRAINING, VALIDATION
+
+    a, b = STRATEGIES["mirrored2"](), STRATEGIES["mirrored2"]()
+    ds.seed_replicas(a, 5)
+    ds.seed_replicas(b, 5)
+    _draws(b)  # b's streams moved on
+    a.extended.replica_streams.key(2, 7)
+    b.extended.replica_streams.key(2, 7)
+    b.extended.replica_streams.state_dict()  # (b's states made from the seeds; a's generator seeded in place)
+    assert all(torch.equal(x, y) for x, y in zip(*(_draws(s)[0] for s in (a, b))))
+    seen = set()
+    for epoch, step, kind in [(2, 7, TRAINING), (2, 8, TRAINING), (3, 7, TRAINING), (2, 7, VALIDATION)]:
+        a.extended.replica_streams.key(epoch, step, kind)
+        seen.update(tuple(f.tolist()) for f in _draws(a)[0])
+    assert len(seen) == 8  # every (replica, epoch, step, kind) draws its own

@@ -205,7 +205,7 @@ class KillAt(callbacks.Callback):
 def resumed(rank, num_workers, port, outdir, kill_step=None, seed=None):
     strategy = strategy_for(rank, num_workers, port, timeout=10.0)
     random.seed(2000 + rank)
-    # (the periodic backups alone: a survivor's backup after the kill would lack the dead worker's dropout streams)
+    # (the periodic backups alone, this test's subject; test_peer_failure.py resumes dropout from a survivor's backup)
     cbs = [callbacks.BackupAndRestore(os.path.join(outdir, "backup"), save_freq=1, save_on_peer_failure=False)]
     if kill_step is not None:
         cbs.append(KillAt(1, kill_step, os.path.join(outdir, "killed")))

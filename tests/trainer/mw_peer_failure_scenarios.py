@@ -138,9 +138,11 @@ def run(
     watch_stats=False,
     csv=False,
     epochs=EPOCHS,
+    dropout=0.0,
 ):
     """A fit of 3 epochs with ``BackupAndRestore(outdir/backup)`` and validation; ``fault``: ``Fault``'s
-    arguments ``(worker, iteration, where, signal name)``. Returns the weights and history."""
+    arguments ``(worker, iteration, where, signal name)``; ``dropout``: a dropout layer of that rate. Returns the
+    weights and history."""
     resolver = ds.SimpleClusterResolver(num_workers, rank, "127.0.0.1", port)
     options = ds.CommunicationOptions(timeout_seconds=timeout)
     if fully_sharded:
@@ -149,6 +151,7 @@ def run(
         strategy = ds.MultiWorkerMirroredStrategy(options, resolver, shard_optimizer_states=shard_states)
     torch.manual_seed(3)
     middle = [torch.nn.BatchNorm1d(16)] if batchnorm else []
+    middle += [torch.nn.Dropout(dropout)] if dropout else []
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), *middle, torch.nn.ReLU(), torch.nn.Linear(16, 3))
     optimizer = optimizers.SGD(0.05, momentum=0.9, gradient_accumulation_steps=accumulate or None)
     trainer = Trainer(strategy=strategy, optimizer=optimizer, loss="cross_entropy", seed=11)

@@ -45,13 +45,15 @@ def _backup(folder) -> dict:
     return torch.load(os.path.join(folder, "backup", "backup.pt"), weights_only=True)
 
 
-def _fault_then_resume(folder, fault, workers=2, **kwargs) -> tuple:
-    """The faulty run's outcomes, the backup it left, and the resumed run's results."""
+def _fault_then_resume(folder, fault, workers=2, both=None, **kwargs) -> tuple:
+    """The faulty run's outcomes, the backup it left, and the resumed run's results (``both``: arguments of both
+    runs, ``kwargs``: of the faulty one)."""
+    both = {"outdir": str(folder), **(both or {})}
     first = run_workers(
-        SCENARIOS, "run", workers, timeout=90, kwargs={"outdir": str(folder), "name": "first", "fault": fault, **kwargs}
+        SCENARIOS, "run", workers, timeout=90, kwargs={**both, "name": "first", "fault": fault, **kwargs}
     )
     saved = _backup(folder)
-    again = results(run_workers(SCENARIOS, "run", workers, timeout=90, kwargs={"outdir": str(folder), "name": "again"}))
+    again = results(run_workers(SCENARIOS, "run", workers, timeout=90, kwargs={**both, "name": "again"}))
     return first, saved, again
 
 
@@ -98,6 +100,23 @@ def test_the_chief_killed_mid_step_the_other_writes_the_backup_of_the_step_befor
     assert (saved["epoch"], saved["step"]) == (1, 3)
     _same_weights(again[0], straight)
     _read_once_from(tmp_path, saved)
+
+
+@pytest.mark.timeout(240)
+def test_the_dead_workers_dropout_streams_are_drawn_again_and_the_resumed_run_equals_the_straight_one(tmp_path):
+    """The chief, killed inside a step, takes replica 0's stream with it; the survivor's backup holds only its own.
+    fit keys every replica's stream by (seed, global replica id, epoch, step), so the resumed run draws the masks
+    the straight run drew. Before: replica 0 started a fresh stream and the weights went elsewhere."""
+    os.makedirs(tmp_path / "a"), os.makedirs(tmp_path / "b")
+    straight = results(
+        run_workers(SCENARIOS, "run", 2, timeout=90, kwargs={"outdir": str(tmp_path / "a"), "dropout": 0.3})
+    )[0]
+    first, saved, again = _fault_then_resume(tmp_path / "b", (0, 15, "forward", "SIGKILL"), both={"dropout": 0.3})
+    assert "Worker 1 wrote the backup" in first[1]["error"] and "(epoch 1 after step 3)" in first[1]["error"]
+    assert saved["replica_rng"]["cpu"][0] is None  # (the dead worker's stream: not in the backup)
+    _same_weights(again[0], straight)
+    _same_weights(again[1], straight)
+    assert again[0]["history"]["loss"][2:] == pytest.approx(straight["history"]["loss"][2:], abs=1e-6)
 
 
 @pytest.mark.timeout(240)

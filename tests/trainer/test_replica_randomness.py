@@ -92,7 +92,7 @@ def test_an_interrupted_run_resumed_from_its_backup_ends_where_the_straight_run_
     assert _same(resumed, straight)
 
 
-def test_checkpoints_hold_every_replicas_stream_and_a_seedless_fit_continues_them(tmp_path):
+def test_checkpoints_hold_every_replicas_stream_and_a_seedless_fit_keys_from_their_seed(tmp_path):
     strategy = STRATEGIES["mirrored2"]()
     trainer = Trainer(strategy=strategy, optimizer=optimizers.SGD(0.1), seed=3)
     model = _model()
@@ -101,7 +101,7 @@ def test_checkpoints_hold_every_replicas_stream_and_a_seedless_fit_continues_the
     state = torch.load(path, weights_only=True)
     assert state["replica_rng"]["seed"] == 3 and len(state["replica_rng"]["cpu"]) == 2
     assert not torch.equal(state["replica_rng"]["cpu"][0], state["replica_rng"]["cpu"][1])
-    trainer.seed = None  # a seedless fit after load_checkpoint continues from the checkpoint's streams
+    trainer.seed = None  # a seedless fit after load_checkpoint keys the streams from the checkpoint's seed
     trainer.load_checkpoint(path)
     random.seed(0)  # (the data seed a seedless fit draws)
     continued = _fit(strategy, trainer=trainer, model=model, epochs=1)
@@ -171,3 +171,89 @@ def test_the_digits_recipe_with_dropout_is_reproducible():
     assert results[0][0] == results[1][0]
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
     assert np.isfinite(results[0][0]["val_accuracy"][-1])
+
+
+# --- keyed streams: a fit draws by (seed, global replica id, epoch, step), whatever a backup holds -------------------
+
+
+class _Noise(torch.nn.Module):
+    """Draws in training and in evaluation alike (a random augmentation kept at test time)."""
+
+    def forward(self, x):
+        return x + 0.1 * torch.rand_like(x)
+
+
+class _StopInValidation(Callback):
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_test_begin(self, logs=None):
+        if self.trainer._training_state.epoch == self.epoch:  # (private: where the fit stands)
+            raise KeyboardInterrupt
+
+
+def _noisy_fit(callbacks=(), init_seed=0):
+    torch.manual_seed(init_seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), _Noise(), torch.nn.ReLU(), torch.nn.Dropout(0.4), torch.nn.Linear(16, 3)
+    )
+    trainer = Trainer(strategy=STRATEGIES["mirrored2"](), optimizer=optimizers.SGD(0.1, momentum=0.9), seed=3)
+    x, y = _data()
+    history = trainer.fit(
+        model, (x, y), batch_size=32, epochs=3, validation_data=(x[:40], y[:40]), verbose=0, callbacks=list(callbacks)
+    )
+    return {"history": history.history, "weights": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.mark.parametrize("where", ["mid_epoch", "in_validation"])
+def test_a_backup_without_the_replicas_streams_resumes_bit_identical(where, tmp_path):
+    """fit keys every replica's stream before each training step and before validation (``ReplicaStreams.key``):
+    a backup that lacks the replicas' streams, as a survivor's after a peer's failure lacks the dead worker's,
+    resumes to the straight run bit for bit, validation included. Before: the lost replicas started fresh
+    streams, and the resumed run drew other dropout masks."""
+    straight = _noisy_fit()
+    if where == "mid_epoch":  # saved after 6 steps (epoch 1 after step 2), interrupted after 7
+        interrupted = [BackupAndRestore(str(tmp_path / "backup"), save_freq=2), _Interrupt(7)]
+    else:  # saved after the epoch's 4 steps, interrupted in its validation: the resumed fit validates first
+        interrupted = [BackupAndRestore(str(tmp_path / "backup"), save_freq=4), _StopInValidation(1)]
+    with pytest.raises(KeyboardInterrupt):
+        _noisy_fit(interrupted)
+    path = tmp_path / "backup" / "backup.pt"
+    state = torch.load(path, weights_only=True)
+    assert (state["epoch"], state["step"]) == ((1, 2) if where == "mid_epoch" else (1, 4))
+    state["replica_rng"]["cpu"][1] = None  # as a survivor writes the streams it does not hold
+    torch.save(state, path)
+    torch.rand(5)  # another process: other generator states
+    resumed = _noisy_fit([BackupAndRestore(str(tmp_path / "backup"))], init_seed=99)
+    assert _same(resumed, straight)
+
+
+class _FirstDraws(torch.nn.Module):
+    """Keeps what the replicas draw in the fit's first step."""
+
+    def __init__(self):
+        super().__init__()
+        self.draws = []
+
+    def forward(self, x):
+        if len(self.draws) < 2:
+            self.draws.append(torch.rand(4))
+        return x
+
+
+def test_a_seedless_fit_after_load_checkpoint_repeats_none_of_the_savers_draws(tmp_path):
+    """fit keys the streams per step from their seed; after load_checkpoint a seedless fit keys them from the
+    checkpoint's seed and its own data seed, so its first step does not draw what the saver's first step drew."""
+    probe = _FirstDraws()
+    model = torch.nn.Sequential(torch.nn.Linear(6, 3), probe)
+    trainer = Trainer(strategy=STRATEGIES["mirrored2"](), optimizer=optimizers.SGD(0.1), seed=3)
+    _fit(trainer.strategy, trainer=trainer, model=model, epochs=1)
+    first = list(probe.draws)
+    path = trainer.save_checkpoint(tmp_path / "ck.pt")
+    trainer.seed = None
+    trainer.load_checkpoint(path)
+    probe.draws.clear()
+    _fit(trainer.strategy, trainer=trainer, model=model, epochs=1)
+    assert len(first) == len(probe.draws) == 2
+    assert not any(torch.equal(a, b) for a in first for b in probe.draws)
