@@ -1,0 +1,179 @@
+"""Every step-cost ratio against its hand-written reference, in one command, with medians and ranges.
+
+Rows (each a ratio of ours to its reference; "paired rounds": each round measures both sides in fresh
+processes, the order reversed every other round, so this machine's drifts hit both alike):
+
+- ``fit/loop b64``, ``fit/loop b8``: ``Trainer.fit`` (default strategy) step time over the hand-written torch
+  loop's (``bench_fit.py``'s ``fit`` and ``loop``), targets <= 1.05 and <= 1.10;
+- ``mirrored/ceiling b64``, ``b8``: ``MirroredStrategy(["cpu:0", "cpu:1"])``'s throughput over OneDevice's,
+  as a fraction of the ceiling ``bench_replica_floor.py`` measures in the same process (the Mirrored ratio if
+  its framework overhead per step were no larger than OneDevice's: replicas never fused), target >= 0.9;
+- ``mwm/ddp fit``, ``mwm/ddp step``: 2 workers on gloo, ``MultiWorkerMirroredStrategy`` through ``fit`` (C)
+  and its replica step alone (B) over DDP + ``torch.optim.SGD`` (A), ``bench_multiworker.py``, target <= 1.0
+  (its rounds are blocks of steps in two long-lived processes; the range is its quartiles);
+- ``fully_sharded/hand``: ``FullyShardedStrategy`` through ``fit`` over torch's ``fully_shard`` hand loop on 2
+  workers (``bench_fully_sharded.py``), target <= 1.10.
+
+For each row: the median of the per-round ratios, their range, the number of rounds, the target, and the
+rounds this row's spread needs to separate a 5 % change from noise: two medians of n rounds each, with the
+per-round log-ratios' standard deviation s, differ by more than 1.96 standard errors when
+n >= (1.96 * sqrt(2) * 1.2533 * s / ln 1.05)^2 (1.2533 s / sqrt(n): the standard error of a median).
+
+Run: python benchmarks/bench_all.py                       (every row; about 15 minutes on 2 cores)
+     python benchmarks/bench_all.py --rows fit8 fit64 --rounds 15
+     python benchmarks/bench_all.py --quick                (3 rounds a row: a smoke run, not figures)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+import types
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import bench_fit  # noqa: E402
+
+TARGETS = {  # row -> (sign, target)
+    "fit64": ("<=", 1.05),
+    "fit8": ("<=", 1.10),
+    "mirrored64": (">=", 0.9),
+    "mirrored8": (">=", 0.9),
+    "mwm_fit": ("<=", 1.0),
+    "mwm_step": ("<=", 1.0),
+    "fully_sharded": ("<=", 1.10),
+}
+LABELS = {
+    "fit64": "fit/loop b64",
+    "fit8": "fit/loop b8",
+    "mirrored64": "mirrored/ceiling b64",
+    "mirrored8": "mirrored/ceiling b8",
+    "mwm_fit": "mwm/ddp fit (C/A)",
+    "mwm_step": "mwm/ddp step (B/A)",
+    "fully_sharded": "fully_sharded/hand",
+}
+GROUPS = {"fit8": "fit", "fit64": "fit", "mirrored8": "floor", "mirrored64": "floor", "mwm_fit": "mwm"}
+GROUPS |= {"mwm_step": "mwm", "fully_sharded": "fully_sharded"}
+
+
+def rounds_for_five_percent(ratios: list) -> int | None:
+    """Rounds a row needs to separate a 5 % change from its noise (see the module docstring)."""
+    logs = [math.log(r) for r in ratios if r > 0]
+    if len(logs) < 3:
+        return None
+    spread = statistics.stdev(logs)
+    return max(3, math.ceil((1.96 * math.sqrt(2) * 1.2533 * spread / math.log(1.05)) ** 2))
+
+
+def fit_rows(batch: int, rounds: int) -> list:
+    """Per round: fit's step time over the hand loop's (``bench_fit.measure`` runs each in a fresh process)."""
+    args = types.SimpleNamespace(examples=8192, epochs=5, execution="auto")
+    ratios = []
+    for index in range(rounds):
+        order = ("fit", "loop") if index % 2 == 0 else ("loop", "fit")
+        rates = {name: bench_fit.measure(name, args, batch) for name in order}
+        ratios.append(rates["loop"] / rates["fit"])
+    return ratios
+
+
+def floor_rows(batch: int, rounds: int) -> list:
+    """Per round: Mirrored's measured throughput ratio over the ceiling of the same process
+    (``bench_replica_floor.py``'s child: OneDevice and Mirrored fits, the bare passes and updates)."""
+    import bench_replica_floor
+
+    ratios = []
+    for index in range(rounds):
+        argv = [sys.executable, os.path.join(HERE, "bench_replica_floor.py"), "--child", str(batch)]
+        argv += ["--reverse"] * (index % 2)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            raise RuntimeError(f"bench_replica_floor.py at batch {batch} failed:\n{done.stderr[-2000:]}")
+        figures = bench_replica_floor.ratios(json.loads(done.stdout.strip().splitlines()[-1]))
+        ratios.append(figures["measured"] / figures["same overhead"])
+    return ratios
+
+
+def mwm_rows(rounds: int) -> dict:
+    """``{"mwm_fit": (median, p25, p75), "mwm_step": ...}`` from ``bench_multiworker.py``'s own rounds."""
+    argv = [sys.executable, os.path.join(HERE, "bench_multiworker.py"), "--rounds", str(rounds)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench_multiworker.py failed:\n{done.stdout[-1000:]}\n{done.stderr[-2000:]}")
+    found = {}
+    for variant, row in (("C", "mwm_fit"), ("B", "mwm_step")):
+        match = re.search(rf"ratio {variant}/A: median of per-round ratios ([\d.]+) \(p25 ([\d.]+), p75 ([\d.]+)\)",
+                          done.stdout)  # fmt: skip
+        if match is None:
+            raise RuntimeError(f"bench_multiworker.py printed no {variant}/A ratio:\n{done.stdout[-2000:]}")
+        found[row] = tuple(float(v) for v in match.groups())
+    return found
+
+
+def fully_sharded_rows(rounds: int) -> list:
+    """Per round: FullyShardedStrategy's step time over the ``fully_shard`` hand loop's, 2 workers."""
+    argv = [sys.executable, os.path.join(HERE, "bench_fully_sharded.py"), "--workers", "2", "--rounds", str(rounds)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench_fully_sharded.py failed:\n{done.stdout[-1000:]}\n{done.stderr[-2000:]}")
+    match = re.search(r"ratio ours / hand per round: ([\d., ]+);", done.stdout)
+    if match is None:
+        raise RuntimeError(f"bench_fully_sharded.py printed no ours / hand ratios:\n{done.stdout[-2000:]}")
+    return [float(v) for v in match.group(1).split(",")]
+
+
+def show(row: str, ratios: list | None, quartiles: tuple | None = None) -> None:
+    sign, target = TARGETS[row]
+    if quartiles is not None:  # (a script's own rounds: median and quartiles)
+        median, low, high = quartiles
+        spread, needed = f"p25-p75 {low:.3f}-{high:.3f}", "-"
+    else:
+        median, low, high = statistics.median(ratios), min(ratios), max(ratios)
+        needed = rounds_for_five_percent(ratios)
+        spread, needed = f"range {low:.3f}-{high:.3f}", "-" if needed is None else str(needed)
+    met = median <= target if sign == "<=" else median >= target
+    count = len(ratios) if ratios is not None else "own"
+    print(
+        f"{LABELS[row]:<22} {median:7.3f}  {spread:<22} rounds {count!s:>4}  target {sign} {target:<5} "
+        f"{'met' if met else 'not met':<8} rounds for 5 %: {needed}",
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", nargs="+", choices=sorted(TARGETS), default=list(TARGETS))
+    parser.add_argument("--rounds", type=int, default=9, help="paired rounds of the fit and mirrored rows")
+    parser.add_argument("--mwm-rounds", type=int, default=60, help="bench_multiworker.py's rounds")
+    parser.add_argument("--fsdp-rounds", type=int, default=3, help="bench_fully_sharded.py's rounds")
+    parser.add_argument("--quick", action="store_true", help="3 rounds a row (a smoke run)")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.mwm_rounds, args.fsdp_rounds = 3, 6, 1
+    start = time.perf_counter()
+    print(f"{'row':<22} {'median':>7}  {'spread':<22} {'':>11}  {'':<17}")
+    mwm = None
+    for row in args.rows:
+        group = GROUPS[row]
+        if group == "fit":
+            show(row, fit_rows(int(row[3:]), args.rounds))
+        elif group == "floor":
+            show(row, floor_rows(int(row[8:]), args.rounds))
+        elif group == "mwm":
+            mwm = mwm or mwm_rows(args.mwm_rounds)
+            show(row, None, mwm[row])
+        else:
+            show(row, fully_sharded_rows(args.fsdp_rounds))
+    load = os.getloadavg()[0]
+    print(f"({time.perf_counter() - start:.0f} s in all; load average {load:.2f} on {os.cpu_count()} CPUs)")
+
+
+if __name__ == "__main__":
+    main()
