@@ -4,7 +4,12 @@ Rows (each a ratio of ours to its reference; "paired rounds": each round measure
 processes, the order reversed every other round, so this machine's drifts hit both alike):
 
 - ``fit/loop b64``, ``fit/loop b8``: ``Trainer.fit`` (default strategy) step time over the hand-written torch
-  loop's (``bench_fit.py``'s ``fit`` and ``loop``), targets <= 1.05 and <= 1.10;
+  loop's (``bench_fit.py``'s ``fit`` and ``loop``), targets <= 1.05 and <= 1.10. Measured interleaved: each
+  round is a fresh process whose fit runs ``--pairs`` + 1 epochs of 4,096 examples, each epoch beside an epoch of
+  the hand loop (before it on odd epochs, after it on even ones); the round's ratio is the median over its
+  pairs. This machine's speed drifts over seconds (fit and loop in separate processes, as ``bench_fit.py``
+  measures them, ``--fresh-processes``, ranged 0.78-1.44 per round and needed 100-200 rounds to resolve 5 %);
+  side by side in one process the drifts cancel;
 - ``mirrored/ceiling b64``, ``b8``: ``MirroredStrategy(["cpu:0", "cpu:1"])``'s throughput over OneDevice's,
   as a fraction of the ceiling ``bench_replica_floor.py`` measures in the same process (the Mirrored ratio if
   its framework overhead per step were no larger than OneDevice's: replicas never fused), target >= 0.9;
@@ -41,6 +46,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import bench_fit  # noqa: E402
+
+from replicafit.trainer import Callback, Trainer  # noqa: E402
 
 TARGETS = {  # row -> (sign, target)
     "fit64": ("<=", 1.05),
@@ -81,6 +88,62 @@ def fit_rows(batch: int, rounds: int) -> list:
         order = ("fit", "loop") if index % 2 == 0 else ("loop", "fit")
         rates = {name: bench_fit.measure(name, args, batch) for name in order}
         ratios.append(rates["loop"] / rates["fit"])
+    return ratios
+
+
+class _Interleaved(Callback):
+    """Times each epoch of the fit it is given to, and runs an epoch of the hand loop beside each one: before it
+    on odd epochs, after it on even ones (so neither side always runs first); ``ratios``: fit / hand per pair,
+    from the second epoch on."""
+
+    def __init__(self, x, y, batch: int):
+        super().__init__()
+        self.x, self.y, self.batch, self.ratios = x, y, batch, []
+
+    def _hand(self) -> float:
+        return bench_fit.hand_loop(self.x, self.y, self.batch, 1)[0]
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.hand = self._hand() if epoch % 2 else None
+        self.start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        seconds = time.perf_counter() - self.start
+        hand = self.hand if self.hand is not None else self._hand()
+        if epoch:
+            self.ratios.append(seconds / hand)
+
+
+def interleaved_child(batch: int, pairs: int) -> None:
+    """One process: ``pairs + 1`` epochs of ``fit`` (default strategy), each beside an epoch of the hand loop."""
+    import gc
+
+    from replicafit.data import datasets
+
+    x, y = datasets.make_classification(4096, 64, n_classes=10, seed=0)
+    gc.collect()  # (see bench_fit.child)
+    clock = _Interleaved(x, y, batch)
+    trainer = Trainer(
+        optimizer={"class_name": "sgd", "config": {"learning_rate": 0.01, "momentum": 0.9}},
+        loss="cross_entropy",
+        metrics=(),
+        seed=0,
+    )
+    model = bench_fit.make_model()
+    trainer.fit(model, (x, y), batch_size=batch, epochs=pairs + 1, shuffle=False, verbose=0, callbacks=[clock])
+    print(json.dumps(clock.ratios))
+
+
+def interleaved_fit_rows(batch: int, rounds: int, pairs: int) -> list:
+    """Per round (a fresh process): the median of ``pairs`` epoch pairs, fit's epoch over the hand loop's beside
+    it in the same process (4,096 examples an epoch): drifts of the machine slower than an epoch cancel."""
+    ratios = []
+    for _ in range(rounds):
+        argv = [sys.executable, os.path.abspath(__file__), "--interleaved-child", str(batch), str(pairs)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            raise RuntimeError(f"the interleaved fit at batch {batch} failed:\n{done.stderr[-2000:]}")
+        ratios.append(statistics.median(json.loads(done.stdout.strip().splitlines()[-1])))
     return ratios
 
 
@@ -154,7 +217,17 @@ def main() -> None:
     parser.add_argument("--mwm-rounds", type=int, default=60, help="bench_multiworker.py's rounds")
     parser.add_argument("--fsdp-rounds", type=int, default=3, help="bench_fully_sharded.py's rounds")
     parser.add_argument("--quick", action="store_true", help="3 rounds a row (a smoke run)")
+    parser.add_argument(
+        "--fresh-processes",
+        action="store_true",
+        help="the fit rows as bench_fit.py measures them (fit and loop in separate processes) instead of interleaved",
+    )
+    parser.add_argument("--pairs", type=int, default=12, help="epoch pairs per process of the interleaved fit rows")
+    parser.add_argument("--interleaved-child", nargs=2, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.interleaved_child:
+        interleaved_child(*args.interleaved_child)
+        return
     if args.quick:
         args.rounds, args.mwm_rounds, args.fsdp_rounds = 3, 6, 1
     start = time.perf_counter()
@@ -162,8 +235,10 @@ def main() -> None:
     mwm = None
     for row in args.rows:
         group = GROUPS[row]
-        if group == "fit":
+        if group == "fit" and args.fresh_processes:
             show(row, fit_rows(int(row[3:]), args.rounds))
+        elif group == "fit":
+            show(row, interleaved_fit_rows(int(row[3:]), args.rounds, args.pairs))
         elif group == "floor":
             show(row, floor_rows(int(row[8:]), args.rounds))
         elif group == "mwm":
