@@ -296,7 +296,8 @@ class _StallMonitor:
         self._states: set = set()
         self._thread = None
         self._lock = threading.Lock()
-        self._wake = threading.Event()  # a new call: check at its threshold's pace from now, not after a sleep
+        self._wake = threading.Event()  # a call whose threshold needs a shorter pace than the thread's sleep
+        self._pace = None  # the seconds the thread sleeps between checks (None: no thread)
 
     def watch(self, state) -> None:
         if not state.stall_after:
@@ -306,7 +307,12 @@ class _StallMonitor:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="replicafit-stall-monitor", daemon=True)
                 self._thread.start()
-        self._wake.set()
+            # Woken only when its sleep is too long for this call's threshold: a wake-up per call (per training
+            # step) handed the interpreter to this thread and back every step.
+            pace = self._pace
+            wake = pace is None or _pace_for(state.stall_after) < pace
+        if wake:
+            self._wake.set()
 
     def unwatch(self, state) -> None:
         self._states.discard(state)
@@ -314,8 +320,9 @@ class _StallMonitor:
     def _loop(self) -> None:
         idle_since = None
         while True:
-            # A sleep started under another (longer) threshold would let a short stall pass unseen.
-            self._wake.wait(min(1.0, max(0.01, get_stall_warning_seconds() / 4 or 1.0)))
+            # A sleep started under another (longer) threshold would let a short stall pass unseen: watch() wakes it.
+            self._pace = _pace_for(get_stall_warning_seconds())
+            self._wake.wait(self._pace)
             self._wake.clear()
             states = list(self._states)
             for state in states:
@@ -329,8 +336,13 @@ class _StallMonitor:
             if time.monotonic() - idle_since > 2.0:  # nothing to watch for a while: leave
                 with self._lock:
                     if not self._states:
-                        self._thread = None
+                        self._thread, self._pace = None, None
                         return
+
+
+def _pace_for(threshold: float) -> float:
+    """The seconds between two checks for stalls of ``threshold`` seconds (0: off)."""
+    return min(1.0, max(0.01, threshold / 4 or 1.0))
 
 
 _monitor = _StallMonitor()
