@@ -32,13 +32,23 @@ class StructureMismatchError(ValueError, AssertionError):
 _nested_types: dict = {}  # type -> whether it is a structure (isinstance on an ABC is slow)
 
 
+_leaf_types: set = set()  # the types is_nested found leaves: a whole sequence checked at C speed (_all_leaves)
+
+
 def is_nested(value) -> bool:
     """Whether ``value`` is a structure (tuple, list, namedtuple, mapping), not a leaf."""
     kind = type(value)
     nested = _nested_types.get(kind)
     if nested is None:
         nested = _nested_types[kind] = isinstance(value, (tuple, list, Mapping))
+        if not nested:
+            _leaf_types.add(kind)
     return nested
+
+
+def _all_leaves(sequence) -> bool:
+    """Whether no item of ``sequence`` is a structure (the types seen before: one set check, no call per item)."""
+    return _leaf_types.issuperset(map(type, sequence)) or not any(map(is_nested, sequence))
 
 
 _FAST = True  # the fast paths for plain tuples and lists (tests compare them with the general walk)
@@ -47,7 +57,7 @@ _FAST = True  # the fast paths for plain tuples and lists (tests compare them wi
 def _flat_sequence(value) -> bool:
     """A tuple or list (not a namedtuple) whose items are all leaves: the common case, walked at once."""
     kind = type(value)
-    return _FAST and (kind is tuple or kind is list) and not any(map(is_nested, value))
+    return _FAST and (kind is tuple or kind is list) and _all_leaves(value)
 
 
 def _is_namedtuple(value) -> bool:
@@ -116,16 +126,16 @@ def map_structure(fn, *structures, names=None):
     kind = type(first)
     if _FAST and (kind is tuple or kind is list):
         if len(structures) == 1:
-            if not any(map(is_nested, first)):
+            if _all_leaves(first):
                 return kind([fn(leaf) for leaf in first])
             return kind([map_structure(fn, child, names=names) for child in first])
         length = len(first)
         others = structures[1:]
         if all(type(other) is kind and len(other) == length for other in others):
-            if not any(map(is_nested, first)) and not any(any(map(is_nested, other)) for other in others):
+            if _all_leaves(first) and all(map(_all_leaves, others)):
                 return kind([fn(*parts) for parts in zip(*structures)])
             return kind([map_structure(fn, *parts, names=names) for parts in zip(*structures)])
-    elif _FAST and not is_nested(first) and not any(map(is_nested, structures[1:])):
+    elif _FAST and not is_nested(first) and _all_leaves(structures[1:]):
         return fn(*structures)  # leaves only
     if len(structures) > 1:
         _check_same(structures, names)

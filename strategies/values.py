@@ -20,6 +20,8 @@ Example::
 
 from __future__ import annotations
 
+import functools
+
 from . import context, nest
 from .devices import canonicalize
 from .operators import BINARY, CONVERSIONS, UNARY
@@ -174,14 +176,22 @@ def value_container(value):
     return value if container is None else container
 
 
-def _regroup_leaf(leaves, wrap_class, always_wrap, devices):
+def _regroup_leaf(wrap_class, always_wrap, devices, *leaves):
+    # (loops, not all() over generators: this runs per leaf of every merge_call's arguments, every step)
     first = leaves[0]
     if not always_wrap:
-        if all(leaf is first for leaf in leaves):
+        for leaf in leaves:
+            if leaf is not first:
+                break
+        else:
             return value_container(first)
         container = value_container(first)
-        if container is not first and all(value_container(leaf) is container for leaf in leaves):
-            return container
+        if container is not first:
+            for leaf in leaves:
+                if value_container(leaf) is not container:
+                    break
+            else:
+                return container
     return wrap_class(leaves, devices)
 
 
@@ -196,7 +206,7 @@ def regroup(per_replica_values, wrap_class=PerReplica, always_wrap=False, device
     if len(values) == 1 and not always_wrap:
         return nest.map_structure(value_container, values[0])
     return nest.map_structure(
-        lambda *leaves: _regroup_leaf(leaves, wrap_class, always_wrap, devices),
+        functools.partial(_regroup_leaf, wrap_class, always_wrap, devices),
         *values,
         names=lambda i: f"replica {i}'s value",
     )
