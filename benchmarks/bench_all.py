@@ -11,8 +11,11 @@ processes, the order reversed every other round, so this machine's drifts hit bo
   measures them, ``--fresh-processes``, ranged 0.78-1.44 per round and needed 100-200 rounds to resolve 5 %);
   side by side in one process the drifts cancel;
 - ``mirrored/ceiling b64``, ``b8``: ``MirroredStrategy(["cpu:0", "cpu:1"])``'s throughput over OneDevice's,
-  as a fraction of the ceiling ``bench_replica_floor.py`` measures in the same process (the Mirrored ratio if
-  its framework overhead per step were no larger than OneDevice's: replicas never fused), target >= 0.9;
+  as a fraction of the ceiling ``bench_replica_floor.py`` defines (the Mirrored ratio if its framework overhead
+  per step were no larger than OneDevice's: replicas never fused), target >= 0.9. Measured interleaved too: each
+  round is a fresh process that ``--pairs`` + 1 times fits an epoch of OneDevice and one of Mirrored (the second
+  of two, 2,048 examples) and measures the ceiling's bare passes and updates, the order alternating;
+  ``--fresh-processes`` runs ``bench_replica_floor.py``'s child instead (ranges 0.59-0.89, 30-80 rounds for 5 %);
 - ``mwm/ddp fit``, ``mwm/ddp step``: 2 workers on gloo, ``MultiWorkerMirroredStrategy`` through ``fit`` (C)
   and its replica step alone (B) over DDP + ``torch.optim.SGD`` (A), ``bench_multiworker.py``, target <= 1.0
   (its rounds are blocks of steps in two long-lived processes; the range is its quartiles);
@@ -164,6 +167,57 @@ def floor_rows(batch: int, rounds: int) -> list:
     return ratios
 
 
+def interleaved_floor_child(batch: int, pairs: int) -> None:
+    """One process: ``pairs`` + 1 times, an epoch of OneDevice's fit, one of Mirrored's (the order alternating),
+    and the bare passes and updates of the ceiling; prints each pair's Mirrored ratio over its ceiling."""
+    import gc
+
+    import bench_replica_floor
+    import torch
+
+    import replicafit.strategies as ds
+    from replicafit.data import datasets
+
+    x, y = datasets.make_classification(2048, 64, n_classes=10, seed=0)
+    xs, ys = torch.from_numpy(x), torch.from_numpy(y)
+    gc.collect()  # (see bench_fit.child)
+    steps = -(-len(x) // batch)
+    sides = {}
+    strategies = {"one": ds.OneDeviceStrategy("cpu:0"), "mirrored": ds.MirroredStrategy(["cpu:0", "cpu:1"])}
+    for name, strategy in strategies.items():
+        config = {"learning_rate": 0.01, "momentum": 0.9}
+        trainer = Trainer(strategy=strategy, optimizer={"class_name": "sgd", "config": config}, loss="cross_entropy",
+                          metrics=(), seed=0)  # fmt: skip
+        sides[name] = (trainer, bench_fit.make_model())
+    ratios = []
+    for index in range(pairs + 1):
+        step = {}
+        for name in ("one", "mirrored") if index % 2 == 0 else ("mirrored", "one"):
+            trainer, model = sides[name]
+            clock = bench_fit.EpochClock()  # (the second epoch: the fit's first step set up nothing in it)
+            trainer.fit(model, (x, y), batch_size=batch, epochs=2, shuffle=False, verbose=0, callbacks=[clock])
+            step[name] = clock.times[-1] / steps * 1e6
+        full = bench_replica_floor.bare_pass(xs, ys, batch, False, 200)
+        halves = bench_replica_floor.bare_pass(xs, ys, batch, True, 200)
+        extra = halves - full + bench_replica_floor.bare_update(2, 400) - bench_replica_floor.bare_update(1, 400)
+        if index:
+            ratios.append((step["one"] + extra) / step["mirrored"])  # measured / same overhead
+    print(json.dumps(ratios))
+
+
+def interleaved_floor_rows(batch: int, rounds: int, pairs: int) -> list:
+    """Per round (a fresh process): the median of ``pairs`` interleaved measurements of Mirrored's ratio over its
+    ceiling (``interleaved_floor_child``)."""
+    ratios = []
+    for _ in range(rounds):
+        argv = [sys.executable, os.path.abspath(__file__), "--interleaved-floor-child", str(batch), str(pairs)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            raise RuntimeError(f"the interleaved floor at batch {batch} failed:\n{done.stderr[-2000:]}")
+        ratios.append(statistics.median(json.loads(done.stdout.strip().splitlines()[-1])))
+    return ratios
+
+
 def mwm_rows(rounds: int) -> dict:
     """``{"mwm_fit": (median, p25, p75), "mwm_step": ...}`` from ``bench_multiworker.py``'s own rounds."""
     argv = [sys.executable, os.path.join(HERE, "bench_multiworker.py"), "--rounds", str(rounds)]
@@ -224,9 +278,13 @@ def main() -> None:
     )
     parser.add_argument("--pairs", type=int, default=12, help="epoch pairs per process of the interleaved fit rows")
     parser.add_argument("--interleaved-child", nargs=2, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--interleaved-floor-child", nargs=2, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.interleaved_child:
         interleaved_child(*args.interleaved_child)
+        return
+    if args.interleaved_floor_child:
+        interleaved_floor_child(*args.interleaved_floor_child)
         return
     if args.quick:
         args.rounds, args.mwm_rounds, args.fsdp_rounds = 3, 6, 1
@@ -239,8 +297,10 @@ def main() -> None:
             show(row, fit_rows(int(row[3:]), args.rounds))
         elif group == "fit":
             show(row, interleaved_fit_rows(int(row[3:]), args.rounds, args.pairs))
-        elif group == "floor":
+        elif group == "floor" and args.fresh_processes:
             show(row, floor_rows(int(row[8:]), args.rounds))
+        elif group == "floor":
+            show(row, interleaved_floor_rows(int(row[8:]), args.rounds, args.pairs))
         elif group == "mwm":
             mwm = mwm or mwm_rows(args.mwm_rounds)
             show(row, None, mwm[row])
