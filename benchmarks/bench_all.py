@@ -1,7 +1,8 @@
 """Every step-cost ratio against its hand-written reference, in one command, with medians and ranges.
 
-Rows (each a ratio of ours to its reference; "paired rounds": each round measures both sides in fresh
-processes, the order reversed every other round, so this machine's drifts hit both alike):
+Rows (each a ratio of ours to its reference; "paired rounds": each round measures both sides, in one fresh
+process side by side (the fit and Mirrored rows, below) or in fresh processes in an order reversed every other
+round, so this machine's drifts hit both alike):
 
 - ``fit/loop b64``, ``fit/loop b8``: ``Trainer.fit`` (default strategy) step time over the hand-written torch
   loop's (``bench_fit.py``'s ``fit`` and ``loop``), targets <= 1.05 and <= 1.10. Measured interleaved: each
@@ -23,9 +24,10 @@ processes, the order reversed every other round, so this machine's drifts hit bo
   workers (``bench_fully_sharded.py``), target <= 1.10.
 
 For each row: the median of the per-round ratios, their range, the number of rounds, the target, and the
-rounds this row's spread needs to separate a 5 % change from noise: two medians of n rounds each, with the
-per-round log-ratios' standard deviation s, differ by more than 1.96 standard errors when
-n >= (1.96 * sqrt(2) * 1.2533 * s / ln 1.05)^2 (1.2533 s / sqrt(n): the standard error of a median).
+rounds this row's spread needs to separate a 5 % change from noise: the n at which a 5 % difference between
+two medians of n rounds each is 1.96 standard errors (significant at 95 %), with s the per-round log-ratios'
+standard deviation, n >= (1.96 * sqrt(2) * 1.2533 * s / ln 1.05)^2 (1.2533 s / sqrt(n): the standard error of
+a median). To *detect* a true 5 % change 80 % of the time takes about twice as many rounds.
 
 Run: python benchmarks/bench_all.py                       (every row; about 15 minutes on 2 cores)
      python benchmarks/bench_all.py --rows fit8 fit64 --rounds 15
@@ -49,6 +51,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import bench_fit  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from replicafit.trainer import Callback, Trainer  # noqa: E402
 
@@ -94,17 +98,39 @@ def fit_rows(batch: int, rounds: int) -> list:
     return ratios
 
 
+class _HandEpochs:
+    """``bench_fit.hand_loop``'s epochs, one per call, on one model and optimizer kept across calls (a fresh one
+    per epoch would make its momentum buffers at every first step): the reference side of the fit rows."""
+
+    def __init__(self, x, y, batch: int):
+        self.model = bench_fit.make_model()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.xs, self.ys, self.batch = torch.from_numpy(x), torch.from_numpy(y), batch
+
+    def __call__(self) -> float:
+        model, optimizer, xs, ys, batch = self.model, self.optimizer, self.xs, self.ys, self.batch
+        start = time.perf_counter()
+        total, count = torch.zeros(()), 0
+        for begin in range(0, len(xs), batch):
+            xb, yb = xs[begin : begin + batch], ys[begin : begin + batch]
+            optimizer.zero_grad(set_to_none=True)
+            losses = F.cross_entropy(model(xb), yb, reduction="none")
+            (losses.sum() / len(xb)).backward()
+            optimizer.step()
+            total += losses.detach().sum()
+            count += len(xb)
+        float(total / count)
+        return time.perf_counter() - start
+
+
 class _Interleaved(Callback):
     """Times each epoch of the fit it is given to, and runs an epoch of the hand loop beside each one: before it
     on odd epochs, after it on even ones (so neither side always runs first); ``ratios``: fit / hand per pair,
-    from the second epoch on."""
+    from the second epoch on (the first pair warms both up)."""
 
     def __init__(self, x, y, batch: int):
         super().__init__()
-        self.x, self.y, self.batch, self.ratios = x, y, batch, []
-
-    def _hand(self) -> float:
-        return bench_fit.hand_loop(self.x, self.y, self.batch, 1)[0]
+        self._hand, self.ratios = _HandEpochs(x, y, batch), []
 
     def on_epoch_begin(self, epoch, logs=None):
         self.hand = self._hand() if epoch % 2 else None
@@ -173,7 +199,6 @@ def interleaved_floor_child(batch: int, pairs: int) -> None:
     import gc
 
     import bench_replica_floor
-    import torch
 
     import replicafit.strategies as ds
     from replicafit.data import datasets
@@ -274,7 +299,8 @@ def main() -> None:
     parser.add_argument(
         "--fresh-processes",
         action="store_true",
-        help="the fit rows as bench_fit.py measures them (fit and loop in separate processes) instead of interleaved",
+        help="the fit and Mirrored rows in separate processes (bench_fit.py's and bench_replica_floor.py's way) "
+        "instead of interleaved in one",
     )
     parser.add_argument("--pairs", type=int, default=12, help="epoch pairs per process of the interleaved fit rows")
     parser.add_argument("--interleaved-child", nargs=2, type=int, help=argparse.SUPPRESS)

@@ -321,8 +321,10 @@ class _StallMonitor:
         idle_since = None
         while True:
             # A sleep started under another (longer) threshold would let a short stall pass unseen: watch() wakes it.
-            self._pace = _pace_for(get_stall_warning_seconds())
-            self._wake.wait(self._pace)
+            # (The threshold is read and the pace kept under the lock watch() compares under: no wake-up is lost.)
+            with self._lock:
+                pace = self._pace = _pace_for(get_stall_warning_seconds())
+            self._wake.wait(pace)
             self._wake.clear()
             states = list(self._states)
             for state in states:

@@ -974,6 +974,25 @@ def test_a_monitor_sleeping_under_a_longer_threshold_still_sees_a_short_stall(st
     assert len([r for r in caplog.records if "may be stalled" in r.getMessage()]) == 1
 
 
+def test_a_call_wakes_the_stall_monitor_only_when_its_sleep_is_too_long_for_the_calls_threshold():
+    """Before: every cooperative call (every training step under Mirrored on logical CPUs) woke the monitor
+    thread, handing the interpreter to it and back each step."""
+    from replicafit.strategies import cooperative  # private: the monitor's wake-up rule
+
+    class Call:  # (what the monitor reads of a call's state)
+        def __init__(self, stall_after):
+            self.stall_after = stall_after
+
+    monitor = cooperative._StallMonitor()
+    monitor._thread = threading.current_thread()  # (as if its thread ran: none is started)
+    monitor._pace = cooperative._pace_for(10.0)  # it sleeps 1 s between checks
+    monitor.watch(Call(10.0))  # the same threshold: its pace fits
+    monitor.watch(Call(60.0))  # a longer one: fits too
+    assert not monitor._wake.is_set()
+    monitor.watch(Call(0.2))  # checks every 0.05 s needed: woken
+    assert monitor._wake.is_set()
+
+
 @pytest.mark.timeout(30)
 def test_a_replica_late_to_finish_is_logged(stall_after, caplog, execution):
     stall_after(0.2)
