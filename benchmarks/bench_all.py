@@ -52,7 +52,6 @@ sys.path.insert(0, HERE)
 
 import bench_fit  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from replicafit.trainer import Callback, Trainer  # noqa: E402
 
@@ -108,19 +107,7 @@ class _HandEpochs:
         self.xs, self.ys, self.batch = torch.from_numpy(x), torch.from_numpy(y), batch
 
     def __call__(self) -> float:
-        model, optimizer, xs, ys, batch = self.model, self.optimizer, self.xs, self.ys, self.batch
-        start = time.perf_counter()
-        total, count = torch.zeros(()), 0
-        for begin in range(0, len(xs), batch):
-            xb, yb = xs[begin : begin + batch], ys[begin : begin + batch]
-            optimizer.zero_grad(set_to_none=True)
-            losses = F.cross_entropy(model(xb), yb, reduction="none")
-            (losses.sum() / len(xb)).backward()
-            optimizer.step()
-            total += losses.detach().sum()
-            count += len(xb)
-        float(total / count)
-        return time.perf_counter() - start
+        return bench_fit.hand_epoch(self.model, self.optimizer, self.xs, self.ys, self.batch)
 
 
 class _Interleaved(Callback):
@@ -163,15 +150,15 @@ def interleaved_child(batch: int, pairs: int) -> None:
     print(json.dumps(clock.ratios))
 
 
-def interleaved_fit_rows(batch: int, rounds: int, pairs: int) -> list:
-    """Per round (a fresh process): the median of ``pairs`` epoch pairs, fit's epoch over the hand loop's beside
-    it in the same process (4,096 examples an epoch): drifts of the machine slower than an epoch cancel."""
+def interleaved_rows(child: str, batch: int, rounds: int, pairs: int) -> list:
+    """Per round (a fresh process running ``--<child>``): the median of its ``pairs`` interleaved ratios, both
+    sides measured side by side in one process, so drifts of the machine slower than a pair cancel."""
     ratios = []
     for _ in range(rounds):
-        argv = [sys.executable, os.path.abspath(__file__), "--interleaved-child", str(batch), str(pairs)]
+        argv = [sys.executable, os.path.abspath(__file__), f"--{child}", str(batch), str(pairs)]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
-            raise RuntimeError(f"the interleaved fit at batch {batch} failed:\n{done.stderr[-2000:]}")
+            raise RuntimeError(f"{child} at batch {batch} failed:\n{done.stderr[-2000:]}")
         ratios.append(statistics.median(json.loads(done.stdout.strip().splitlines()[-1])))
     return ratios
 
@@ -228,19 +215,6 @@ def interleaved_floor_child(batch: int, pairs: int) -> None:
         if index:
             ratios.append((step["one"] + extra) / step["mirrored"])  # measured / same overhead
     print(json.dumps(ratios))
-
-
-def interleaved_floor_rows(batch: int, rounds: int, pairs: int) -> list:
-    """Per round (a fresh process): the median of ``pairs`` interleaved measurements of Mirrored's ratio over its
-    ceiling (``interleaved_floor_child``)."""
-    ratios = []
-    for _ in range(rounds):
-        argv = [sys.executable, os.path.abspath(__file__), "--interleaved-floor-child", str(batch), str(pairs)]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
-        if done.returncode != 0:
-            raise RuntimeError(f"the interleaved floor at batch {batch} failed:\n{done.stderr[-2000:]}")
-        ratios.append(statistics.median(json.loads(done.stdout.strip().splitlines()[-1])))
-    return ratios
 
 
 def mwm_rows(rounds: int) -> dict:
@@ -322,11 +296,11 @@ def main() -> None:
         if group == "fit" and args.fresh_processes:
             show(row, fit_rows(int(row[3:]), args.rounds))
         elif group == "fit":
-            show(row, interleaved_fit_rows(int(row[3:]), args.rounds, args.pairs))
+            show(row, interleaved_rows("interleaved-child", int(row[3:]), args.rounds, args.pairs))
         elif group == "floor" and args.fresh_processes:
             show(row, floor_rows(int(row[8:]), args.rounds))
         elif group == "floor":
-            show(row, interleaved_floor_rows(int(row[8:]), args.rounds, args.pairs))
+            show(row, interleaved_rows("interleaved-floor-child", int(row[8:]), args.rounds, args.pairs))
         elif group == "mwm":
             mwm = mwm or mwm_rows(args.mwm_rounds)
             show(row, None, mwm[row])
