@@ -5,7 +5,10 @@ On a machine with a CUDA GPU it runs, from this checkout and without any downloa
 1. ``pytest -m gpu`` over ``tests/`` (the GPU tests: ``tests/gpu`` and the GPU cases elsewhere),
    with the determinism settings the tests name (``CUBLAS_WORKSPACE_CONFIG=:4096:8``; the tests set
    cuDNN's and TF32's), within ``--test-seconds``;
-2. ``benchmarks/bench_gpu.py`` (fit against a hand loop and Lightning) in what is left of ``--seconds``
+2. ``benchmarks/bench_all.py --device cuda``: the step-cost rows where a step is small and launch-bound (the
+   shared MLP at batch 8 and 64: fit over the hand loop, Mirrored over two logical GPUs against its ceiling),
+   with the host synchronisations per steady step counted (0 expected), in at most 90 s;
+3. ``benchmarks/bench_gpu.py`` (fit against a hand loop and Lightning) in what is left of ``--seconds``
    (280 by default: the battery stays under 5 minutes on one H100);
 
 and writes a short report (machine, pass/fail per test, skips with their reasons, the benchmark
@@ -151,6 +154,21 @@ def run_bench(env: dict, seconds: float, table: str, dry_run: bool) -> tuple[int
     return done.returncode, done.stdout + done.stderr[-3000:]
 
 
+def run_step_cost(env: dict, seconds: float, dry_run: bool) -> tuple[int, str]:
+    """``benchmarks/bench_all.py``'s fit and Mirrored rows on the GPU (the shared workload's small, launch-bound
+    steps: fit over the hand loop, Mirrored over two logical GPUs against its ceiling, and the host
+    synchronisations per steady step), one process a row; stopped past ``seconds`` with the rows done by then."""
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_all.py"), "--rounds", "1"]
+    command += ["--rows", "fit8", "fit64", "mirrored8", "mirrored64", "--pairs", "1" if dry_run else "8"]
+    command += ["--device", "cpu" if dry_run else "cuda"]
+    try:
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=seconds)
+    except subprocess.TimeoutExpired as error:
+        partial = error.stdout.decode() if isinstance(error.stdout, bytes) else (error.stdout or "")
+        return 124, f"(stopped after {seconds:.0f} s; the rows measured by then)\n" + partial
+    return done.returncode, done.stdout + (done.stderr[-3000:] if done.returncode else "")
+
+
 def report_lines(facts, greenlet_note, cases, test_status, test_output, bench_status, bench_text, seconds) -> list:
     counts = {kind: sum(c["outcome"] == kind for c in cases) for kind in ("passed", "FAILED", "ERROR", "skipped")}
     verdict = "PASS" if test_status == 0 and not counts["FAILED"] and not counts["ERROR"] else "FAIL"
@@ -177,6 +195,12 @@ def report_lines(facts, greenlet_note, cases, test_status, test_output, bench_st
         lines += ["", "pytest's output (the end):", "", "```", test_output[-6000:], "```"]
     lines += ["", f"## Benchmark (benchmarks/bench_gpu.py, exit status {bench_status})", "", bench_text.strip(), ""]
     return lines
+
+
+def step_cost_lines(status: int, text: str, dry_run: bool) -> list:
+    device = "cpu, a dry run" if dry_run else "cuda"
+    title = f"## Step cost (benchmarks/bench_all.py --device {device}, one process a row; exit status {status})"
+    return [title, "", "```", text.strip(), "```", ""]
 
 
 def main(argv=None) -> int:
@@ -221,13 +245,17 @@ def main(argv=None) -> int:
         cases = read_junit(os.path.join(work, "junit.xml"))
         if args.no_bench:
             bench_status, bench_text = 0, "(not run: --no-bench)"
-        else:
-            dry_run = args.dry_run and not have_gpu
+            cost_status, cost_text = 0, "(not run: --no-bench)"
+        dry_run = args.dry_run and not have_gpu
+        if not args.no_bench:
+            left = max(60.0, args.seconds - (time.monotonic() - started))
+            cost_status, cost_text = run_step_cost(env, min(90.0, left / 2), dry_run)
             left = max(30.0, args.seconds - (time.monotonic() - started))
             bench_status, bench_text = run_bench(env, left, os.path.join(work, "bench.md"), dry_run)
         lines = report_lines(
             facts, greenlet_note, cases, test_status, test_output, bench_status, bench_text, time.monotonic() - started
         )
+        lines += step_cost_lines(cost_status, cost_text, dry_run)
         _emit(lines, out)
         return 0 if lines[0].endswith("PASS") else 1
     finally:

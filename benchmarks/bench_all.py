@@ -32,6 +32,9 @@ a median). To *detect* a true 5 % change 80 % of the time takes about twice as m
 Run: python benchmarks/bench_all.py                       (every row; about 15 minutes on 2 cores)
      python benchmarks/bench_all.py --rows fit8 fit64 --rounds 15
      python benchmarks/bench_all.py --quick                (3 rounds a row: a smoke run, not figures)
+     python benchmarks/bench_all.py --device cuda --rows fit8 fit64 mirrored8 mirrored64
+                                       (on a GPU: the launch-bound rows, Mirrored over two logical GPUs of the
+                                        one, and the host synchronisations of an untimed epoch's steady steps)
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import subprocess
 import sys
 import time
 import types
+import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -101,10 +105,10 @@ class _HandEpochs:
     """``bench_fit.hand_loop``'s epochs, one per call, on one model and optimizer kept across calls (a fresh one
     per epoch would make its momentum buffers at every first step): the reference side of the fit rows."""
 
-    def __init__(self, x, y, batch: int):
-        self.model = bench_fit.make_model()
+    def __init__(self, xs, ys, batch: int):
+        self.model = bench_fit.make_model().to(xs.device)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
-        self.xs, self.ys, self.batch = torch.from_numpy(x), torch.from_numpy(y), batch
+        self.xs, self.ys, self.batch = xs, ys, batch
 
     def __call__(self) -> float:
         return bench_fit.hand_epoch(self.model, self.optimizer, self.xs, self.ys, self.batch)
@@ -115,51 +119,114 @@ class _Interleaved(Callback):
     on odd epochs, after it on even ones (so neither side always runs first); ``ratios``: fit / hand per pair,
     from the second epoch on (the first pair warms both up)."""
 
-    def __init__(self, x, y, batch: int):
+    def __init__(self, xs, ys, batch: int):
         super().__init__()
-        self._hand, self.ratios = _HandEpochs(x, y, batch), []
+        self._hand, self.ratios = _HandEpochs(xs, ys, batch), []
+        self.device = xs.device
 
     def on_epoch_begin(self, epoch, logs=None):
         self.hand = self._hand() if epoch % 2 else None
+        _sync(self.device)
         self.start = time.perf_counter()
 
     def on_epoch_end(self, epoch, logs=None):
+        _sync(self.device)
         seconds = time.perf_counter() - self.start
         hand = self.hand if self.hand is not None else self._hand()
         if epoch:
             self.ratios.append(seconds / hand)
 
 
-def interleaved_child(batch: int, pairs: int) -> None:
-    """One process: ``pairs + 1`` epochs of ``fit`` (default strategy), each beside an epoch of the hand loop."""
-    import gc
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
+
+def _data(examples: int, device: str) -> tuple:
+    """The shared workload's arrays, and as tensors on ``device`` (on a GPU they are given to fit as tensors
+    there, as to the hand loop: neither side copies a batch from the host)."""
     from replicafit.data import datasets
 
-    x, y = datasets.make_classification(4096, 64, n_classes=10, seed=0)
+    x, y = datasets.make_classification(examples, 64, n_classes=10, seed=0)
+    xs, ys = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
+    return (x, y) if device == "cpu" else (xs, ys), xs, ys
+
+
+class _HostSyncs(Callback):
+    """On a GPU: the host synchronisations torch reports (``torch.cuda.set_sync_debug_mode("warn")``) from the
+    second step's ``on_train_batch_begin`` to the last step's: ``counts`` (one per epoch) over ``watched`` steps
+    each, everything the loop does between two steps included. ``on_train_batch_begin`` only: a callback with
+    ``on_train_batch_end`` would make fit read its logs every step."""
+
+    def __init__(self, steps: int):
+        super().__init__()
+        self.last, self.watched, self.counts, self._seen = steps - 1, steps - 2, [], None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 1:
+            torch.cuda.synchronize()
+            self._catch = warnings.catch_warnings(record=True)
+            self._seen = self._catch.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        elif batch == self.last and self._seen is not None:
+            torch.cuda.set_sync_debug_mode(0)
+            self._catch.__exit__(None, None, None)
+            self.counts.append(sum("synchroniz" in str(warning.message) for warning in self._seen))
+            self._seen = None
+
+    def on_epoch_end(self, epoch, logs=None):  # (an epoch of fewer than 3 steps watches nothing)
+        if self._seen is not None:
+            torch.cuda.set_sync_debug_mode(0)
+            self._catch.__exit__(None, None, None)
+            self._seen = None
+
+
+def host_syncs(trainer, model, data, batch: int, device: str) -> dict:
+    """``{"syncs": n, "watched": steps}`` of one more (untimed) epoch of ``trainer``'s fit on a GPU, else ``{}``."""
+    if device == "cpu":
+        return {}
+    watch = _HostSyncs(-(-len(data[0]) // batch))
+    trainer.fit(model, data, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[watch])
+    return {"syncs": sum(watch.counts), "watched": watch.watched * len(watch.counts)}
+
+
+def interleaved_child(batch: int, pairs: int, device: str) -> None:
+    """One process: ``pairs + 1`` epochs of ``fit`` (the default strategy; ``OneDeviceStrategy`` on a GPU), each
+    beside an epoch of the hand loop; then, on a GPU, the host synchronisations of an untimed epoch."""
+    import gc
+
+    import replicafit.strategies as ds
+
+    data, xs, ys = _data(4096, device)
     gc.collect()  # (see bench_fit.child)
-    clock = _Interleaved(x, y, batch)
+    clock = _Interleaved(xs, ys, batch)
     trainer = Trainer(
+        strategy=None if device == "cpu" else ds.OneDeviceStrategy(device),
         optimizer={"class_name": "sgd", "config": {"learning_rate": 0.01, "momentum": 0.9}},
         loss="cross_entropy",
         metrics=(),
         seed=0,
     )
     model = bench_fit.make_model()
-    trainer.fit(model, (x, y), batch_size=batch, epochs=pairs + 1, shuffle=False, verbose=0, callbacks=[clock])
-    print(json.dumps(clock.ratios))
+    trainer.fit(model, data, batch_size=batch, epochs=pairs + 1, shuffle=False, verbose=0, callbacks=[clock])
+    print(json.dumps({"ratios": clock.ratios, **host_syncs(trainer, model, data, batch, device)}))
 
 
-def interleaved_rows(child: str, batch: int, rounds: int, pairs: int) -> list:
+def interleaved_rows(child: str, batch: int, rounds: int, pairs: int, device: str, syncs: list) -> list:
     """Per round (a fresh process running ``--<child>``): the median of its ``pairs`` interleaved ratios, both
-    sides measured side by side in one process, so drifts of the machine slower than a pair cancel."""
+    sides measured side by side in one process, so drifts of the machine slower than a pair cancel; on a GPU,
+    each round's ``(host synchronisations, steps watched)`` is appended to ``syncs``."""
     ratios = []
     for _ in range(rounds):
-        argv = [sys.executable, os.path.abspath(__file__), f"--{child}", str(batch), str(pairs)]
+        argv = [sys.executable, os.path.abspath(__file__), f"--{child}", str(batch), str(pairs), "--device", device]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
             raise RuntimeError(f"{child} at batch {batch} failed:\n{done.stderr[-2000:]}")
-        ratios.append(statistics.median(json.loads(done.stdout.strip().splitlines()[-1])))
+        found = json.loads(done.stdout.strip().splitlines()[-1])
+        ratios.append(statistics.median(found["ratios"]))
+        if "syncs" in found:
+            syncs.append((found["syncs"], found["watched"]))
     return ratios
 
 
@@ -180,22 +247,43 @@ def floor_rows(batch: int, rounds: int) -> list:
     return ratios
 
 
-def interleaved_floor_child(batch: int, pairs: int) -> None:
+class _Clock(bench_fit.EpochClock):
+    """``bench_fit.EpochClock`` with the device synchronised at both ends of an epoch (on a GPU)."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+
+    def on_epoch_begin(self, epoch, logs=None):
+        _sync(self.device)
+        super().on_epoch_begin(epoch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        _sync(self.device)
+        super().on_epoch_end(epoch, logs)
+
+
+def interleaved_floor_child(batch: int, pairs: int, device: str) -> None:
     """One process: ``pairs`` + 1 times, an epoch of OneDevice's fit, one of Mirrored's (the order alternating),
-    and the bare passes and updates of the ceiling; prints each pair's Mirrored ratio over its ceiling."""
+    and the bare passes and updates of the ceiling; prints each pair's Mirrored ratio over its ceiling. On a GPU
+    Mirrored's two replicas are two logical GPUs of the one (``set_logical_device_configuration``), as the two
+    logical CPUs share the cores; then the host synchronisations of an untimed Mirrored epoch."""
     import gc
 
     import bench_replica_floor
 
     import replicafit.strategies as ds
-    from replicafit.data import datasets
 
-    x, y = datasets.make_classification(2048, 64, n_classes=10, seed=0)
-    xs, ys = torch.from_numpy(x), torch.from_numpy(y)
+    data, xs, ys = _data(2048, device)
     gc.collect()  # (see bench_fit.child)
-    steps = -(-len(x) // batch)
+    steps = -(-len(xs) // batch)
+    if device == "cpu":
+        one, pair = "cpu:0", ["cpu:0", "cpu:1"]
+    else:
+        ds.set_logical_device_configuration(device, 2)
+        one, pair = "cuda:0", ["cuda:0", "cuda:1"]
     sides = {}
-    strategies = {"one": ds.OneDeviceStrategy("cpu:0"), "mirrored": ds.MirroredStrategy(["cpu:0", "cpu:1"])}
+    strategies = {"one": ds.OneDeviceStrategy(one), "mirrored": ds.MirroredStrategy(pair)}
     for name, strategy in strategies.items():
         config = {"learning_rate": 0.01, "momentum": 0.9}
         trainer = Trainer(strategy=strategy, optimizer={"class_name": "sgd", "config": config}, loss="cross_entropy",
@@ -206,15 +294,16 @@ def interleaved_floor_child(batch: int, pairs: int) -> None:
         step = {}
         for name in ("one", "mirrored") if index % 2 == 0 else ("mirrored", "one"):
             trainer, model = sides[name]
-            clock = bench_fit.EpochClock()  # (the second epoch: the fit's first step set up nothing in it)
-            trainer.fit(model, (x, y), batch_size=batch, epochs=2, shuffle=False, verbose=0, callbacks=[clock])
+            clock = _Clock(xs.device)  # (the second epoch: the fit's first step set up nothing in it)
+            trainer.fit(model, data, batch_size=batch, epochs=2, shuffle=False, verbose=0, callbacks=[clock])
             step[name] = clock.times[-1] / steps * 1e6
         full = bench_replica_floor.bare_pass(xs, ys, batch, False, 200)
         halves = bench_replica_floor.bare_pass(xs, ys, batch, True, 200)
-        extra = halves - full + bench_replica_floor.bare_update(2, 400) - bench_replica_floor.bare_update(1, 400)
+        updates = [bench_replica_floor.bare_update(copies, 400, device) for copies in (2, 1)]
+        extra = halves - full + updates[0] - updates[1]
         if index:
             ratios.append((step["one"] + extra) / step["mirrored"])  # measured / same overhead
-    print(json.dumps(ratios))
+    print(json.dumps({"ratios": ratios, **host_syncs(*sides["mirrored"], data, batch, device)}))
 
 
 def mwm_rows(rounds: int) -> dict:
@@ -277,37 +366,63 @@ def main() -> None:
         "instead of interleaved in one",
     )
     parser.add_argument("--pairs", type=int, default=12, help="epoch pairs per process of the interleaved fit rows")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, or cuda: the fit and Mirrored rows on the GPU (two logical GPUs of it for Mirrored), with the "
+        "host synchronisations fit makes per step counted; the battery (bash .ci/gpu) runs them",
+    )
     parser.add_argument("--interleaved-child", nargs=2, type=int, help=argparse.SUPPRESS)
     parser.add_argument("--interleaved-floor-child", nargs=2, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.interleaved_child:
-        interleaved_child(*args.interleaved_child)
+        interleaved_child(*args.interleaved_child, args.device)
         return
     if args.interleaved_floor_child:
-        interleaved_floor_child(*args.interleaved_floor_child)
+        interleaved_floor_child(*args.interleaved_floor_child, args.device)
         return
     if args.quick:
         args.rounds, args.mwm_rounds, args.fsdp_rounds = 3, 6, 1
+    if args.device != "cpu":
+        if not torch.cuda.is_available():
+            print(f"--device {args.device}: no CUDA GPU here (torch {torch.__version__}); nothing measured")
+            return
+        others = [row for row in args.rows if GROUPS[row] not in ("fit", "floor")]
+        if set(others) == set(args.rows):
+            parser.error(f"--device {args.device} measures the fit and Mirrored rows only (the multi-worker rows "
+                         "need a GPU per worker); give --rows fit64 fit8 mirrored64 mirrored8")  # fmt: skip
+        if others:
+            print(f"(--device {args.device}: rows {', '.join(others)} left out: they need a GPU per worker)")
+        args.rows = [row for row in args.rows if row not in others]
+        if args.fresh_processes:
+            parser.error("--fresh-processes runs the CPU scripts; leave it out with --device")
+        args.device = "cuda:0" if args.device == "cuda" else args.device
     start = time.perf_counter()
     print(f"{'row':<22} {'median':>7}  {'spread':<22} {'':>11}  {'':<17}")
     mwm = None
     for row in args.rows:
-        group = GROUPS[row]
+        group, syncs = GROUPS[row], []
         if group == "fit" and args.fresh_processes:
             show(row, fit_rows(int(row[3:]), args.rounds))
         elif group == "fit":
-            show(row, interleaved_rows("interleaved-child", int(row[3:]), args.rounds, args.pairs))
+            show(row, interleaved_rows("interleaved-child", int(row[3:]), args.rounds, args.pairs, args.device, syncs))
         elif group == "floor" and args.fresh_processes:
             show(row, floor_rows(int(row[8:]), args.rounds))
         elif group == "floor":
-            show(row, interleaved_rows("interleaved-floor-child", int(row[8:]), args.rounds, args.pairs))
+            child = "interleaved-floor-child"
+            show(row, interleaved_rows(child, int(row[8:]), args.rounds, args.pairs, args.device, syncs))
         elif group == "mwm":
             mwm = mwm or mwm_rows(args.mwm_rounds)
             show(row, None, mwm[row])
         else:
             show(row, fully_sharded_rows(args.fsdp_rounds))
+        if syncs:
+            count, watched = (sum(values) for values in zip(*syncs))
+            rate = count / max(watched, 1)
+            print(f"{'':<22} host synchronisations in steady steps: {count} in {watched} ({rate:.2f} a step)")
     load = os.getloadavg()[0]
-    print(f"({time.perf_counter() - start:.0f} s in all; load average {load:.2f} on {os.cpu_count()} CPUs)")
+    where = torch.cuda.get_device_name(0) if args.device != "cpu" else f"{os.cpu_count()} CPUs"
+    print(f"({time.perf_counter() - start:.0f} s in all; load average {load:.2f}; {where}; torch {torch.__version__})")
 
 
 if __name__ == "__main__":

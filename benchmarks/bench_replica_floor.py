@@ -47,9 +47,14 @@ import replicafit.strategies as ds  # noqa: E402
 from replicafit.data import datasets  # noqa: E402
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def bare_pass(x, y, batch: int, halves: bool, reps: int) -> float:
-    """Microseconds for a forward + autograd.grad at ``batch`` (or two at ``batch // 2``)."""
-    model = make_model()
+    """Microseconds for a forward + autograd.grad at ``batch`` (or two at ``batch // 2``), on ``x``'s device."""
+    model = make_model().to(x.device)
     params = list(model.parameters())
     parts = (
         [(x[: batch // 2], y[: batch // 2]), (x[batch // 2 : batch], y[batch // 2 : batch])]
@@ -63,22 +68,27 @@ def bare_pass(x, y, batch: int, halves: bool, reps: int) -> float:
 
     for _ in range(reps // 10):
         once()
+    _sync(x.device)
     start = time.perf_counter()
     for _ in range(reps):
         once()
+    _sync(x.device)
     return (time.perf_counter() - start) / reps * 1e6
 
 
-def bare_update(copies: int, reps: int) -> float:
+def bare_update(copies: int, reps: int, device: str = "cpu") -> float:
     """Microseconds for SGD momentum's three multi-tensor kernels over ``copies`` parameter copies."""
-    params = [p.detach().clone() for _ in range(copies) for p in make_model().parameters()]
+    device = torch.device(device)
+    params = [p.detach().to(device) for _ in range(copies) for p in make_model().parameters()]
     buffers = [torch.zeros_like(p) for p in params]
     grads = [torch.full_like(p, 1e-3) for p in params]
+    _sync(device)
     start = time.perf_counter()
     for _ in range(reps):
         torch._foreach_mul_(buffers, 0.9)
         torch._foreach_sub_(buffers, grads, alpha=0.01)
         torch._foreach_add_(params, buffers)
+    _sync(device)
     return (time.perf_counter() - start) / reps * 1e6
 
 

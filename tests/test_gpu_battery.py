@@ -6,6 +6,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -69,3 +70,31 @@ def test_the_report_lists_every_test_and_fails_on_a_failure(tmp_path):
     assert "needs 2 CUDA GPU(s)" in text and "| table |" in text and "NVIDIA H100" in text
     passing = battery.report_lines(facts, "greenlet is installed", cases[:1], 0, "", 0, "", 1.0)
     assert passing[0] == "# GPU battery: PASS"
+
+
+def test_the_step_cost_rows_count_every_host_synchronisation_of_the_steady_steps(monkeypatch):
+    """``bench_all.py --device cuda`` reports the synchronisations torch's debug mode warns of between the second
+    step and the last; here torch's CUDA calls are stood in for and a train step warns as the debug mode would."""
+    spec = importlib.util.spec_from_file_location("bench_all", os.path.join(ROOT, "benchmarks", "bench_all.py"))
+    bench_all = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_all)
+    modes = [0]
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    class Leaky(bench_all.Trainer):
+        def train_step(self, data):
+            logs = super().train_step(data)
+            if modes[-1] == "warn":
+                warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+            return logs
+
+    data, _, _ = bench_all._data(256, "cpu")  # 32 steps of 8: the second to the last but one are watched
+    found = {}
+    for trainer_class in (bench_all.Trainer, Leaky):
+        trainer = trainer_class(optimizer="sgd", loss="cross_entropy", metrics=(), seed=0)
+        found[trainer_class] = bench_all.host_syncs(trainer, bench_all.bench_fit.make_model(), data, 8, "cuda:0")
+        assert modes[-1] == 0  # the debug mode is off again after the epoch
+    assert found[bench_all.Trainer] == {"syncs": 0, "watched": 30}
+    assert found[Leaky] == {"syncs": 30, "watched": 30}
+    assert bench_all.host_syncs(None, None, data, 8, "cpu") == {}
