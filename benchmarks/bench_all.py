@@ -19,15 +19,20 @@ round, so this machine's drifts hit both alike):
   ``--fresh-processes`` runs ``bench_replica_floor.py``'s child instead (ranges 0.59-0.89, 30-80 rounds for 5 %);
 - ``mwm/ddp fit``, ``mwm/ddp step``: 2 workers on gloo, ``MultiWorkerMirroredStrategy`` through ``fit`` (C)
   and its replica step alone (B) over DDP + ``torch.optim.SGD`` (A), ``bench_multiworker.py``, target <= 1.0
-  (its rounds are blocks of steps in two long-lived processes; the range is its quartiles);
+  (its rounds: a block of 20 steps of each variant in two long-lived processes, the order reversed every other
+  round; ``--mwm-rounds``, 200 by default: the per-round ratios spread by +-15 % (two single-threaded workers
+  on 2 cores), which takes about 150 rounds to resolve 5 %; ordering the blocks A B C C B A in every round, or
+  alternating A and B step by step, did not narrow it);
 - ``fully_sharded/hand``: ``FullyShardedStrategy`` through ``fit`` over torch's ``fully_shard`` hand loop on 2
   workers (``bench_fully_sharded.py``), target <= 1.10.
 
 For each row: the median of the per-round ratios, their range, the number of rounds, the target, and the
 rounds this row's spread needs to separate a 5 % change from noise: the n at which a 5 % difference between
-two medians of n rounds each is 1.96 standard errors (significant at 95 %), with s the per-round log-ratios'
-standard deviation, n >= (1.96 * sqrt(2) * 1.2533 * s / ln 1.05)^2 (1.2533 s / sqrt(n): the standard error of
-a median). To *detect* a true 5 % change 80 % of the time takes about twice as many rounds.
+two medians of n rounds each is 1.96 standard errors (significant at 95 %), with s the spread of the per-round
+log-ratios (1.4826 times their median absolute deviation: their standard deviation where they are normal, and
+not swollen by a stray round, as the medians are not), n >= (1.96 * sqrt(2) * 1.2533 * s / ln 1.05)^2
+(1.2533 s / sqrt(n): the standard error of a median). To *detect* a true 5 % change 80 % of the time takes about
+twice as many rounds.
 
 Run: python benchmarks/bench_all.py                       (every row; about 15 minutes on 2 cores)
      python benchmarks/bench_all.py --rows fit8 fit64 --rounds 15
@@ -86,7 +91,8 @@ def rounds_for_five_percent(ratios: list) -> int | None:
     logs = [math.log(r) for r in ratios if r > 0]
     if len(logs) < 3:
         return None
-    spread = statistics.stdev(logs)
+    middle = statistics.median(logs)
+    spread = 1.4826 * statistics.median(abs(value - middle) for value in logs)  # robust to a stray round
     return max(3, math.ceil((1.96 * math.sqrt(2) * 1.2533 * spread / math.log(1.05)) ** 2))
 
 
@@ -307,19 +313,18 @@ def interleaved_floor_child(batch: int, pairs: int, device: str) -> None:
 
 
 def mwm_rows(rounds: int) -> dict:
-    """``{"mwm_fit": (median, p25, p75), "mwm_step": ...}`` from ``bench_multiworker.py``'s own rounds."""
-    argv = [sys.executable, os.path.join(HERE, "bench_multiworker.py"), "--rounds", str(rounds)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        raise RuntimeError(f"bench_multiworker.py failed:\n{done.stdout[-1000:]}\n{done.stderr[-2000:]}")
-    found = {}
-    for variant, row in (("C", "mwm_fit"), ("B", "mwm_step")):
-        match = re.search(rf"ratio {variant}/A: median of per-round ratios ([\d.]+) \(p25 ([\d.]+), p75 ([\d.]+)\)",
-                          done.stdout)  # fmt: skip
-        if match is None:
-            raise RuntimeError(f"bench_multiworker.py printed no {variant}/A ratio:\n{done.stdout[-2000:]}")
-        found[row] = tuple(float(v) for v in match.groups())
-    return found
+    """``{"mwm_fit": [C/A per round], "mwm_step": [B/A per round]}`` from ``bench_multiworker.py``'s rounds."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="rf-bench-all-") as folder:
+        path = os.path.join(folder, "ratios.json")
+        argv = [sys.executable, os.path.join(HERE, "bench_multiworker.py"), "--rounds", str(rounds), "--json", path]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0 or not os.path.exists(path):
+            raise RuntimeError(f"bench_multiworker.py failed:\n{done.stdout[-1000:]}\n{done.stderr[-2000:]}")
+        with open(path) as file:
+            found = json.load(file)
+    return {"mwm_fit": found["C/A"], "mwm_step": found["B/A"]}
 
 
 def fully_sharded_rows(rounds: int) -> list:
@@ -334,17 +339,13 @@ def fully_sharded_rows(rounds: int) -> list:
     return [float(v) for v in match.group(1).split(",")]
 
 
-def show(row: str, ratios: list | None, quartiles: tuple | None = None) -> None:
+def show(row: str, ratios: list) -> None:
     sign, target = TARGETS[row]
-    if quartiles is not None:  # (a script's own rounds: median and quartiles)
-        median, low, high = quartiles
-        spread, needed = f"p25-p75 {low:.3f}-{high:.3f}", "-"
-    else:
-        median, low, high = statistics.median(ratios), min(ratios), max(ratios)
-        needed = rounds_for_five_percent(ratios)
-        spread, needed = f"range {low:.3f}-{high:.3f}", "-" if needed is None else str(needed)
+    median, low, high = statistics.median(ratios), min(ratios), max(ratios)
+    needed = rounds_for_five_percent(ratios)
+    spread, needed = f"range {low:.3f}-{high:.3f}", "-" if needed is None else str(needed)
     met = median <= target if sign == "<=" else median >= target
-    count = len(ratios) if ratios is not None else "own"
+    count = len(ratios)
     print(
         f"{LABELS[row]:<22} {median:7.3f}  {spread:<22} rounds {count!s:>4}  target {sign} {target:<5} "
         f"{'met' if met else 'not met':<8} rounds for 5 %: {needed}",
@@ -356,7 +357,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="+", choices=sorted(TARGETS), default=list(TARGETS))
     parser.add_argument("--rounds", type=int, default=9, help="paired rounds of the fit and mirrored rows")
-    parser.add_argument("--mwm-rounds", type=int, default=60, help="bench_multiworker.py's rounds")
+    parser.add_argument("--mwm-rounds", type=int, default=200, help="bench_multiworker.py's rounds")
     parser.add_argument("--fsdp-rounds", type=int, default=3, help="bench_fully_sharded.py's rounds")
     parser.add_argument("--quick", action="store_true", help="3 rounds a row (a smoke run)")
     parser.add_argument(
@@ -413,7 +414,7 @@ def main() -> None:
             show(row, interleaved_rows(child, int(row[8:]), args.rounds, args.pairs, args.device, syncs))
         elif group == "mwm":
             mwm = mwm or mwm_rows(args.mwm_rounds)
-            show(row, None, mwm[row])
+            show(row, mwm[row])
         else:
             show(row, fully_sharded_rows(args.fsdp_rounds))
         if syncs:

@@ -366,8 +366,9 @@ def report(outcomes, args) -> None:
             f"  what communication adds to a step (median X - X0): DDP {comm_a * 1e3:.3f} ms, MWMS {comm_b * 1e3:.3f} "
             f"ms (overlap visible when MWMS's is the smaller: {comm_b < comm_a})"
         )
+    per_round = {}
     for n in [n for n in names[1:] if n in ("B", "C")]:
-        ratios = [b / a for a, b in zip(slower["A"], slower[n])]
+        ratios = per_round[f"{n}/A"] = [b / a for a, b in zip(slower["A"], slower[n])]
         q1, q2, q3 = _quartiles(ratios)
         of_medians = statistics.median(slower[n]) / statistics.median(slower["A"])
         target = "  (target <= 1.0)" if n in ("B", "C") else ""
@@ -375,6 +376,9 @@ def report(outcomes, args) -> None:
             f"  ratio {n}/A: median of per-round ratios {q2:.3f} (p25 {q1:.3f}, p75 {q3:.3f}); "
             f"of the medians {of_medians:.3f}{target}"
         )
+    if args.json:  # every round's ratios, for benchmarks/bench_all.py
+        with open(args.json, "w") as file:
+            json.dump(per_round, file)
     census = outcomes[0]["census"]
     print("collectives per step:")
     print(
@@ -409,6 +413,7 @@ def main() -> None:
     parser.add_argument(
         "--without-communication", action="store_true", help="also time A0 and B0, the steps without communication"
     )
+    parser.add_argument("--json", help="write every round's ratios B/A and C/A to this file")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before the workers are ended")
     parser.add_argument("--_worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -40,9 +40,15 @@ import argparse
 import collections
 import cProfile
 import io
+import json
 import os
 import pstats
+import shutil
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -54,11 +60,13 @@ import replicafit.trainer as _trainer_package  # noqa: E402
 from replicafit.data import datasets  # noqa: E402
 from replicafit.trainer import Trainer  # noqa: E402
 
+WORKERS = 2  # --strategy multi_worker: this many local processes on gloo
 STRATEGIES = {
     "default": lambda: None,
     "one_device": lambda: ds.OneDeviceStrategy("cpu:0"),
     "mirrored": lambda: ds.MirroredStrategy(["cpu:0", "cpu:1"]),
     "central_storage": lambda: ds.CentralStorageStrategy(["cpu:0", "cpu:1"], "cpu:0"),
+    "multi_worker": None,  # made in each worker (see worker())
 }
 
 ROOT = os.path.dirname(os.path.dirname(os.path.realpath(_trainer_package.__file__)))  # the source folders' parent
@@ -136,25 +144,43 @@ def by_stage(stats: pstats.Stats) -> dict:
     return totals
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", choices=sorted(STRATEGIES), default="mirrored")
-    parser.add_argument("--loop", action="store_true", help="profile the hand-written torch loop instead")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--execution", choices=["auto", "threads"], default="auto")
-    parser.add_argument("--examples", type=int, default=4096)
-    parser.add_argument("--top", type=int, default=0, help="the N functions of the largest own time, not stages")
-    parser.add_argument("--within", help="with --top: only the functions of this stage (built-ins by caller)")
-    args = parser.parse_args()
-    ds.set_replica_execution(args.execution)
-    x, y = datasets.make_classification(args.examples, 64, n_classes=10, seed=0)
-    steps = -(-args.examples // args.batch)
+def ddp_epoch(x, y, batch: int, rank: int) -> float:
+    """The multi-worker reference: an epoch of ``DistributedDataParallel`` + ``torch.optim.SGD`` over this
+    worker's rows of each global batch (``bench_fit.hand_epoch``'s loop, the gradients averaged by DDP)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(make_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    xs, ys, per = torch.from_numpy(x), torch.from_numpy(y), batch // WORKERS
+    start = time.perf_counter()
+    total, count = torch.zeros(()), 0
+    for begin in range(0, len(xs), batch):
+        rows = slice(begin + rank * per, begin + (rank + 1) * per)
+        xb, yb = xs[rows], ys[rows]
+        optimizer.zero_grad(set_to_none=True)
+        losses = F.cross_entropy(model(xb), yb, reduction="none")
+        (losses.sum() / len(xb)).backward()
+        optimizer.step()
+        total += losses.detach().sum()
+        count += len(xb)
+    float(total / count)
+    return time.perf_counter() - start
+
+
+def profile_fits(args, x, y, strategy_factory, rank: int = 0):
+    """Three fits of one epoch (or hand-loop epochs): warm-up, timed, profiled; ``(profile, seconds, profiled)``."""
 
     def run() -> float:
         if args.loop:
-            return hand_loop(x, y, args.batch, 1)[0]
+            return (
+                ddp_epoch(x, y, args.batch, rank)
+                if args.strategy == "multi_worker"
+                else hand_loop(x, y, args.batch, 1)[0]
+            )
         trainer = Trainer(
-            strategy=STRATEGIES[args.strategy](),
+            strategy=strategy_factory(),
             optimizer={"class_name": "sgd", "config": {"learning_rate": 0.01, "momentum": 0.9}},
             loss="cross_entropy",
             metrics=(),
@@ -171,14 +197,92 @@ def main() -> None:
     profile.enable()
     profiled = run()
     profile.disable()
+    return profile, seconds, profiled
+
+
+def worker(rank: int, port: int, outdir: str, args, x, y) -> None:
+    """One of ``WORKERS`` processes of ``--strategy multi_worker``: profiles its fits; worker 0 writes the profile."""
+    import torch
+
+    torch.set_num_threads(1)
+    resolver = ds.SimpleClusterResolver(WORKERS, rank, "127.0.0.1", port)
+    strategy = ds.MultiWorkerMirroredStrategy(ds.CommunicationOptions(timeout_seconds=60), resolver)
+    profile, seconds, profiled = profile_fits(args, x, y, lambda: strategy, rank)
+    if rank == 0:
+        profile.dump_stats(os.path.join(outdir, "profile.tmp"))
+        os.replace(os.path.join(outdir, "profile.tmp"), os.path.join(outdir, "profile"))
+        with open(os.path.join(outdir, "seconds.json"), "w") as file:
+            json.dump([seconds, profiled], file)
+    strategy.cluster.barrier("end")
+
+
+def launch_workers(argv: list, timeout: float) -> tuple:
+    """Runs ``WORKERS`` copies of this script as workers (fresh interpreters, one intra-op thread each), bounded
+    by ``timeout`` seconds and ended by their process groups' ids; worker 0's ``(stats, seconds, profiled)``."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    outdir = tempfile.mkdtemp(prefix="rf-profile-mw-")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, os.path.abspath(__file__), *argv, "--worker"]
+    procs = [
+        subprocess.Popen([*command, str(rank), str(port), outdir], env=env, start_new_session=True)
+        for rank in range(WORKERS)
+    ]
+    deadline = time.monotonic() + timeout
+    try:
+        while any(proc.poll() is None for proc in procs):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the workers were still running after {timeout:.0f} s")
+            if any(proc.poll() not in (None, 0) for proc in procs):
+                raise RuntimeError(f"a worker failed: exit codes {[proc.poll() for proc in procs]}")
+            time.sleep(0.05)
+        with open(os.path.join(outdir, "seconds.json")) as file:
+            seconds, profiled = json.load(file)
+        return pstats.Stats(os.path.join(outdir, "profile")), seconds, profiled
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        shutil.rmtree(outdir, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategy", choices=sorted(STRATEGIES), default="mirrored")
+    parser.add_argument("--loop", action="store_true", help="profile the hand-written torch loop instead")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--execution", choices=["auto", "threads"], default="auto")
+    parser.add_argument("--examples", type=int, default=4096)
+    parser.add_argument("--top", type=int, default=0, help="the N functions of the largest own time, not stages")
+    parser.add_argument("--within", help="with --top: only the functions of this stage (built-ins by caller)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="multi_worker: seconds before the workers end")
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.within and not args.top:
+        parser.error("--within lists a stage's functions: give --top N too")
+    if args.strategy == "multi_worker" and args.batch % WORKERS:
+        parser.error(f"--strategy multi_worker splits the global batch over {WORKERS} workers: give an even --batch")
+    ds.set_replica_execution(args.execution)
+    x, y = datasets.make_classification(args.examples, 64, n_classes=10, seed=0)
+    steps = -(-args.examples // args.batch)
+    if args.worker:
+        rank, port, outdir = args.worker
+        worker(int(rank), int(port), outdir, args, x, y)
+        return
+    if args.strategy == "multi_worker":
+        stats, seconds, profiled = launch_workers(sys.argv[1:], args.timeout)
+    else:
+        profile, seconds, profiled = profile_fits(args, x, y, STRATEGIES[args.strategy])
+        stats = pstats.Stats(profile)
     name = "hand loop" if args.loop else f"{args.strategy}, execution {args.execution!r}"
+    name = "DDP hand loop, worker 0 of 2" if args.loop and args.strategy == "multi_worker" else name
+    name += ", worker 0 of 2" if args.strategy == "multi_worker" and not args.loop else ""
     print(
         f"{name}, batch {args.batch}: {seconds / steps * 1e6:.0f} us/step "
         f"({profiled / steps * 1e6:.0f} under the profiler)"
     )
-    stats = pstats.Stats(profile)
-    if args.within and not args.top:
-        parser.error("--within lists a stage's functions: give --top N too")
     if args.top and args.within:
         rows = []
         for (filename, line, name), (_, calls, own, cumulative, callers) in stats.stats.items():
