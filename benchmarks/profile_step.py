@@ -28,10 +28,17 @@ the call counts exact.
 floor: the torch stages are what any loop pays). ``--top N`` prints the N functions of the largest
 own time instead.
 
+``--strategy multi_worker`` runs 2 local worker processes on gloo (one intra-op thread each, bounded by
+``--timeout`` and ended by their ids), ``MultiWorkerMirroredStrategy`` through ``fit`` over the global batch,
+and prints worker 0's profile; with ``--loop`` its reference, ``DistributedDataParallel`` + ``torch.optim.SGD``
+over each worker's rows. There "reductions: torch calls" is mostly the wait for the step's all-reduce, which
+in DDP's profile is inside backward ("torch (Python)").
+
 Run: python benchmarks/profile_step.py [--strategy mirrored] [--batch 8] [--execution auto]
      python benchmarks/profile_step.py --strategy default --batch 8     (fit on the default strategy)
      python benchmarks/profile_step.py --loop --batch 8                  (the hand loop's profile)
      python benchmarks/profile_step.py --strategy mirrored --top 25      (by function)
+     python benchmarks/profile_step.py --strategy multi_worker [--loop]  (2 workers; --loop: DDP)
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_fit import hand_loop, make_model  # noqa: E402
+from bench_fit import hand_epoch, hand_loop, make_model  # noqa: E402
 
 import replicafit.strategies as ds  # noqa: E402
 import replicafit.trainer as _trainer_package  # noqa: E402
@@ -148,25 +155,14 @@ def ddp_epoch(x, y, batch: int, rank: int) -> float:
     """The multi-worker reference: an epoch of ``DistributedDataParallel`` + ``torch.optim.SGD`` over this
     worker's rows of each global batch (``bench_fit.hand_epoch``'s loop, the gradients averaged by DDP)."""
     import torch
-    import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
     model = DistributedDataParallel(make_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    xs, ys, per = torch.from_numpy(x), torch.from_numpy(y), batch // WORKERS
-    start = time.perf_counter()
-    total, count = torch.zeros(()), 0
-    for begin in range(0, len(xs), batch):
-        rows = slice(begin + rank * per, begin + (rank + 1) * per)
-        xb, yb = xs[rows], ys[rows]
-        optimizer.zero_grad(set_to_none=True)
-        losses = F.cross_entropy(model(xb), yb, reduction="none")
-        (losses.sum() / len(xb)).backward()
-        optimizer.step()
-        total += losses.detach().sum()
-        count += len(xb)
-    float(total / count)
-    return time.perf_counter() - start
+    per = batch // WORKERS
+    mine = [row for begin in range(0, len(x), batch) for row in range(begin + rank * per, begin + (rank + 1) * per)]
+    mine = [row for row in mine if row < len(x)]
+    return hand_epoch(model, optimizer, torch.from_numpy(x[mine]), torch.from_numpy(y[mine]), per)
 
 
 def profile_fits(args, x, y, strategy_factory, rank: int = 0):
