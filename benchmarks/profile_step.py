@@ -34,11 +34,18 @@ and prints worker 0's profile; with ``--loop`` its reference, ``DistributedDataP
 over each worker's rows. There "reductions: torch calls" is mostly the wait for the step's all-reduce, which
 in DDP's profile is inside backward ("torch (Python)").
 
+``--model tiny`` fits one ``Linear(64, 10)`` instead: its compute is a few small kernels, so the unprofiled step
+time is almost all host work, and strategies compare by what they add (the profile itself cannot tell this under
+Mirrored, above). ``--calls`` times ``strategy.run`` of a function that does nothing, and of one that makes one
+``merge_call`` of nothing, under OneDevice and Mirrored: the replica scheduler and the rendezvous alone.
+
 Run: python benchmarks/profile_step.py [--strategy mirrored] [--batch 8] [--execution auto]
      python benchmarks/profile_step.py --strategy default --batch 8     (fit on the default strategy)
      python benchmarks/profile_step.py --loop --batch 8                  (the hand loop's profile)
      python benchmarks/profile_step.py --strategy mirrored --top 25      (by function)
      python benchmarks/profile_step.py --strategy multi_worker [--loop]  (2 workers; --loop: DDP)
+     python benchmarks/profile_step.py --strategy mirrored --model tiny  (the host work alone)
+     python benchmarks/profile_step.py --calls                           (run and merge_call alone)
 """
 
 from __future__ import annotations
@@ -60,7 +67,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_fit import hand_epoch, hand_loop, make_model  # noqa: E402
+import torch  # noqa: E402
+from bench_fit import hand_epoch, make_model  # noqa: E402
 
 import replicafit.strategies as ds  # noqa: E402
 import replicafit.trainer as _trainer_package  # noqa: E402
@@ -151,13 +159,25 @@ def by_stage(stats: pstats.Stats) -> dict:
     return totals
 
 
-def ddp_epoch(x, y, batch: int, rank: int) -> float:
+def tiny_model():
+    """``--model tiny``: one ``Linear(64, 10)``, whose compute is a few small kernels: a step's time is then
+    almost all the loop's own host work (the framework's, or torch.optim's and autograd's in the hand loop)."""
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Linear(64, 10)
+
+
+MODELS = {"mlp": make_model, "tiny": tiny_model}
+
+
+def ddp_epoch(x, y, batch: int, rank: int, make=make_model) -> float:
     """The multi-worker reference: an epoch of ``DistributedDataParallel`` + ``torch.optim.SGD`` over this
     worker's rows of each global batch (``bench_fit.hand_epoch``'s loop, the gradients averaged by DDP)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    model = DistributedDataParallel(make_model())
+    model = DistributedDataParallel(make())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     per = batch // WORKERS
     mine = [row for begin in range(0, len(x), batch) for row in range(begin + rank * per, begin + (rank + 1) * per)]
@@ -168,13 +188,15 @@ def ddp_epoch(x, y, batch: int, rank: int) -> float:
 def profile_fits(args, x, y, strategy_factory, rank: int = 0):
     """Three fits of one epoch (or hand-loop epochs): warm-up, timed, profiled; ``(profile, seconds, profiled)``."""
 
+    make = MODELS[args.model]
+
     def run() -> float:
+        if args.loop and args.strategy == "multi_worker":
+            return ddp_epoch(x, y, args.batch, rank, make)
         if args.loop:
-            return (
-                ddp_epoch(x, y, args.batch, rank)
-                if args.strategy == "multi_worker"
-                else hand_loop(x, y, args.batch, 1)[0]
-            )
+            model = make()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            return hand_epoch(model, optimizer, torch.from_numpy(x), torch.from_numpy(y), args.batch)
         trainer = Trainer(
             strategy=strategy_factory(),
             optimizer={"class_name": "sgd", "config": {"learning_rate": 0.01, "momentum": 0.9}},
@@ -182,7 +204,7 @@ def profile_fits(args, x, y, strategy_factory, rank: int = 0):
             metrics=(),
             seed=0,
         )
-        model = make_model()
+        model = make()
         start = time.perf_counter()
         trainer.fit(model, (x, y), batch_size=args.batch, epochs=1, shuffle=False, verbose=0)
         return time.perf_counter() - start
@@ -244,6 +266,25 @@ def launch_workers(argv: list, timeout: float) -> tuple:
         shutil.rmtree(outdir, ignore_errors=True)
 
 
+def time_calls() -> None:
+    """``--calls``: the replica scheduler and the rendezvous alone, per strategy: ``strategy.run`` of a function
+    that does nothing, and of one that makes a ``merge_call`` of nothing (microseconds a call, best of 5)."""
+    import timeit
+
+    def nothing():
+        return None
+
+    def merge_nothing():
+        return ds.get_replica_context().merge_call(lambda strategy: None)
+
+    for name in ("one_device", "mirrored"):
+        strategy = STRATEGIES[name]()
+        for label, fn in (("run(nothing)", nothing), ("run(merge_call of nothing)", merge_nothing)):
+            strategy.run(fn)
+            best = min(timeit.repeat(lambda: strategy.run(fn), number=2000, repeat=5)) / 2000  # noqa: B023
+            print(f"{name:<11} {label:<28} {best * 1e6:7.1f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", choices=sorted(STRATEGIES), default="mirrored")
@@ -251,11 +292,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--execution", choices=["auto", "threads"], default="auto")
     parser.add_argument("--examples", type=int, default=4096)
+    parser.add_argument("--model", choices=sorted(MODELS), default="mlp", help="tiny: one Linear(64, 10)")
     parser.add_argument("--top", type=int, default=0, help="the N functions of the largest own time, not stages")
     parser.add_argument("--within", help="with --top: only the functions of this stage (built-ins by caller)")
     parser.add_argument("--timeout", type=float, default=600.0, help="multi_worker: seconds before the workers end")
+    parser.add_argument("--calls", action="store_true", help="time strategy.run and merge_call alone instead")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.calls:
+        ds.set_replica_execution(args.execution)
+        time_calls()
+        return
     if args.within and not args.top:
         parser.error("--within lists a stage's functions: give --top N too")
     if args.strategy == "multi_worker" and args.batch % WORKERS:
@@ -276,7 +323,7 @@ def main() -> None:
     name = "DDP hand loop, worker 0 of 2" if args.loop and args.strategy == "multi_worker" else name
     name += ", worker 0 of 2" if args.strategy == "multi_worker" and not args.loop else ""
     print(
-        f"{name}, batch {args.batch}: {seconds / steps * 1e6:.0f} us/step "
+        f"{name}, {args.model} model, batch {args.batch}: {seconds / steps * 1e6:.0f} us/step "
         f"({profiled / steps * 1e6:.0f} under the profiler)"
     )
     if args.top and args.within:
