@@ -204,7 +204,8 @@ class InputChecks:
                 try:
                     with torch.no_grad():
                         probe = nest.map_structure(lambda t: data_layer.as_tensor(t)[:1], x)
-                        output = call_model(dm.module, as_dtype(probe, float_dtype))
+                        probe = _on_device_of(dm.module, as_dtype(probe, float_dtype))
+                        output = call_model(dm.module, probe)
                 except (TypeError, AttributeError) as error:
                     if not isinstance(x, Mapping):
                         raise
@@ -221,7 +222,7 @@ class InputChecks:
                     structure = output if isinstance(output, (Mapping, tuple, list)) else None
                 if y is not None:
                     labels = nest.map_structure(lambda t: data_layer.as_tensor(t)[:1], y)
-                    labels = as_dtype(labels, float_dtype)
+                    labels = _on_device_of(dm.module, as_dtype(labels, float_dtype))
                     if built_in and structure is None and loss is not None:
                         whole = all_labels if all_labels is not None else y
                         self._check_loss_on_first_batch(whole, labels, output, caller)
@@ -243,7 +244,7 @@ class InputChecks:
             head = functools.partial(_first_rows, count=count)
             probe_x = nest.map_structure(head, x)
             probe_y = None if y is None else nest.map_structure(head, y)
-            inputs = inputs_with_labels(module, as_dtype(probe_x, float_dtype), probe_y)
+            inputs = _on_device_of(module, inputs_with_labels(module, as_dtype(probe_x, float_dtype), probe_y))
             if count == 0 or not counts_items(module, inputs):
                 return False
             was_training = module.training
@@ -304,6 +305,21 @@ class InputChecks:
                 f"(y_pred, y_true), or a torch loss module (torch.nn.CrossEntropyLoss()), which is called in "
                 "torch's order."
             ) from None
+
+
+def _on_device_of(module: torch.nn.Module, structure):
+    """``structure``'s tensors on the device of ``module``'s first parameter (else buffer): the probes of a host
+    batch, for a model on an accelerator (the steps get theirs placed by the input pipeline). Unchanged where the
+    module holds no tensor."""
+    held = next(itertools.chain(module.parameters(), module.buffers()), None)
+    if held is None:
+        return structure
+    device = held.device
+
+    def move(leaf):
+        return leaf.to(device) if isinstance(leaf, torch.Tensor) and leaf.device != device else leaf
+
+    return nest.map_structure(move, structure)
 
 
 def _first_rows(t, count: int):

@@ -3,6 +3,8 @@ part 2): an error names the argument, what arrived and the fix, before any repli
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -224,3 +226,43 @@ def test_torchs_ignore_index_is_not_out_of_range():
     labels[0] = -100
     history = Trainer(loss=torch.nn.CrossEntropyLoss()).fit(torch.nn.Linear(4, 2), (X, labels), batch_size=8, verbose=0)
     assert np.isfinite(history.history["loss"][0])
+
+
+def test_the_first_batch_is_probed_on_the_models_device():
+    """A host batch probes a model on another device (an accelerator; here torch's ``meta`` device, which a host
+    tensor meets with an error as a GPU's parameters would) with its probe and labels moved there: before, ``fit``
+    of host data under a GPU strategy failed at the entry check ("not on the expected device")."""
+    trainer = Trainer(loss="cross_entropy", metrics=["accuracy"])
+    dm = types.SimpleNamespace(module=torch.nn.Linear(4, 3, device="meta"), gathers_parameters=False)
+    found = trainer._input_checks.check_first_batch(
+        (X[:5], Y[:5]), dm, "fit()", float_dtype=torch.float32, builtin_step=True
+    )
+    assert found.outputs.device.type == "meta" and found.labels.device.type == "meta"
+
+
+def test_the_probe_of_a_models_own_loss_runs_on_the_models_device():
+    """``loss=None``: the probe of whether the model's loss counts items gives its inputs on the model's device
+    (the model's first parameter on ``meta`` stands for an accelerator; it computes on the host, from the inputs'
+    shapes, to be read)."""
+    seen = set()
+
+    class OwnLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.anchor = torch.nn.Parameter(torch.zeros(1, device="meta"))  # the first parameter: its device
+            self.linear = torch.nn.Linear(4, 3)
+
+        def forward(self, x, labels=None, num_items_in_batch=None):
+            seen.update({x.device.type, *([] if labels is None else [labels.device.type])})
+            logits = self.linear(torch.ones(x.shape))  # (a meta tensor holds no values: its shape only)
+            if labels is None:
+                return logits
+            zeros = torch.zeros(labels.shape, dtype=torch.long)
+            total = torch.nn.functional.cross_entropy(logits, zeros, reduction="sum")
+            return {"loss": total / (num_items_in_batch or len(x)), "logits": logits}
+
+    trainer = Trainer(loss=None, metrics=())
+    dm = types.SimpleNamespace(module=OwnLoss(), gathers_parameters=False)
+    first = {"x": X[:5], "labels": torch.tensor(Y[:5])}
+    found = trainer._input_checks.check_first_batch(first, dm, "fit()", float_dtype=torch.float32, builtin_step=True)
+    assert found.counts_items and seen == {"meta"}
