@@ -29,10 +29,10 @@ round, so this machine's drifts hit both alike):
 For each row: the median of the per-round ratios, their range, the number of rounds, the target, and the
 rounds this row's spread needs to separate a 5 % change from noise: the n at which a 5 % difference between
 two medians of n rounds each is 1.96 standard errors (significant at 95 %), with s the spread of the per-round
-log-ratios (1.4826 times their median absolute deviation: their standard deviation where they are normal, and
-not swollen by a stray round, as the medians are not), n >= (1.96 * sqrt(2) * 1.2533 * s / ln 1.05)^2
-(1.2533 s / sqrt(n): the standard error of a median). To *detect* a true 5 % change 80 % of the time takes about
-twice as many rounds.
+log-ratios (their standard deviation; from 20 rounds on, 1.4826 times their median absolute deviation, which is
+the same where they are normal and not swollen by a stray round, as the medians are not),
+n >= (1.96 * sqrt(2) * 1.2533 * s / ln 1.05)^2 (1.2533 s / sqrt(n): the standard error of a median). To *detect* a
+true 5 % change 80 % of the time takes about twice as many rounds. A row that fails is said, and the others run.
 
 Run: python benchmarks/bench_all.py                       (every row; about 15 minutes on 2 cores)
      python benchmarks/bench_all.py --rows fit8 fit64 --rounds 15
@@ -91,8 +91,11 @@ def rounds_for_five_percent(ratios: list) -> int | None:
     logs = [math.log(r) for r in ratios if r > 0]
     if len(logs) < 3:
         return None
-    middle = statistics.median(logs)
-    spread = 1.4826 * statistics.median(abs(value - middle) for value in logs)  # robust to a stray round
+    if len(logs) < 20:  # (few rounds: the MAD's estimate is low and jumpy; the standard deviation's is not)
+        spread = statistics.stdev(logs)
+    else:
+        middle = statistics.median(logs)
+        spread = 1.4826 * statistics.median(abs(value - middle) for value in logs)  # robust to a stray round
     return max(3, math.ceil((1.96 * math.sqrt(2) * 1.2533 * spread / math.log(1.05)) ** 2))
 
 
@@ -182,6 +185,10 @@ class _HostSyncs(Callback):
             self._seen = None
 
     def on_epoch_end(self, epoch, logs=None):  # (an epoch of fewer than 3 steps watches nothing)
+        self.close()
+
+    def close(self) -> None:
+        """Turns the debug mode off and stops recording warnings, if a watch is open (also after an error)."""
         if self._seen is not None:
             torch.cuda.set_sync_debug_mode(0)
             self._catch.__exit__(None, None, None)
@@ -193,7 +200,10 @@ def host_syncs(trainer, model, data, batch: int, device: str) -> dict:
     if device == "cpu":
         return {}
     watch = _HostSyncs(-(-len(data[0]) // batch))
-    trainer.fit(model, data, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[watch])
+    try:
+        trainer.fit(model, data, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[watch])
+    finally:
+        watch.close()
     return {"syncs": sum(watch.counts), "watched": watch.watched * len(watch.counts)}
 
 
@@ -208,7 +218,7 @@ def interleaved_child(batch: int, pairs: int, device: str) -> None:
     gc.collect()  # (see bench_fit.child)
     clock = _Interleaved(xs, ys, batch)
     trainer = Trainer(
-        strategy=None if device == "cpu" else ds.OneDeviceStrategy(device),
+        strategy=None if device == "cpu" else ds.OneDeviceStrategy("cuda:0"),
         optimizer={"class_name": "sgd", "config": {"learning_rate": 0.01, "momentum": 0.9}},
         loss="cross_entropy",
         metrics=(),
@@ -286,7 +296,7 @@ def interleaved_floor_child(batch: int, pairs: int, device: str) -> None:
     if device == "cpu":
         one, pair = "cpu:0", ["cpu:0", "cpu:1"]
     else:
-        ds.set_logical_device_configuration(device, 2)
+        ds.set_logical_device_configuration("cuda:0", 2)
         one, pair = "cuda:0", ["cuda:0", "cuda:1"]
     sides = {}
     strategies = {"one": ds.OneDeviceStrategy(one), "mirrored": ds.MirroredStrategy(pair)}
@@ -318,8 +328,10 @@ def mwm_rows(rounds: int) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="rf-bench-all-") as folder:
         path = os.path.join(folder, "ratios.json")
+        seconds = 120 + 2 * rounds  # (a round takes 0.2-0.7 s on 2 cores; the workers' own bound, then ours)
         argv = [sys.executable, os.path.join(HERE, "bench_multiworker.py"), "--rounds", str(rounds), "--json", path]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+        argv += ["--timeout", str(seconds)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60)
         if done.returncode != 0 or not os.path.exists(path):
             raise RuntimeError(f"bench_multiworker.py failed:\n{done.stdout[-1000:]}\n{done.stderr[-2000:]}")
         with open(path) as file:
@@ -369,6 +381,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=12, help="epoch pairs per process of the interleaved fit rows")
     parser.add_argument(
         "--device",
+        choices=["cpu", "cuda"],
         default="cpu",
         help="cpu, or cuda: the fit and Mirrored rows on the GPU (two logical GPUs of it for Mirrored), with the "
         "host synchronisations fit makes per step counted; the battery (bash .ci/gpu) runs them",
@@ -397,33 +410,44 @@ def main() -> None:
         args.rows = [row for row in args.rows if row not in others]
         if args.fresh_processes:
             parser.error("--fresh-processes runs the CPU scripts; leave it out with --device")
-        args.device = "cuda:0" if args.device == "cuda" else args.device
     start = time.perf_counter()
     print(f"{'row':<22} {'median':>7}  {'spread':<22} {'':>11}  {'':<17}")
-    mwm = None
+    mwm, failed = {}, []
     for row in args.rows:
-        group, syncs = GROUPS[row], []
-        if group == "fit" and args.fresh_processes:
-            show(row, fit_rows(int(row[3:]), args.rounds))
-        elif group == "fit":
-            show(row, interleaved_rows("interleaved-child", int(row[3:]), args.rounds, args.pairs, args.device, syncs))
-        elif group == "floor" and args.fresh_processes:
-            show(row, floor_rows(int(row[8:]), args.rounds))
-        elif group == "floor":
-            child = "interleaved-floor-child"
-            show(row, interleaved_rows(child, int(row[8:]), args.rounds, args.pairs, args.device, syncs))
-        elif group == "mwm":
-            mwm = mwm or mwm_rows(args.mwm_rounds)
-            show(row, mwm[row])
-        else:
-            show(row, fully_sharded_rows(args.fsdp_rounds))
-        if syncs:
-            count, watched = (sum(values) for values in zip(*syncs))
-            rate = count / max(watched, 1)
-            print(f"{'':<22} host synchronisations in steady steps: {count} in {watched} ({rate:.2f} a step)")
+        try:
+            measure_row(row, args, mwm)
+        except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as error:  # the next rows still run
+            failed.append(row)
+            print(f"{LABELS[row]:<22} failed: {str(error).strip()[-1500:]}", flush=True)
     load = os.getloadavg()[0]
     where = torch.cuda.get_device_name(0) if args.device != "cpu" else f"{os.cpu_count()} CPUs"
     print(f"({time.perf_counter() - start:.0f} s in all; load average {load:.2f}; {where}; torch {torch.__version__})")
+    if failed:
+        sys.exit(f"rows that failed: {', '.join(failed)}")
+
+
+def measure_row(row: str, args, mwm: dict) -> None:
+    """Measures and prints one row (``mwm``: the multi-worker rows, filled by the first of them)."""
+    group, syncs = GROUPS[row], []
+    if group == "fit" and args.fresh_processes:
+        show(row, fit_rows(int(row[3:]), args.rounds))
+    elif group == "fit":
+        show(row, interleaved_rows("interleaved-child", int(row[3:]), args.rounds, args.pairs, args.device, syncs))
+    elif group == "floor" and args.fresh_processes:
+        show(row, floor_rows(int(row[8:]), args.rounds))
+    elif group == "floor":
+        child = "interleaved-floor-child"
+        show(row, interleaved_rows(child, int(row[8:]), args.rounds, args.pairs, args.device, syncs))
+    elif group == "mwm":
+        if not mwm:
+            mwm.update(mwm_rows(args.mwm_rounds))
+        show(row, mwm[row])
+    else:
+        show(row, fully_sharded_rows(args.fsdp_rounds))
+    if syncs:
+        count, watched = (sum(values) for values in zip(*syncs))
+        rate = count / max(watched, 1)
+        print(f"{'':<22} host synchronisations in steady steps: {count} in {watched} ({rate:.2f} a step)", flush=True)
 
 
 if __name__ == "__main__":

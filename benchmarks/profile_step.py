@@ -36,8 +36,10 @@ in DDP's profile is inside backward ("torch (Python)").
 
 ``--model tiny`` fits one ``Linear(64, 10)`` instead: its compute is a few small kernels, so the unprofiled step
 time is almost all host work, and strategies compare by what they add (the profile itself cannot tell this under
-Mirrored, above). ``--calls`` times ``strategy.run`` of a function that does nothing, and of one that makes one
-``merge_call`` of nothing, under OneDevice and Mirrored: the replica scheduler and the rendezvous alone.
+Mirrored, above); ``--compare`` times fit under every strategy and the hand loop side by side in one process
+(separate processes differ by this machine's drift). ``--calls`` times ``strategy.run`` of a function that does
+nothing, and of one that makes one ``merge_call`` of nothing, under OneDevice and Mirrored: the replica
+scheduler and the rendezvous alone.
 
 Run: python benchmarks/profile_step.py [--strategy mirrored] [--batch 8] [--execution auto]
      python benchmarks/profile_step.py --strategy default --batch 8     (fit on the default strategy)
@@ -46,6 +48,7 @@ Run: python benchmarks/profile_step.py [--strategy mirrored] [--batch 8] [--exec
      python benchmarks/profile_step.py --strategy multi_worker [--loop]  (2 workers; --loop: DDP)
      python benchmarks/profile_step.py --strategy mirrored --model tiny  (the host work alone)
      python benchmarks/profile_step.py --calls                           (run and merge_call alone)
+     python benchmarks/profile_step.py --compare --model tiny            (every strategy, one process)
 """
 
 from __future__ import annotations
@@ -248,6 +251,7 @@ def launch_workers(argv: list, timeout: float) -> tuple:
         for rank in range(WORKERS)
     ]
     deadline = time.monotonic() + timeout
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # (so that the finally below ends the workers)
     try:
         while any(proc.poll() is None for proc in procs):
             if time.monotonic() > deadline:
@@ -259,11 +263,16 @@ def launch_workers(argv: list, timeout: float) -> tuple:
             seconds, profiled = json.load(file)
         return pstats.Stats(os.path.join(outdir, "profile")), seconds, profiled
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         shutil.rmtree(outdir, ignore_errors=True)
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def time_calls() -> None:
@@ -285,6 +294,41 @@ def time_calls() -> None:
             print(f"{name:<11} {label:<28} {best * 1e6:7.1f} us")
 
 
+def compare(args, x, y) -> None:
+    """``--compare``: the unprofiled step time of fit under the default strategy, OneDevice and Mirrored, and of
+    the hand loop, side by side in one process (rounds of an epoch each, the order rotating; the medians), with
+    ``--model``'s model: with ``tiny`` the differences are what each strategy's host work adds."""
+    import statistics
+
+    from bench_fit import EpochClock
+
+    make, steps = MODELS[args.model], -(-len(x) // args.batch)
+    names = ["default", "one_device", "mirrored"]
+    sides = {}
+    for name in names:
+        config = {"learning_rate": 0.01, "momentum": 0.9}
+        trainer = Trainer(strategy=STRATEGIES[name](), optimizer={"class_name": "sgd", "config": config},
+                          loss="cross_entropy", metrics=(), seed=0)  # fmt: skip
+        sides[name] = (trainer, make())
+    hand = make()
+    optimizer = torch.optim.SGD(hand.parameters(), lr=0.01, momentum=0.9)
+    xs, ys = torch.from_numpy(x), torch.from_numpy(y)
+    times: dict = {name: [] for name in [*names, "hand loop"]}
+    for index in range(args.rounds):
+        order = [*names, "hand loop"]
+        for name in order[index % len(order) :] + order[: index % len(order)]:
+            if name == "hand loop":
+                times[name].append(hand_epoch(hand, optimizer, xs, ys, args.batch) / steps)
+                continue
+            trainer, model = sides[name]
+            clock = EpochClock()  # (the second epoch: the first set up the fit)
+            trainer.fit(model, (x, y), batch_size=args.batch, epochs=2, shuffle=False, verbose=0, callbacks=[clock])
+            times[name].append(clock.times[-1] / steps)
+    print(f"{args.model} model, batch {args.batch}, one process, {args.rounds} rounds: median us/step (range)")
+    for name, values in times.items():
+        print(f"  {name:<12} {statistics.median(values) * 1e6:7.0f}  ({min(values) * 1e6:.0f}-{max(values) * 1e6:.0f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", choices=sorted(STRATEGIES), default="mirrored")
@@ -297,6 +341,8 @@ def main() -> None:
     parser.add_argument("--within", help="with --top: only the functions of this stage (built-ins by caller)")
     parser.add_argument("--timeout", type=float, default=600.0, help="multi_worker: seconds before the workers end")
     parser.add_argument("--calls", action="store_true", help="time strategy.run and merge_call alone instead")
+    parser.add_argument("--compare", action="store_true", help="step times of every strategy in one process")
+    parser.add_argument("--rounds", type=int, default=5, help="with --compare")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.calls:
@@ -305,11 +351,17 @@ def main() -> None:
         return
     if args.within and not args.top:
         parser.error("--within lists a stage's functions: give --top N too")
-    if args.strategy == "multi_worker" and args.batch % WORKERS:
-        parser.error(f"--strategy multi_worker splits the global batch over {WORKERS} workers: give an even --batch")
+    if args.strategy == "multi_worker" and (args.batch % WORKERS or args.examples % args.batch):
+        parser.error(
+            f"--strategy multi_worker splits every global batch evenly over {WORKERS} workers (so that fit and the "
+            "DDP loop run the same steps): give an even --batch that divides --examples"
+        )
     ds.set_replica_execution(args.execution)
     x, y = datasets.make_classification(args.examples, 64, n_classes=10, seed=0)
     steps = -(-args.examples // args.batch)
+    if args.compare:
+        compare(args, x, y)
+        return
     if args.worker:
         rank, port, outdir = args.worker
         worker(int(rank), int(port), outdir, args, x, y)
