@@ -131,6 +131,6 @@ def predict(args) -> int:
                 f" (in the current directory: {args.checkpoint} is not in a run directory's checkpoints/ folder; "
                 "--output FILE.npy chooses the file)"
             )
-    np.save(output, outputs.numpy())
+    np.save(output, outputs.detach().cpu().numpy())  # (predictions on a GPU come to the host first)
     print(f"wrote {tuple(outputs.shape)} predictions to {output}{where}")
     return 0

@@ -151,8 +151,8 @@ class InputChecks:
         stand_in = None
         if dm.gathers_parameters:  # (sharded parameters) every worker probes alike: with the chief's part
             first = cluster.broadcast(first if cluster.is_chief else None, "broadcasting the chief's first batch")
-            if first is not None and rows(unpack(first)[0]) > 0:
-                stand_in = nest.map_structure(lambda t: data_layer.as_tensor(t)[:1], first)
+            if first is not None and rows(unpack(first)[0]) > 0:  # (on the model's device: its labels too)
+                stand_in = _on_device_of(dm.module, nest.map_structure(lambda t: data_layer.as_tensor(t)[:1], first))
         empty = first is not None and rows(unpack(first)[0]) == 0
         if cluster.any(empty, "agreeing whether a worker's first batch is empty"):
             head = nest.map_structure(lambda t: data_layer.as_tensor(t)[:1], first) if cluster.is_chief else None

@@ -473,18 +473,30 @@ class _TorchModule(Loss):
         self.count_floating = getattr(module, "weight", None) is not None  # Σ weight[label], else a count
 
     def call(self, y_true, y_pred):
+        module = self._module_on(y_pred.device)
         try:
-            values = self.module(y_pred, y_true)
+            values = module(y_pred, y_true)
         except IndexError:
             if self.accuracy_kind != "sparse_categorical":
                 raise
-            ignore = getattr(self.module, "ignore_index", None)
+            ignore = getattr(module, "ignore_index", None)
             raise labels_out_of_range(self.name, y_true, y_pred.shape[1], ignore) from None
         if not self.element_level:
             return values
-        return _torch_mean_weights(
-            values, y_true, y_pred, getattr(self.module, "weight", None), self.module.ignore_index
-        )
+        return _torch_mean_weights(values, y_true, y_pred, getattr(module, "weight", None), module.ignore_index)
+
+    def _module_on(self, device: torch.device) -> torch.nn.Module:
+        """The module with its tensors (a class ``weight``, a ``pos_weight``) on ``device``, where the predictions
+        are: a copy per other device, made once (a weight given on the host meets a replica on a GPU; the
+        replicas of Mirrored on several GPUs each need their own)."""
+        module = self.module
+        if all(t.device == device for t in module.buffers()) and all(t.device == device for t in module.parameters()):
+            return module
+        copies = self.__dict__.setdefault("_copies", {})
+        found = copies.get(device)
+        if found is None:
+            found = copies[device] = copy.deepcopy(module).to(device)
+        return found
 
 
 # Whose ``mean`` divides by Σ weight[label] over the labels not ignored (class-index targets).

@@ -683,7 +683,9 @@ class Trainer:
         addressed) and every worker returns every row, as Accelerate's ``gather_for_metrics`` does: the
         same program runs on every worker, so any of them may go on with the predictions. Global batches
         (sharded by rows, or read whole) come back in input order; per-worker inputs (``FILE``, ``OFF``)
-        step by step in worker order, with what their samplers repeat (a ``DistributedSampler`` pads)."""
+        step by step in worker order, with what their samplers repeat (a ``DistributedSampler`` pads).
+        The outputs are tensors on the first replica's device (a GPU's stay there: ``.cpu()`` before ``.numpy()``;
+        Keras returns NumPy arrays)."""
         inputs = dataset
         if is_array_nest(dataset):  # arrays: x alone, or a tuple whose first part is x
             inputs = dataset if isinstance(dataset, tuple) else (dataset,)
@@ -875,9 +877,11 @@ def _same_beyond_first(parts) -> None:
 
 
 def _concatenated(parts) -> torch.Tensor:
-    """The parts of ``predict``'s outputs concatenated along the first axis."""
+    """The parts of ``predict``'s outputs concatenated along the first axis, on the first part's device (the
+    first replica's: replicas on several devices give parts on each)."""
     _same_beyond_first(parts)
-    return torch.cat([part.detach() for part in parts])
+    device = parts[0].device
+    return torch.cat([part.detach().to(device) for part in parts])
 
 
 def _device_type(x) -> str:

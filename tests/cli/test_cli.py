@@ -574,3 +574,31 @@ def test_the_replicafit_command_finds_the_users_modules_in_the_working_directory
         env=dict(env, PYTHONSAFEPATH="1"),
     )
     assert done.returncode == 2 and "No module named 'my_models'" in done.stderr
+
+
+class _OnAccelerator(torch.Tensor):
+    """Stands for predictions on a GPU: no ``numpy()`` until copied to the host (as torch says of CUDA tensors)."""
+
+    def numpy(self, *args, **kwargs):
+        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to host")
+
+    def cpu(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor)
+
+
+def test_predict_writes_predictions_made_on_an_accelerator(trained, tmp_path, capsys, monkeypatch):
+    from replicafit.trainer import Trainer
+
+    predict = Trainer.predict
+
+    def on_accelerator(self, *args, **kwargs):
+        return predict(self, *args, **kwargs).as_subclass(_OnAccelerator)
+
+    monkeypatch.setattr(Trainer, "predict", on_accelerator)
+    output = tmp_path / "predictions.npy"
+    checkpoint = trained / "checkpoints" / "last.pt"
+    status, _, err = run_cli(
+        capsys, "predict", RECIPES / "digits_onedevice.yaml", "--checkpoint", checkpoint, "--output", output
+    )
+    assert status == 0, err
+    assert np.load(output).shape == (359, 10)

@@ -840,3 +840,18 @@ def test_a_cosine_decay_reaching_0_keeps_training_at_rate_0(strategy):
     assert trainer.optimizer.learning_rate == 0.0 and int(trainer.optimizer.iterations) == 9
     assert_states_equal(states[2], states[1])
     assert len(history.history["loss"]) == 3
+
+
+def test_predict_concatenates_the_replicas_outputs_on_the_first_replicas_device():
+    """Replicas on different devices give outputs on each (Mirrored over two GPUs, or a GPU and the host):
+    ``predict`` brings them to the first replica's. Here replica 0's output is put on torch's ``meta`` device,
+    which stands for an accelerator (a host tensor concatenated with it raises, as with a GPU's)."""
+
+    class Apart(Trainer):
+        def predict_step(self, data):
+            out = super().predict_step(data)
+            return out.to("meta") if ds.get_replica_context().replica_id_in_sync_group == 0 else out
+
+    x, _ = tiny_data(n=11, seed=3)
+    out = Apart(strategy=ds.MirroredStrategy(["cpu:0", "cpu:1"])).predict(mlp(2), x, batch_size=4, verbose=0)
+    assert out.device.type == "meta" and out.shape == (11, 3)

@@ -266,3 +266,28 @@ def test_the_probe_of_a_models_own_loss_runs_on_the_models_device():
     first = {"x": X[:5], "labels": torch.tensor(Y[:5])}
     found = trainer._input_checks.check_first_batch(first, dm, "fit()", float_dtype=torch.float32, builtin_step=True)
     assert found.counts_items and seen == {"meta"}
+
+
+def test_the_stand_in_row_of_sharded_parameters_is_on_the_models_device():
+    """Sharded parameters (``gathers_parameters``): a worker without rows runs the chief's first row, labels
+    included, on its model's device (FSDP's hook moves the inputs, not the labels). The model on torch's ``meta``
+    device stands for an accelerator; the cluster is a stand-in for 2 workers (the chief's view)."""
+
+    class TwoWorkers:
+        num_workers, is_chief = 2, True
+
+        def broadcast(self, value, what):
+            return value
+
+        def any(self, value, what):
+            return bool(value)
+
+        def all_gather(self, value, what):
+            return [value, value]
+
+    trainer = Trainer(loss="cross_entropy", metrics=())
+    checks = trainer._input_checks
+    checks._strategy = types.SimpleNamespace(cluster=TwoWorkers())
+    dm = types.SimpleNamespace(module=torch.nn.Linear(4, 3, device="meta"), gathers_parameters=True)
+    found = checks.check_first_batch((X[:5], Y[:5]), dm, "fit()", float_dtype=torch.float32, builtin_step=True)
+    assert [t.device.type for t in found.stand_in] == ["meta", "meta"]

@@ -549,3 +549,21 @@ def test_metrics_accept_empty_replica_slices(strategy_name):
     """Batches of 4: the partial last batch leaves a replica an empty slice (Mirrored(3): every batch),
     which must count for nothing, as the trainer promises for partial and empty replica batches."""
     check_every_metric(make_strategy(strategy_name), batch_size=4)
+
+
+@pytest.mark.parametrize(
+    "module",
+    [nn.CrossEntropyLoss(weight=torch.linspace(0.5, 1.5, 3)), nn.BCEWithLogitsLoss(pos_weight=torch.full((3,), 2.0))],
+)
+def test_a_torch_loss_modules_weights_go_where_the_predictions_are(module):
+    """A class weight (or ``pos_weight``) given on the host meets predictions on an accelerator (here torch's
+    ``meta`` device, which a host tensor meets with an error as a GPU's would): the loss uses a copy of the
+    module on the predictions' device, and the user's module keeps its weight where it was."""
+    loss = losses.get(module)
+    logits = torch.zeros(4, 3, device="meta")
+    labels = torch.zeros(4, dtype=torch.long, device="meta")
+    if isinstance(module, nn.BCEWithLogitsLoss):
+        labels = torch.zeros(4, 3, device="meta")
+    values = loss(labels, logits)
+    assert values.device.type == "meta"
+    assert all(t.device.type == "cpu" for t in module.buffers())
