@@ -133,6 +133,29 @@ def test_mirrored_over_the_gpu_and_the_cpu_equals_one_device():
     assert [c.device for c in copies] == [GPU, HOST]
     assert_close_weights(weights(model), weights(expected))
     assert_close_history(history, expected_history)
+    x, _ = digits()
+    predictions = trainer.predict(model, x, batch_size=50, verbose=0)  # (the replicas' parts on two devices)
+    expected_predictions = Trainer(strategy=ds.OneDeviceStrategy(GPU)).predict(expected, x, batch_size=50, verbose=0)
+    assert predictions.shape == (480, 10) and on_gpu(predictions)
+    torch.testing.assert_close(predictions, expected_predictions, rtol=RTOL, atol=ATOL)
+
+
+def test_a_class_weight_given_on_the_host_trains_on_the_gpu_as_on_the_cpu():
+    """``nn.CrossEntropyLoss(weight=...)`` with its weight on the host: the loss follows the predictions to
+    the GPU, and the run equals the CPU's."""
+    weight = torch.linspace(0.5, 1.5, 10)
+    runs = {}
+    for device in (HOST, GPU):
+        trainer = Trainer(
+            strategy=ds.OneDeviceStrategy(device),
+            optimizer=optimizers.SGD(0.1, momentum=0.9),
+            loss=torch.nn.CrossEntropyLoss(weight=weight),
+            seed=0,
+        )
+        model = mlp()
+        runs[device] = (model, trainer.fit(model, digits(), epochs=2, batch_size=32, verbose=0))
+    assert_close_weights(weights(runs[GPU][0]), weights(runs[HOST][0]))
+    assert_close_history(runs[GPU][1], runs[HOST][1])
 
 
 def test_central_storage_computes_on_the_gpu_and_keeps_variables_on_the_host():
