@@ -487,16 +487,19 @@ class _TorchModule(Loss):
 
     def _module_on(self, device: torch.device) -> torch.nn.Module:
         """The module with its tensors (a class ``weight``, a ``pos_weight``) on ``device``, where the predictions
-        are: a copy per other device, made once (a weight given on the host meets a replica on a GPU; the
-        replicas of Mirrored on several GPUs each need their own)."""
+        are: a copy per other device (a weight given on the host meets a replica on a GPU; the replicas of
+        Mirrored on several GPUs each need their own), made again only when the user's tensors change (a new
+        tensor, or one written in place)."""
         module = self.module
-        if all(t.device == device for t in module.buffers()) and all(t.device == device for t in module.parameters()):
+        held = [*module.buffers(), *module.parameters()]
+        if all(t.device == device for t in held):
             return module
+        stamp = tuple((id(t), t._version) for t in held)  # private: the in-place write counter (no public reader)
         copies = self.__dict__.setdefault("_copies", {})
         found = copies.get(device)
-        if found is None:
-            found = copies[device] = copy.deepcopy(module).to(device)
-        return found
+        if found is None or found[0] != stamp:
+            found = copies[device] = (stamp, copy.deepcopy(module).to(device))
+        return found[1]
 
 
 # Whose ``mean`` divides by Σ weight[label] over the labels not ignored (class-index targets).

@@ -567,3 +567,16 @@ def test_a_torch_loss_modules_weights_go_where_the_predictions_are(module):
     values = loss(labels, logits)
     assert values.device.type == "meta"
     assert all(t.device.type == "cpu" for t in module.buffers())
+
+
+def test_a_torch_loss_modules_weight_written_in_place_reaches_its_copy_on_another_device():
+    """The copy on the predictions' device follows the user's weight when it changes (a class weight adjusted
+    between epochs): torch's ``meta`` device stands for an accelerator; the copy is made again, not kept stale."""
+    weight = torch.ones(3)
+    loss = losses.get(nn.CrossEntropyLoss(weight=weight))
+    logits, labels = torch.zeros(4, 3, device="meta"), torch.zeros(4, dtype=torch.long, device="meta")
+    loss(labels, logits)
+    first = loss._module_on(logits.device)
+    assert loss._module_on(logits.device) is first  # (made once while the weight stays as it is)
+    weight.mul_(2.0)
+    assert loss._module_on(logits.device) is not first
