@@ -486,20 +486,40 @@ class _TorchModule(Loss):
         return _torch_mean_weights(values, y_true, y_pred, getattr(module, "weight", None), module.ignore_index)
 
     def _module_on(self, device: torch.device) -> torch.nn.Module:
-        """The module with its tensors (a class ``weight``, a ``pos_weight``) on ``device``, where the predictions
+        """The module with its buffers (a class ``weight``, a ``pos_weight``) on ``device``, where the predictions
         are: a copy per other device (a weight given on the host meets a replica on a GPU; the replicas of
-        Mirrored on several GPUs each need their own), made again only when the user's tensors change (a new
-        tensor, or one written in place)."""
+        Mirrored on several GPUs each need their own), made again when the user's buffers change: another tensor,
+        or one written in place (its version counter). A write the counter does not see (through ``.data`` or a
+        NumPy view) does not reach the copies: assign a new tensor, or put the loss module on the device.
+        Parameters (a loss that learns) are not copied: a module with parameters on another device is refused,
+        since its gradients would go to the copy."""
         module = self.module
         held = [*module.buffers(), *module.parameters()]
         if all(t.device == device for t in held):
             return module
-        stamp = tuple((id(t), t._version) for t in held)  # private: the in-place write counter (no public reader)
+        if any(t.device != device for t in module.parameters()):
+            raise ValueError(
+                f"The loss {self.name} has parameters on {next(module.parameters()).device} and the predictions are "
+                f"on {device}: a loss module that learns must be on the replicas' device (move it with "
+                f".to({str(device)!r}) before passing it), so that its gradients reach its own parameters."
+            )
+        stamp = [(t, None if t.is_inference() else t._version) for t in held]  # private: the in-place write counter
         copies = self.__dict__.setdefault("_copies", {})
         found = copies.get(device)
-        if found is None or found[0] != stamp:
-            found = copies[device] = (stamp, copy.deepcopy(module).to(device))
+        if found is None or not _same_stamp(found[0], stamp):
+            with torch.inference_mode(False):  # (made during evaluate under inference mode, used in fit later)
+                found = copies[device] = (stamp, copy.deepcopy(module).to(device))
         return found[1]
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_copies", None)  # (device copies: made again where needed)
+        return state
+
+
+def _same_stamp(old: list, new: list) -> bool:
+    """Whether two ``(tensor, version)`` lists name the very same tensors at the same versions."""
+    return len(old) == len(new) and all(a is b and u == v for (a, u), (b, v) in zip(old, new))
 
 
 # Whose ``mean`` divides by Σ weight[label] over the labels not ignored (class-index targets).

@@ -55,6 +55,7 @@ from replicafit import optimizers
 from replicafit.data import is_array_nest
 from replicafit.lifeline import tell_launcher
 from replicafit.strategies import context, nest
+from replicafit.strategies.devices import torch_device
 
 from . import callbacks as callbacks_module
 from . import losses
@@ -716,7 +717,8 @@ class Trainer:
             dm.train(was_training)
         if not outputs:
             raise ValueError("predict() got no data.")
-        return nest.map_structure(lambda *parts: _concatenated(parts), *outputs)
+        device = torch_device(self.strategy.extended.worker_devices[0])  # (where strategy.gather puts them too)
+        return nest.map_structure(lambda *parts: _concatenated(parts, device), *outputs)
 
     # --- checkpoints and backups: the training state (training_state.py) -------------------------------
     def write_on_chief(self, what: str, write, default=None):
@@ -876,11 +878,10 @@ def _same_beyond_first(parts) -> None:
         raise ValueError(f"{_RAGGED_PREDICTIONS}: shapes {', '.join(map(str, dict.fromkeys(shapes)))}.")
 
 
-def _concatenated(parts) -> torch.Tensor:
-    """The parts of ``predict``'s outputs concatenated along the first axis, on the first part's device (the
-    first replica's: replicas on several devices give parts on each)."""
+def _concatenated(parts, device: torch.device) -> torch.Tensor:
+    """The parts of ``predict``'s outputs concatenated along the first axis, on ``device`` (the first replica's:
+    replicas on several devices give parts on each)."""
     _same_beyond_first(parts)
-    device = parts[0].device
     return torch.cat([part.detach().to(device) for part in parts])
 
 

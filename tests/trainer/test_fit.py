@@ -844,14 +844,14 @@ def test_a_cosine_decay_reaching_0_keeps_training_at_rate_0(strategy):
 
 def test_predict_concatenates_the_replicas_outputs_on_the_first_replicas_device():
     """Replicas on different devices give outputs on each (Mirrored over two GPUs, or a GPU and the host):
-    ``predict`` brings them to the first replica's. Here replica 0's output is put on torch's ``meta`` device,
-    which stands for an accelerator (a host tensor concatenated with it raises, as with a GPU's)."""
+    ``predict`` brings them to the first replica's device, where ``strategy.gather`` puts them across workers.
+    torch's ``meta`` device stands for an accelerator (a host tensor concatenated with it raises, as with a
+    GPU's); the whole ``predict`` on logical CPUs keeps its outputs on the host."""
+    from replicafit.trainer import trainer as trainer_module
 
-    class Apart(Trainer):
-        def predict_step(self, data):
-            out = super().predict_step(data)
-            return out.to("meta") if ds.get_replica_context().replica_id_in_sync_group == 0 else out
-
+    host, device = torch.ones(2, 3), torch.zeros(1, 3, device="meta")
+    joined = trainer_module._concatenated([device, host], torch.device("meta"))
+    assert joined.device.type == "meta" and joined.shape == (3, 3)
     x, _ = tiny_data(n=11, seed=3)
-    out = Apart(strategy=ds.MirroredStrategy(["cpu:0", "cpu:1"])).predict(mlp(2), x, batch_size=4, verbose=0)
-    assert out.device.type == "meta" and out.shape == (11, 3)
+    out = Trainer(strategy=ds.MirroredStrategy(["cpu:1", "cpu:0"])).predict(mlp(2), x, batch_size=4, verbose=0)
+    assert out.device.type == "cpu" and out.shape == (11, 3)

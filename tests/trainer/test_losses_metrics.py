@@ -569,14 +569,44 @@ def test_a_torch_loss_modules_weights_go_where_the_predictions_are(module):
     assert all(t.device.type == "cpu" for t in module.buffers())
 
 
-def test_a_torch_loss_modules_weight_written_in_place_reaches_its_copy_on_another_device():
+def test_a_torch_loss_modules_copy_on_another_device_follows_the_users_weight():
     """The copy on the predictions' device follows the user's weight when it changes (a class weight adjusted
-    between epochs): torch's ``meta`` device stands for an accelerator; the copy is made again, not kept stale."""
-    weight = torch.ones(3)
-    loss = losses.get(nn.CrossEntropyLoss(weight=weight))
+    between epochs: written in place, or a new tensor), is made outside inference mode whatever mode the first call
+    ran in (an evaluate under ``torch.inference_mode`` before a fit), and is not pickled; torch's ``meta`` device
+    stands for an accelerator."""
+    import pickle
+
+    user = nn.CrossEntropyLoss(weight=torch.ones(3))
+    loss = losses.get(user)
     logits, labels = torch.zeros(4, 3, device="meta"), torch.zeros(4, dtype=torch.long, device="meta")
-    loss(labels, logits)
+    with torch.inference_mode():
+        loss(labels, logits)
     first = loss._module_on(logits.device)
+    assert not first.weight.is_inference()  # (usable in a backward pass later)
     assert loss._module_on(logits.device) is first  # (made once while the weight stays as it is)
-    weight.mul_(2.0)
-    assert loss._module_on(logits.device) is not first
+    user.weight.mul_(2.0)
+    second = loss._module_on(logits.device)
+    assert second is not first
+    for _ in range(20):  # a new tensor each time, though the freed one's id may come back
+        user.weight = torch.ones(3)
+        third = loss._module_on(logits.device)
+        assert third is not second
+        second = third
+    assert "_copies" not in pickle.loads(pickle.dumps(loss)).__dict__
+
+
+def test_a_loss_module_with_parameters_on_another_device_is_refused():
+    """A loss that learns (parameters) on the host while the predictions are on an accelerator: said, with the fix,
+    rather than training a copy the user never sees."""
+
+    class Learned(nn.CrossEntropyLoss):  # a torch loss module, called as torch calls it
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+
+        def forward(self, y_pred, y_true):
+            return self.scale * super().forward(y_pred, y_true)
+
+    loss = losses.get(Learned())
+    with pytest.raises(ValueError, match=r"has parameters on cpu and the predictions are on meta.*\.to\('meta'\)"):
+        loss(torch.zeros(4, dtype=torch.long, device="meta"), torch.zeros(4, 3, device="meta"))
