@@ -497,11 +497,12 @@ class _TorchModule(Loss):
         held = [*module.buffers(), *module.parameters()]
         if all(t.device == device for t in held):
             return module
-        if any(t.device != device for t in module.parameters()):
+        if any(True for _ in module.parameters()):  # (a copy would learn in its place)
+            where = ", ".join(sorted({str(t.device) for t in held}))
             raise ValueError(
-                f"The loss {self.name} has parameters on {next(module.parameters()).device} and the predictions are "
-                f"on {device}: a loss module that learns must be on the replicas' device (move it with "
-                f".to({str(device)!r}) before passing it), so that its gradients reach its own parameters."
+                f"The loss {self.name} has parameters, and its tensors are on {where} while the predictions are on "
+                f"{device}: a loss module that learns must have all its tensors on the replicas' device (move it "
+                f"with .to({str(device)!r}) before passing it), so that its gradients reach its own parameters."
             )
         stamp = [(t, None if t.is_inference() else t._version) for t in held]  # private: the in-place write counter
         copies = self.__dict__.setdefault("_copies", {})

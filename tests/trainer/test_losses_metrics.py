@@ -608,5 +608,8 @@ def test_a_loss_module_with_parameters_on_another_device_is_refused():
             return self.scale * super().forward(y_pred, y_true)
 
     loss = losses.get(Learned())
-    with pytest.raises(ValueError, match=r"has parameters on cpu and the predictions are on meta.*\.to\('meta'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"has parameters, and its tensors are on cpu while the predictions are on meta.*\.to\('meta'\)",
+    ):
         loss(torch.zeros(4, dtype=torch.long, device="meta"), torch.zeros(4, 3, device="meta"))
