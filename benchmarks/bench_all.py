@@ -135,20 +135,15 @@ class _Interleaved(Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self.hand = self._hand() if epoch % 2 else None
-        _sync(self.device)
+        bench_fit.sync(self.device)
         self.start = time.perf_counter()
 
     def on_epoch_end(self, epoch, logs=None):
-        _sync(self.device)
+        bench_fit.sync(self.device)
         seconds = time.perf_counter() - self.start
         hand = self.hand if self.hand is not None else self._hand()
         if epoch:
             self.ratios.append(seconds / hand)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _data(examples: int, device: str) -> tuple:
@@ -263,22 +258,6 @@ def floor_rows(batch: int, rounds: int) -> list:
     return ratios
 
 
-class _Clock(bench_fit.EpochClock):
-    """``bench_fit.EpochClock`` with the device synchronised at both ends of an epoch (on a GPU)."""
-
-    def __init__(self, device: torch.device):
-        super().__init__()
-        self.device = device
-
-    def on_epoch_begin(self, epoch, logs=None):
-        _sync(self.device)
-        super().on_epoch_begin(epoch, logs)
-
-    def on_epoch_end(self, epoch, logs=None):
-        _sync(self.device)
-        super().on_epoch_end(epoch, logs)
-
-
 def interleaved_floor_child(batch: int, pairs: int, device: str) -> None:
     """One process: ``pairs`` + 1 times, an epoch of OneDevice's fit, one of Mirrored's (the order alternating),
     and the bare passes and updates of the ceiling; prints each pair's Mirrored ratio over its ceiling. On a GPU
@@ -310,7 +289,7 @@ def interleaved_floor_child(batch: int, pairs: int, device: str) -> None:
         step = {}
         for name in ("one", "mirrored") if index % 2 == 0 else ("mirrored", "one"):
             trainer, model = sides[name]
-            clock = _Clock(xs.device)  # (the second epoch: the fit's first step set up nothing in it)
+            clock = bench_fit.EpochClock(xs.device)  # (the second epoch: the fit's first step set up nothing in it)
             trainer.fit(model, data, batch_size=batch, epochs=2, shuffle=False, verbose=0, callbacks=[clock])
             step[name] = clock.times[-1] / steps * 1e6
         full = bench_replica_floor.bare_pass(xs, ys, batch, False, 200)

@@ -59,11 +59,16 @@ def make_model() -> torch.nn.Module:
     )
 
 
+def sync(device: torch.device) -> None:
+    """Waits for ``device``'s queued work where it has any (a GPU): what a clock reads around it is then done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def hand_epoch(model, optimizer, xs, ys, batch: int) -> float:
     """One epoch of the reference loop over the tensors ``xs``, ``ys`` (on the model's device); its seconds (on a
     GPU from a synchronised start: the epoch's end is its read of the mean loss)."""
-    if xs.is_cuda:
-        torch.cuda.synchronize(xs.device)
+    sync(xs.device)
     start = time.perf_counter()
     total, count = torch.zeros((), device=xs.device), 0
     for begin in range(0, len(xs), batch):
@@ -88,16 +93,22 @@ def hand_loop(x, y, batch: int, epochs: int) -> list[float]:
 
 
 class EpochClock(Callback):
-    """Each epoch's seconds (``times``), from ``on_epoch_begin`` to ``on_epoch_end``."""
+    """Each epoch's seconds (``times``), from ``on_epoch_begin`` to ``on_epoch_end`` (``device``: a GPU synchronised
+    at both ends)."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device | None = None):
         super().__init__()
         self.times: list[float] = []
+        self.device = device
 
     def on_epoch_begin(self, epoch, logs=None):
+        if self.device is not None:
+            sync(self.device)
         self._start = time.perf_counter()
 
     def on_epoch_end(self, epoch, logs=None):
+        if self.device is not None:
+            sync(self.device)
         self.times.append(time.perf_counter() - self._start)
 
 

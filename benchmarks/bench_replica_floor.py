@@ -41,15 +41,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_fit import fit, make_model  # noqa: E402
+from bench_fit import fit, make_model, sync  # noqa: E402
 
 import replicafit.strategies as ds  # noqa: E402
 from replicafit.data import datasets  # noqa: E402
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def bare_pass(x, y, batch: int, halves: bool, reps: int) -> float:
@@ -68,11 +63,11 @@ def bare_pass(x, y, batch: int, halves: bool, reps: int) -> float:
 
     for _ in range(reps // 10):
         once()
-    _sync(x.device)
+    sync(x.device)
     start = time.perf_counter()
     for _ in range(reps):
         once()
-    _sync(x.device)
+    sync(x.device)
     return (time.perf_counter() - start) / reps * 1e6
 
 
@@ -82,13 +77,13 @@ def bare_update(copies: int, reps: int, device: str = "cpu") -> float:
     params = [p.detach().to(device) for _ in range(copies) for p in make_model().parameters()]
     buffers = [torch.zeros_like(p) for p in params]
     grads = [torch.full_like(p, 1e-3) for p in params]
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     for _ in range(reps):
         torch._foreach_mul_(buffers, 0.9)
         torch._foreach_sub_(buffers, grads, alpha=0.01)
         torch._foreach_add_(params, buffers)
-    _sync(device)
+    sync(device)
     return (time.perf_counter() - start) / reps * 1e6
 
 

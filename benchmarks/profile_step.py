@@ -62,7 +62,6 @@ import os
 import pstats
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -165,8 +164,6 @@ def by_stage(stats: pstats.Stats) -> dict:
 def tiny_model():
     """``--model tiny``: one ``Linear(64, 10)``, whose compute is a few small kernels: a step's time is then
     almost all the loop's own host work (the framework's, or torch.optim's and autograd's in the hand loop)."""
-    import torch
-
     torch.manual_seed(0)
     return torch.nn.Linear(64, 10)
 
@@ -177,14 +174,12 @@ MODELS = {"mlp": make_model, "tiny": tiny_model}
 def ddp_epoch(x, y, batch: int, rank: int, make=make_model) -> float:
     """The multi-worker reference: an epoch of ``DistributedDataParallel`` + ``torch.optim.SGD`` over this
     worker's rows of each global batch (``bench_fit.hand_epoch``'s loop, the gradients averaged by DDP)."""
-    import torch
     from torch.nn.parallel import DistributedDataParallel
 
     model = DistributedDataParallel(make())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     per = batch // WORKERS
     mine = [row for begin in range(0, len(x), batch) for row in range(begin + rank * per, begin + (rank + 1) * per)]
-    mine = [row for row in mine if row < len(x)]
     return hand_epoch(model, optimizer, torch.from_numpy(x[mine]), torch.from_numpy(y[mine]), per)
 
 
@@ -223,8 +218,6 @@ def profile_fits(args, x, y, strategy_factory, rank: int = 0):
 
 def worker(rank: int, port: int, outdir: str, args, x, y) -> None:
     """One of ``WORKERS`` processes of ``--strategy multi_worker``: profiles its fits; worker 0 writes the profile."""
-    import torch
-
     torch.set_num_threads(1)
     resolver = ds.SimpleClusterResolver(WORKERS, rank, "127.0.0.1", port)
     strategy = ds.MultiWorkerMirroredStrategy(ds.CommunicationOptions(timeout_seconds=60), resolver)
@@ -240,9 +233,9 @@ def worker(rank: int, port: int, outdir: str, args, x, y) -> None:
 def launch_workers(argv: list, timeout: float) -> tuple:
     """Runs ``WORKERS`` copies of this script as workers (fresh interpreters, one intra-op thread each), bounded
     by ``timeout`` seconds and ended by their process groups' ids; worker 0's ``(stats, seconds, profiled)``."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from bench_multiworker import _free_port  # (the same local port)
+
+    port = _free_port()
     outdir = tempfile.mkdtemp(prefix="rf-profile-mw-")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     command = [sys.executable, os.path.abspath(__file__), *argv, "--worker"]

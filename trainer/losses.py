@@ -497,7 +497,7 @@ class _TorchModule(Loss):
         held = [*module.buffers(), *module.parameters()]
         if all(t.device == device for t in held):
             return module
-        if any(True for _ in module.parameters()):  # (a copy would learn in its place)
+        if any(isinstance(t, torch.nn.Parameter) for t in held):  # (a copy would learn in its place)
             where = ", ".join(sorted({str(t.device) for t in held}))
             raise ValueError(
                 f"The loss {self.name} has parameters, and its tensors are on {where} while the predictions are on "
