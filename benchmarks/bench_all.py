@@ -18,11 +18,14 @@ round, so this machine's drifts hit both alike):
   of two, 2,048 examples) and measures the ceiling's bare passes and updates, the order alternating;
   ``--fresh-processes`` runs ``bench_replica_floor.py``'s child instead (ranges 0.59-0.89, 30-80 rounds for 5 %);
 - ``mwm/ddp fit``, ``mwm/ddp step``: 2 workers on gloo, ``MultiWorkerMirroredStrategy`` through ``fit`` (C)
-  and its replica step alone (B) over DDP + ``torch.optim.SGD`` (A), ``bench_multiworker.py``, target <= 1.0
-  (its rounds: a block of 20 steps of each variant in two long-lived processes, the order reversed every other
-  round; ``--mwm-rounds``, 300 by default: the per-round ratios spread widely (two single-threaded workers on
-  2 cores, a collective each step), and their spread takes about 290 rounds to resolve 5 %; ordering the blocks
-  A B C C B A in every round, or alternating A and B step by step, did not narrow it);
+  and its replica step alone (B) over DDP + ``torch.optim.SGD`` (A), ``bench_multiworker.py``, target <= 1.0;
+  ``..., RING``: the same with ``CommunicationImplementation.RING``, which sums the gradients with gloo's
+  all-reduce as DDP does, where the default sums a small buffer by an all-gather in half its message rounds:
+  the like-for-like collective, so what remains is host work (its rounds: a block of 20 steps of each variant in
+  two long-lived processes, the order reversed every other round; ``--mwm-rounds``, 300 by default: the
+  per-round ratios spread widely (two single-threaded workers on 2 cores, a collective each step), and their
+  spread takes about 290 rounds to resolve 5 %; ordering the blocks A B C C B A in every round, or alternating
+  A and B step by step, did not narrow it);
 - ``fully_sharded/hand``: ``FullyShardedStrategy`` through ``fit`` over torch's ``fully_shard`` hand loop on 2
   workers (``bench_fully_sharded.py``), target <= 1.10.
 
@@ -34,7 +37,7 @@ the same where they are normal and not swollen by a stray round, as the medians 
 n >= (1.96 * sqrt(2) * 1.2533 * s / ln 1.05)^2 (1.2533 s / sqrt(n): the standard error of a median). To *detect* a
 true 5 % change 80 % of the time takes about twice as many rounds. A row that fails is said, and the others run.
 
-Run: python benchmarks/bench_all.py                       (every row; about 15 minutes on 2 cores)
+Run: python benchmarks/bench_all.py                       (every row; about 17 minutes on 2 cores)
      python benchmarks/bench_all.py --rows fit8 fit64 --rounds 15
      python benchmarks/bench_all.py --quick                (3 rounds a row: a smoke run, not figures)
      python benchmarks/bench_all.py --device cuda --rows fit8 fit64 mirrored8 mirrored64
@@ -71,6 +74,8 @@ TARGETS = {  # row -> (sign, target)
     "mirrored8": (">=", 0.9),
     "mwm_fit": ("<=", 1.0),
     "mwm_step": ("<=", 1.0),
+    "mwm_fit_ring": ("<=", 1.0),
+    "mwm_step_ring": ("<=", 1.0),
     "fully_sharded": ("<=", 1.10),
 }
 LABELS = {
@@ -80,10 +85,12 @@ LABELS = {
     "mirrored8": "mirrored/ceiling b8",
     "mwm_fit": "mwm/ddp fit (C/A)",
     "mwm_step": "mwm/ddp step (B/A)",
+    "mwm_fit_ring": "mwm/ddp fit, RING",
+    "mwm_step_ring": "mwm/ddp step, RING",
     "fully_sharded": "fully_sharded/hand",
 }
 GROUPS = {"fit8": "fit", "fit64": "fit", "mirrored8": "floor", "mirrored64": "floor", "mwm_fit": "mwm"}
-GROUPS |= {"mwm_step": "mwm", "fully_sharded": "fully_sharded"}
+GROUPS |= {"mwm_step": "mwm", "mwm_fit_ring": "mwm", "mwm_step_ring": "mwm", "fully_sharded": "fully_sharded"}
 
 
 def rounds_for_five_percent(ratios: list) -> int | None:
@@ -301,21 +308,23 @@ def interleaved_floor_child(batch: int, pairs: int, device: str) -> None:
     print(json.dumps({"ratios": ratios, **host_syncs(*sides["mirrored"], data, batch, device)}))
 
 
-def mwm_rows(rounds: int) -> dict:
-    """``{"mwm_fit": [C/A per round], "mwm_step": [B/A per round]}`` from ``bench_multiworker.py``'s rounds."""
+def mwm_rows(rounds: int, implementation: str = "AUTO") -> dict:
+    """``{"mwm_fit": [C/A per round], "mwm_step": [B/A per round]}`` from ``bench_multiworker.py``'s rounds, with
+    MWMS on ``implementation`` (the row names end in ``_ring`` for ``RING``)."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="rf-bench-all-") as folder:
         path = os.path.join(folder, "ratios.json")
         seconds = 120 + 2 * rounds  # (a round takes 0.2-0.7 s on 2 cores; the workers' own bound, then ours)
         argv = [sys.executable, os.path.join(HERE, "bench_multiworker.py"), "--rounds", str(rounds), "--json", path]
-        argv += ["--timeout", str(seconds)]
+        argv += ["--timeout", str(seconds), "--implementation", implementation]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60)
         if done.returncode != 0 or not os.path.exists(path):
             raise RuntimeError(f"bench_multiworker.py failed:\n{done.stdout[-1000:]}\n{done.stderr[-2000:]}")
         with open(path) as file:
             found = json.load(file)
-    return {"mwm_fit": found["C/A"], "mwm_step": found["B/A"]}
+    tail = "_ring" if implementation == "RING" else ""
+    return {f"mwm_fit{tail}": found["C/A"], f"mwm_step{tail}": found["B/A"]}
 
 
 def fully_sharded_rows(rounds: int) -> list:
@@ -418,8 +427,8 @@ def measure_row(row: str, args, mwm: dict) -> None:
         child = "interleaved-floor-child"
         show(row, interleaved_rows(child, int(row[8:]), args.rounds, args.pairs, args.device, syncs))
     elif group == "mwm":
-        if not mwm:
-            mwm.update(mwm_rows(args.mwm_rounds))
+        if row not in mwm:
+            mwm.update(mwm_rows(args.mwm_rounds, "RING" if row.endswith("_ring") else "AUTO"))
         show(row, mwm[row])
     else:
         show(row, fully_sharded_rows(args.fsdp_rounds))

@@ -76,17 +76,24 @@ class _Census:
     """Counts every torch.distributed collective this process calls, by process group."""
 
     NAMES = ("all_reduce", "all_gather", "broadcast", "all_gather_object", "broadcast_object_list", "monitored_barrier")
+    # The single-tensor gather and reduce-scatter, which the collective module calls by names of its own.
+    OWN = {"_all_gather_single": "all_gather_single", "_reduce_scatter_single": "reduce_scatter_single"}
 
     def __init__(self, collective):
         import torch.distributed as dist
 
-        self.dist, self.counts, self.saved = dist, {}, {}
+        import replicafit.strategies.collective as module
+
+        self.targets = [(dist, name, name) for name in self.NAMES]
+        self.targets += [(module, attr, name) for attr, name in self.OWN.items()]
+        self.counts, self.saved = {}, []
         self.groups = {id(collective.control_group): "control", id(collective.input_group): "input"}
         self.groups[id(collective.bucket_group)] = "bucket"
 
     def __enter__(self):
-        for name in self.NAMES:
-            original = self.saved[name] = getattr(self.dist, name)
+        for owner, attr, name in self.targets:
+            original = getattr(owner, attr)
+            self.saved.append((owner, attr, original))
 
             def counted(*args, _name=name, _original=original, **kwargs):
                 group = self.groups.get(id(kwargs.get("group")), "data")
@@ -94,12 +101,12 @@ class _Census:
                 self.counts[key] = self.counts.get(key, 0) + 1
                 return _original(*args, **kwargs)
 
-            setattr(self.dist, name, counted)
+            setattr(owner, attr, counted)
         return self
 
     def __exit__(self, *exc):
-        for name, original in self.saved.items():
-            setattr(self.dist, name, original)
+        for owner, attr, original in self.saved:
+            setattr(owner, attr, original)
 
 
 def worker(rank: int, port: int, args, outdir: str) -> None:
@@ -115,7 +122,9 @@ def worker(rank: int, port: int, args, outdir: str) -> None:
 
     torch.set_num_threads(1)
     resolver = ds.SimpleClusterResolver(WORLD, rank, "127.0.0.1", port)
-    options = ds.CommunicationOptions(timeout_seconds=60, bytes_per_pack=int(args.bucket_mb * 2**20))
+    options = ds.CommunicationOptions(
+        timeout_seconds=60, bytes_per_pack=int(args.bucket_mb * 2**20), implementation=args.implementation
+    )
     strategy = ds.MultiWorkerMirroredStrategy(options, resolver)
     collective = strategy.extended._collective
     global_batch, per_worker = args.batch, args.batch // WORLD
@@ -290,24 +299,25 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(args, argv) -> list:
-    """Starts the 2 workers (fresh interpreters), waits at most ``--timeout`` s, ends any left by pid."""
+def launch(args, argv, script: str = __file__, world: int = WORLD) -> list:
+    """Starts ``world`` workers (fresh interpreters of ``script`` with ``argv`` and ``--_worker RANK PORT OUTDIR``),
+    waits at most ``args.timeout`` s, ends any left by pid; returns each one's ``out-RANK.json``."""
     port, outdir = _free_port(), tempfile.mkdtemp(prefix="rf-bench-mw-")
     try:
-        return _launch_in(outdir, port, args, argv)
+        return _launch_in(outdir, port, args, argv, script, world)
     finally:
         shutil.rmtree(outdir, ignore_errors=True)
 
 
-def _launch_in(outdir, port, args, argv) -> list:
+def _launch_in(outdir, port, args, argv, script, world) -> list:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), *argv, "--_worker", str(rank), str(port), outdir],
+            [sys.executable, os.path.abspath(script), *argv, "--_worker", str(rank), str(port), outdir],
             env=env,
             start_new_session=True,  # a process group of its own, ended by its pid below
         )
-        for rank in range(WORLD)
+        for rank in range(world)
     ]
     deadline = time.monotonic() + args.timeout
     try:
@@ -324,7 +334,7 @@ def _launch_in(outdir, port, args, argv) -> list:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
     outcomes = []
-    for rank in range(WORLD):
+    for rank in range(world):
         with open(os.path.join(outdir, f"out-{rank}.json")) as file:
             outcomes.append(json.load(file))
     return outcomes
@@ -352,7 +362,8 @@ def report(outcomes, args) -> None:
     }
     shape = "-".join(str(w) for w in (FEATURES, *WIDTHS[MODEL], CLASSES))
     print(
-        f"2 workers x 1 thread, gloo on 127.0.0.1, MLP {shape}, overlap={args.overlap}, batch {args.batch} "
+        f"2 workers x 1 thread, gloo on 127.0.0.1, MLP {shape}, overlap={args.overlap}, MWMS implementation "
+        f"{args.implementation}, batch {args.batch} "
         f"({args.batch // WORLD}/worker); {args.rounds} rounds x {args.steps} steps; the slower worker, ms/step"
     )
     print(f"  {'variant':<40} {'median':>8} {'p25':>8} {'p75':>8}")
@@ -407,6 +418,12 @@ def main() -> None:
     parser.add_argument("--no-fit", action="store_true", help="leave out C (Trainer.fit)")
     parser.add_argument("--bucket-mb", type=float, default=0, help="MWMS bytes_per_pack in MiB (0: 25 MiB buckets)")
     parser.add_argument("--model", choices=sorted(WIDTHS), default="mlp", help="large: 26.5 MB of gradients")
+    parser.add_argument(
+        "--implementation",
+        choices=("AUTO", "RING"),
+        default="AUTO",
+        help="MWMS's CommunicationImplementation: RING sums with gloo's all-reduce, as DDP does, at every size",
+    )
     parser.add_argument(
         "--no-overlap", dest="overlap", action="store_false", help="B reduces after backward (no hook-started buckets)"
     )

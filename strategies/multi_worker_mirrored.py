@@ -445,7 +445,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         that cross processes, ``timeout_seconds`` for every wait (local rendezvous and the
         process group: a worker that stops arriving is a ``WorkerFailedError`` after it;
         ``None``: torch's default, 30 minutes on gloo and 10 on NCCL), ``implementation`` (``AUTO``: gloo for CPU
-        devices, NCCL for CUDA devices; ``RING`` means gloo, for CUDA devices too, which is how
+        devices, NCCL for CUDA devices, a small sum on gloo an all-gather and a local sum in worker order;
+        ``RING`` means gloo and its ring all-reduce, for CUDA devices too, which is how
         several worker processes share one GPU (NCCL refuses two ranks on one device);
         ``NCCL`` needs CUDA devices).
       cluster_resolver: a ``ClusterResolver``; ``None`` detects the environment

@@ -108,6 +108,16 @@ class CommunicationImplementation(_CaseInsensitiveEnum):
 
     ``AUTO`` lets the strategy pick; ``RING`` is the host (gloo-style) path; ``NCCL``
     requires CUDA devices.
+
+    Across worker processes on gloo, ``AUTO`` sums a small buffer (at most 1 MiB gathered over the
+    workers) with one all-gather and a local sum in worker order, in half the message rounds of gloo's
+    ring all-reduce; ``RING`` sums with the ring all-reduce at every size, as DDP on gloo does.
+    TensorFlow's ``AUTO`` has no such choice.
+
+    Example::
+
+        >>> CommunicationImplementation("ring") is CommunicationImplementation.RING
+        True
     """
 
     AUTO = "AUTO"

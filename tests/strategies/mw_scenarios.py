@@ -15,11 +15,12 @@ import torch
 import replicafit.strategies as ds
 
 
-def strategy_for(rank, num_workers, port, devices=None, timeout=20.0):
+def strategy_for(rank, num_workers, port, devices=None, timeout=20.0, implementation="AUTO"):
     if devices and any(d != "cpu:0" for d in devices):
         ds.set_logical_cpu_count(max(8, len(devices)))
     resolver = ds.SimpleClusterResolver(num_workers, rank, "127.0.0.1", port, devices=devices)
-    return ds.MultiWorkerMirroredStrategy(ds.CommunicationOptions(timeout_seconds=timeout), resolver)
+    options = ds.CommunicationOptions(timeout_seconds=timeout, implementation=implementation)
+    return ds.MultiWorkerMirroredStrategy(options, resolver)
 
 
 def _values(replica_id: int, rows: int = 3) -> torch.Tensor:
@@ -94,8 +95,8 @@ def _worker(strategy) -> int:
     return strategy.cluster.worker_index
 
 
-def basics(rank, num_workers, port, devices=None, staged=False):
-    strategy = strategy_for(rank, num_workers, port, devices)
+def basics(rank, num_workers, port, devices=None, staged=False, implementation="AUTO"):
+    strategy = strategy_for(rank, num_workers, port, devices, implementation=implementation)
     if staged:  # the path of CUDA tensors on gloo (RING), forced: gathers go through host memory
         strategy.extended._collective._staged = True
     result = ops(strategy)
@@ -261,3 +262,50 @@ def sharded_with_step_values(rank, num_workers, port, length=10):
     buffer = torch.arange(length, dtype=torch.float32) + rank
     carried = torch.tensor([rank + 1.0, 2.0, 0.5])
     return collective.start_reduce_scatter(buffer, carried, "a test's reduce-scatter with step values").result()
+
+
+def small_sums(rank, num_workers, port, implementation="AUTO"):
+    """Each way ``Collective`` sums across workers, on buffers at, under and over ``gather_sum_bytes`` (made
+    small here): the result, and which torch collective each sum called (an all-gather and a local sum in
+    worker order, or gloo's all-reduce)."""
+    import torch.distributed as dist
+
+    import replicafit.strategies.collective as module
+
+    strategy = strategy_for(rank, num_workers, port, implementation=implementation)
+    collective = strategy.extended._collective
+    if implementation == "AUTO":
+        assert collective.gather_sum_bytes == 1 << 20
+        collective.gather_sum_bytes = 16 * num_workers  # 4 float32 elements per worker gathered
+    calls = []
+    gather, reduce = module._all_gather_single, dist.all_reduce
+
+    def counted(name, original):
+        def call(*args, **kwargs):
+            calls[-1][1].append(name)
+            return original(*args, **kwargs)
+
+        return call
+
+    module._all_gather_single, dist.all_reduce = counted("gather", gather), counted("all_reduce", reduce)
+    out = {}
+    try:
+        for length in (3, 4, 5):  # under, at and over the bound
+            values = torch.randn(length, generator=torch.Generator().manual_seed(7 + rank))
+            buffer = values.clone()
+            calls.append((f"bucket {length}", []))
+            collective.wait_work(collective.start_all_reduce(buffer, "a bucket"), "a bucket")
+            out[f"bucket {length}"] = buffer
+            flat = values.clone()
+            calls.append((f"flat {length}", []))
+            collective.all_reduce_flat([flat], "a pack")
+            out[f"flat {length}"] = flat
+        calls.append(("sum_ints", []))
+        out["sum_ints"] = collective.sum_ints([rank, 1], "a sum")
+        calls.append(("start_sum_ints", []))
+        out["start_sum_ints"] = collective.start_sum_ints([rank + 1, 2], "a started sum")()
+    finally:
+        module._all_gather_single, dist.all_reduce = gather, reduce
+    out["calls"] = dict(calls)
+    strategy.cluster.barrier("end")
+    return out

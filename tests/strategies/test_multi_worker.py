@@ -71,15 +71,67 @@ def test_two_workers_of_two_logical_cpus_equal_mirrored_four():
     assert torch.equal(got[0]["w_after"], got[1]["w_after"])
 
 
+@pytest.fixture(scope="module")
+def three_workers():
+    return results(run_workers(SCENARIOS, "basics", 3, timeout=90))
+
+
 @pytest.mark.timeout(120)
-def test_three_workers_are_identical_on_every_worker_and_close_to_mirrored_three():
-    got = results(run_workers(SCENARIOS, "basics", 3, timeout=90))
+def test_three_workers_are_identical_on_every_worker_and_close_to_mirrored_three(three_workers):
+    got = three_workers
     expected = mw_scenarios.ops(ds.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"]))
     for worker, result in enumerate(got):
         # Three ranks need not add in replica order (gloo's ring), so only within rounding ...
         _assert_same(expected, result, exact=False, what=f"worker {worker}")
         # ... but every worker always holds the very same values.
         _assert_same({k: got[0][k] for k in expected}, result, exact=True, what=f"worker {worker} vs worker 0")
+
+
+@pytest.mark.timeout(120)
+def test_three_workers_small_sums_add_in_worker_order_as_mirrored_three_does(three_workers):
+    """A small sum on gloo is an all-gather and a local sum in worker order, ``(w0 + w1) + w2``: the order
+    Mirrored adds its replicas in, so three workers equal Mirrored(3) bit for bit (gloo's ring does not)."""
+    expected = mw_scenarios.ops(ds.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"]))
+    for worker, result in enumerate(three_workers):
+        _assert_same(expected, result, exact=True, what=f"worker {worker}")
+
+
+@pytest.mark.timeout(120)
+def test_ring_sums_by_gloo_all_reduce_alike_on_every_worker():
+    """``CommunicationImplementation.RING``: gloo's all-reduce at every size; two workers still equal
+    Mirrored(2) bit for bit, three are identical on every worker and close to Mirrored(3)."""
+    kwargs = {"implementation": "RING"}
+    expected = mw_scenarios.ops(ds.MirroredStrategy(["cpu:0", "cpu:1"]))
+    for worker, got in enumerate(results(run_workers(SCENARIOS, "basics", 2, timeout=90, kwargs=kwargs))):
+        _assert_same(expected, got, exact=True, what=f"worker {worker}")
+    got = results(run_workers(SCENARIOS, "basics", 3, timeout=90, kwargs=kwargs))
+    expected = mw_scenarios.ops(ds.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"]))
+    for worker, result in enumerate(got):
+        _assert_same(expected, result, exact=False, what=f"worker {worker}")
+        _assert_same({k: got[0][k] for k in expected}, result, exact=True, what=f"worker {worker} vs worker 0")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("implementation", ["AUTO", "RING"])
+def test_small_sums_gather_and_add_in_worker_order_up_to_the_bound(implementation):
+    outcomes = results(run_workers(SCENARIOS, "small_sums", 3, timeout=90, kwargs={"implementation": implementation}))
+    for length in (3, 4, 5):
+        rows = [torch.randn(length, generator=torch.Generator().manual_seed(7 + rank)) for rank in range(3)]
+        in_order = (rows[0] + rows[1]) + rows[2]
+        gathers = implementation == "AUTO" and length <= 4
+        for worker, out in enumerate(outcomes):
+            for way in ("bucket", "flat"):
+                key = f"{way} {length}"
+                assert out["calls"][key] == ["gather" if gathers else "all_reduce"], (worker, key)
+                if gathers:
+                    assert torch.equal(out[key], in_order), (worker, key)
+                else:
+                    torch.testing.assert_close(out[key], in_order)
+                assert torch.equal(out[key], outcomes[0][key]), (worker, key)
+    for out in outcomes:
+        way = ["gather"] if implementation == "AUTO" else ["all_reduce"]
+        assert out["calls"]["sum_ints"] == way and out["calls"]["start_sum_ints"] == way
+        assert out["sum_ints"] == [0 + 1 + 2, 3] and out["start_sum_ints"] == [1 + 2 + 3, 6]
 
 
 @pytest.mark.timeout(120)

@@ -114,14 +114,28 @@ def collectives_per_read(rank, num_workers, port):
     from replicafit.trainer import LambdaCallback
 
     counts: dict = {}
+    summing = [False]  # within a sum of the collective's: its own all-reduce or all-gather is that sum
     for name in ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier"):
         original = getattr(collective.dist, name)
 
         def counted(*args, _original=original, _name=name, **kwargs):
-            counts[_name] = counts.get(_name, 0) + 1
+            if not summing[0]:
+                counts[_name] = counts.get(_name, 0) + 1
             return _original(*args, **kwargs)
 
         setattr(collective.dist, name, counted)
+    start_sum = collective.Collective._start_sum
+
+    def counted_sum(self, buffer, group):
+        """A sum across workers, counted as an all-reduce whichever way it runs (a small one is an all-gather)."""
+        counts["all_reduce"] = counts.get("all_reduce", 0) + 1
+        summing[0] = True
+        try:
+            return start_sum(self, buffer, group)
+        finally:
+            summing[0] = False
+
+    collective.Collective._start_sum = counted_sum
     strategy = strategy_for(rank, num_workers, port)
     (x, y), _ = classification_data()
     out = {}
