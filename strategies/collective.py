@@ -34,6 +34,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import io
+import pickle
 import re
 import socket
 import threading
@@ -185,6 +187,9 @@ class Collective:
         # gloo reduces and broadcasts CUDA tensors itself (through the host); other collectives of
         # CUDA tensors on gloo go through host memory here.
         self._staged = backend == "gloo" and self.device.type == "cuda"
+        # Objects (broadcast_object, all_gather_object) whose tensors may be on an accelerator travel as bytes
+        # pickled with those tensors on the host, and arrive on this worker's device (``_HostPickler``).
+        self._host_objects = self.device.type != "cpu"
         with self._guard("joining the cluster (init_process_group)"):
             if dist.is_initialized():
                 if dist.get_rank() != rank or dist.get_world_size() != world_size:
@@ -470,20 +475,28 @@ class Collective:
 
     # --- control collectives (host, gloo) ----------------------------------------------------
     def all_gather_object(self, obj, what: str, group: str = "control") -> list:
+        """Every worker's ``obj`` (picklable), in worker order. On workers with accelerator devices its tensors
+        there travel through the host and arrive on this worker's device (not on the sender's device index,
+        which is another worker's GPU, or none, on this one)."""
         if self._alone:
             return [obj]
         with self._guard(what):
             out = [None] * self.world_size
-            dist.all_gather_object(out, obj, group=getattr(self, f"{group}_group"))
-            return out
+            sent = host_bytes(obj) if self._host_objects else obj
+            dist.all_gather_object(out, sent, group=getattr(self, f"{group}_group"))
+            return [from_host_bytes(part, self.device) for part in out] if self._host_objects else out
 
     def broadcast_object(self, obj, what: str, group: str = "control"):
+        """Worker 0's ``obj`` on every worker (worker 0 keeps its own object); its tensors on an accelerator
+        arrive on this worker's device, as in ``all_gather_object``."""
         if self._alone:
             return obj
         with self._guard(what):
-            box = [obj]
+            box = [host_bytes(obj) if self._host_objects and self.rank == 0 else obj]
             dist.broadcast_object_list(box, src=0, group=getattr(self, f"{group}_group"))
-            return box[0]
+            if self.rank == 0:
+                return obj
+            return from_host_bytes(box[0], self.device) if self._host_objects else box[0]
 
     def all_gather_ints(self, values: list, what: str) -> list:
         """Every worker's integer vector (same length on all), in worker order, on the host."""
@@ -578,6 +591,57 @@ class _GatheredSum:
                 flat.add_(row)
             self.gathered = None
         return True
+
+
+_DEVICE_TENSOR = "replicafit: a tensor from an accelerator"
+
+
+class _HostPickler(pickle.Pickler):
+    """Pickles an object with each tensor that is not on the host as a host copy, marked: ``from_host_bytes``
+    puts it on the receiver's device. (Plain pickling keeps a tensor's device, which the receiver's unpickling
+    allocates on: a GPU of another worker's, or one this worker lacks.)"""
+
+    _copy = None  # the host copy being pickled inside its marker (pickled as it is)
+
+    def _off_host(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type != "cpu"
+
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.Tensor) and obj is not self._copy and self._off_host(obj):
+            self._copy = obj.detach().cpu()
+            return (_DEVICE_TENSOR, self._copy, obj.requires_grad)
+        return None
+
+
+class _DeviceUnpickler(pickle.Unpickler):
+    def __init__(self, file, device: torch.device):
+        super().__init__(file)
+        self.device = device
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 3 and pid[0] == _DEVICE_TENSOR):
+            raise pickle.UnpicklingError(f"unknown persistent id in an object from another worker: {pid!r}")
+        _, tensor, requires_grad = pid
+        return tensor.to(self.device).requires_grad_(requires_grad)
+
+
+def host_bytes(obj, pickler=_HostPickler) -> bytes:
+    """``obj`` pickled with its tensors off the host copied to it (marked, for ``from_host_bytes``).
+
+    Example::
+
+        >>> data = host_bytes({"step": 3, "state": torch.ones(2)})
+        >>> from_host_bytes(data, torch.device("cpu"))
+        {'step': 3, 'state': tensor([1., 1.])}
+    """
+    file = io.BytesIO()
+    pickler(file).dump(obj)
+    return file.getvalue()
+
+
+def from_host_bytes(data: bytes, device) -> object:
+    """The object of ``host_bytes``, its tensors that were off the sender's host now on ``device``."""
+    return _DeviceUnpickler(io.BytesIO(data), torch.device(device)).load()
 
 
 def _padded(flat: torch.Tensor, length: int) -> torch.Tensor:

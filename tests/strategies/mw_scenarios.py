@@ -309,3 +309,20 @@ def small_sums(rank, num_workers, port, implementation="AUTO"):
     out["calls"] = dict(calls)
     strategy.cluster.barrier("end")
     return out
+
+
+def host_objects(rank, num_workers, port):
+    """Object collectives the way workers on accelerators make them (``_host_objects``, forced on the CPU):
+    pickled to bytes with tensors off the host marked, unpickled on this worker's device."""
+    strategy = strategy_for(rank, num_workers, port)
+    collective = strategy.extended._collective
+    collective._host_objects = True
+    mine = {"rank": rank, "values": [torch.full((2,), float(rank)), torch.arange(rank + 1)]}
+    broadcast = collective.broadcast_object(mine, "an object")
+    out = {
+        "gathered": collective.all_gather_object(mine, "objects"),
+        "broadcast": broadcast,
+        "kept_own": broadcast is mine,
+    }
+    strategy.cluster.barrier("end")
+    return out

@@ -7,6 +7,7 @@ logical CPUs equal Mirrored(4) within float tolerance.
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 
@@ -132,6 +133,49 @@ def test_small_sums_gather_and_add_in_worker_order_up_to_the_bound(implementatio
         way = ["gather"] if implementation == "AUTO" else ["all_reduce"]
         assert out["calls"]["sum_ints"] == way and out["calls"]["start_sum_ints"] == way
         assert out["sum_ints"] == [0 + 1 + 2, 3] and out["start_sum_ints"] == [1 + 2 + 3, 6]
+
+
+def test_objects_carry_tensors_off_the_host_as_host_copies_for_the_receivers_device():
+    """An object's tensors on an accelerator are pickled as host copies, marked, and unpickled onto the
+    receiver's device: here float64 tensors stand in for the accelerator's, and "meta" for the receiver's."""
+    from replicafit.strategies import collective
+
+    class Marked(collective._HostPickler):
+        def _off_host(self, tensor):
+            return tensor.dtype == torch.float64
+
+    weights = torch.tensor([1.5, -2.0], dtype=torch.float64, requires_grad=True)
+    sent = {"grads": [weights, torch.arange(3)], "step": 4, "pair": (weights.detach() * 2, "w")}
+    got = collective.from_host_bytes(collective.host_bytes(sent, Marked), "meta")
+    assert got["step"] == 4 and got["pair"][1] == "w"
+    marked, counts, doubled = got["grads"][0], got["grads"][1], got["pair"][0]
+    assert marked.device.type == "meta" and doubled.device.type == "meta"  # on the receiver's device
+    assert marked.requires_grad and not doubled.requires_grad and marked.dtype == torch.float64
+    assert counts.device.type == "cpu" and torch.equal(counts, torch.arange(3))  # host tensors stay as they are
+    plain = collective.from_host_bytes(collective.host_bytes(sent, Marked), "cpu")
+    assert torch.equal(plain["grads"][0], weights.detach()) and torch.equal(plain["pair"][0], weights.detach() * 2)
+    with pytest.raises(pickle.UnpicklingError, match="unknown persistent id"):
+
+        class Other(pickle.Pickler):
+            def persistent_id(self, obj):
+                return ("something else",) if isinstance(obj, torch.Tensor) else None
+
+        collective.from_host_bytes(collective.host_bytes(sent, Other), "cpu")
+
+
+@pytest.mark.timeout(120)
+def test_object_collectives_through_host_bytes_give_every_worker_the_objects():
+    """The bytes path that workers on accelerators take, forced on the CPU: the same objects, worker 0's
+    broadcast kept as its own object."""
+    outcomes = results(run_workers(SCENARIOS, "host_objects", 2, timeout=60))
+    for rank, out in enumerate(outcomes):
+        gathered = out["gathered"]
+        assert [g["rank"] for g in gathered] == [0, 1]
+        for worker, part in enumerate(gathered):
+            assert torch.equal(part["values"][0], torch.full((2,), float(worker)))
+            assert torch.equal(part["values"][1], torch.arange(worker + 1))
+        assert out["broadcast"]["rank"] == 0 and torch.equal(out["broadcast"]["values"][1], torch.arange(1))
+        assert out["kept_own"] == (rank == 0)
 
 
 @pytest.mark.timeout(120)
