@@ -151,3 +151,23 @@ def sharded_fit(rank, num_workers, port, scatter=None):
         strategy = ds.MultiWorkerMirroredStrategy(options, resolver, shard_optimizer_states=shard)
         out[shard] = fit_run(strategy)
     return out
+
+
+def gpu_objects(rank, num_workers, port):
+    """Objects holding GPU tensors broadcast and gathered by two workers sharing the GPU over gloo: where each
+    one lands."""
+    resolver = ds.SimpleClusterResolver(num_workers, rank, "127.0.0.1", port, devices=[GPU])
+    options = ds.CommunicationOptions(timeout_seconds=60, implementation="RING")
+    strategy = ds.MultiWorkerMirroredStrategy(options, resolver)
+    collective = strategy.extended._collective
+    device = torch.device(GPU) if GPU.startswith("cuda") else torch.device("cpu")
+    mine = {"rank": rank, "state": torch.full((3,), float(rank), device=device), "host": torch.arange(2)}
+    gathered = collective.all_gather_object(mine, "objects with GPU tensors")
+    broadcast = collective.broadcast_object(mine, "an object with GPU tensors")
+    out = {
+        "host_objects": collective._host_objects,
+        "gathered": [(g["rank"], g["state"].cpu(), str(g["state"].device), str(g["host"].device)) for g in gathered],
+        "broadcast": (broadcast["rank"], broadcast["state"].cpu(), str(broadcast["state"].device)),
+    }
+    strategy.cluster.barrier("end")
+    return out

@@ -36,6 +36,20 @@ def test_one_worker_on_the_gpu_equals_mirrored_on_it():
     assert_close_weights(got["weights"], expected["weights"], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.timeout(150)
+def test_objects_with_gpu_tensors_arrive_on_each_workers_own_device():
+    """An object collective's GPU tensors travel through the host and land on the receiver's device (the
+    workers' device here: both share the GPU), its host tensors stay on the host."""
+    outcomes = results(run_workers(SCENARIOS, "gpu_objects", 2, timeout=120, env=ENV))
+    for got in outcomes:
+        assert got["host_objects"] == HAVE_CUDA
+        for worker, (rank, state, device, host) in enumerate(got["gathered"]):
+            assert rank == worker and torch.equal(state, torch.full((3,), float(worker)))
+            assert device.startswith(GPU_TYPE) and host == "cpu"
+        rank, state, device = got["broadcast"]
+        assert rank == 0 and torch.equal(state, torch.zeros(3)) and device.startswith(GPU_TYPE)
+
+
 @cuda_only
 @pytest.mark.timeout(150)
 def test_nccl_collectives_on_cuda_tensors():
