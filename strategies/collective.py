@@ -601,28 +601,42 @@ class _HostPickler(pickle.Pickler):
     puts it on the receiver's device. (Plain pickling keeps a tensor's device, which the receiver's unpickling
     allocates on: a GPU of another worker's, or one this worker lacks.)"""
 
-    _copy = None  # the host copy being pickled inside its marker (pickled as it is)
+    def __init__(self, file):
+        super().__init__(file)
+        self._marked: dict = {}  # id(tensor) -> (tensor, its marker): a tensor met twice arrives as one
+        self._copy = None  # the host copy being pickled inside its marker (pickled as it is)
 
     def _off_host(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type != "cpu"
 
     def persistent_id(self, obj):
-        if isinstance(obj, torch.Tensor) and obj is not self._copy and self._off_host(obj):
-            self._copy = obj.detach().cpu()
-            return (_DEVICE_TENSOR, self._copy, obj.requires_grad)
-        return None
+        if not isinstance(obj, torch.Tensor) or obj is self._copy:
+            return None
+        known = self._marked.get(id(obj))
+        if known is not None:
+            return known[1]
+        if not self._off_host(obj):
+            return None
+        self._copy = obj.detach().cpu()
+        marker = (_DEVICE_TENSOR, self._copy, obj.requires_grad)
+        self._marked[id(obj)] = (obj, marker)
+        return marker
 
 
 class _DeviceUnpickler(pickle.Unpickler):
     def __init__(self, file, device: torch.device):
         super().__init__(file)
         self.device = device
+        self._placed: dict = {}  # id(host copy) -> (host copy, the tensor on the device)
 
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) == 3 and pid[0] == _DEVICE_TENSOR):
             raise pickle.UnpicklingError(f"unknown persistent id in an object from another worker: {pid!r}")
         _, tensor, requires_grad = pid
-        return tensor.to(self.device).requires_grad_(requires_grad)
+        placed = self._placed.get(id(tensor))
+        if placed is None:
+            placed = self._placed[id(tensor)] = (tensor, tensor.to(self.device).requires_grad_(requires_grad))
+        return placed[1]
 
 
 def host_bytes(obj, pickler=_HostPickler) -> bytes:

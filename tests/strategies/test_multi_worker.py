@@ -152,6 +152,8 @@ def test_objects_carry_tensors_off_the_host_as_host_copies_for_the_receivers_dev
     assert marked.device.type == "meta" and doubled.device.type == "meta"  # on the receiver's device
     assert marked.requires_grad and not doubled.requires_grad and marked.dtype == torch.float64
     assert counts.device.type == "cpu" and torch.equal(counts, torch.arange(3))  # host tensors stay as they are
+    twice = collective.from_host_bytes(collective.host_bytes([weights, {"again": weights}], Marked), "meta")
+    assert twice[0] is twice[1]["again"]  # one tensor met twice arrives as one, as plain pickling keeps it
     plain = collective.from_host_bytes(collective.host_bytes(sent, Marked), "cpu")
     assert torch.equal(plain["grads"][0], weights.detach()) and torch.equal(plain["pair"][0], weights.detach() * 2)
     with pytest.raises(pickle.UnpicklingError, match="unknown persistent id"):
