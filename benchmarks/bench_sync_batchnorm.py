@@ -20,7 +20,7 @@ repeats, every measurement in fresh interpreters, the order reversed every repea
 
 It also prints the collectives of one training step: a synchronized layer makes one packed all-reduce
 in its forward pass and one in its backward pass, per replica (across workers each is one gloo
-all-reduce beside the gradients' buckets).
+collective beside the gradients' buckets: an all-reduce, or for a small sum an all-gather summed locally).
 
 Run: python benchmarks/bench_sync_batchnorm.py [--repeats 5]
 """
@@ -43,6 +43,7 @@ from torch import nn
 import replicafit.strategies as ds
 from replicafit import optimizers
 from replicafit.cli.launch import launch_local
+from replicafit.strategies import collective as collective_module
 from replicafit.strategies import sync_batchnorm
 from replicafit.trainer import Callback, Trainer
 
@@ -91,22 +92,24 @@ class StepCensus:
             return self._reduce(*args)
 
         sync_batchnorm._all_reduce = counted_reduce
-        for name in ("all_reduce", "all_gather", "broadcast"):
-            original = self._dist[name] = getattr(dist, name)
+        # (the collective module's own single-tensor gather too: a small sum on gloo is one)
+        targets = [(dist, name, name) for name in ("all_reduce", "all_gather", "broadcast")]
+        targets.append((collective_module, "_all_gather_single", "all_gather_single"))
+        for owner, attr, name in targets:
+            original = getattr(owner, attr)
+            self._dist[(owner, attr)] = original
 
             def counted(*args, _name=name, _original=original, **kwargs):
                 self.collectives[_name] = self.collectives.get(_name, 0) + 1
                 return _original(*args, **kwargs)
 
-            setattr(dist, name, counted)
+            setattr(owner, attr, counted)
         return self
 
     def __exit__(self, *exc):
-        import torch.distributed as dist
-
         sync_batchnorm._all_reduce = self._reduce
-        for name, original in self._dist.items():
-            setattr(dist, name, original)
+        for (owner, attr), original in self._dist.items():
+            setattr(owner, attr, original)
 
 
 class _CountStep(Callback):

@@ -333,8 +333,9 @@ class Collective:
         sum's time over the all-reduce's (medians of paired rounds): 2 workers 0.45 at 9 KiB each, 0.76-0.87 at
         332-512 KiB, 0.99 at 1 MiB, 1.47 at 2 MiB; 3 workers 0.51 at 9 KiB, 0.70 at 332 KiB, 1.31 at 1 MiB; 4
         workers 0.61 at 9 KiB, 1.28 at 1 MiB. Every worker adds the same rows in the same order, so every
-        worker's result is the same, bit for bit, and that of ``MirroredStrategy`` over as many replicas
-        (``(w0 + w1) + w2 ...``); on 2 workers also the all-reduce's (``a + b == b + a``)."""
+        worker's result is the same, bit for bit; with one replica per worker it is that of
+        ``MirroredStrategy`` over as many replicas (``(w0 + w1) + w2 ...``), and on 2 workers also the
+        all-reduce's (``a + b == b + a``)."""
         size = buffer.numel() * buffer.element_size() * self.world_size
         if (
             size > self.gather_sum_bytes
@@ -346,7 +347,7 @@ class Collective:
         ):
             return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
         gathered = buffer.new_empty(self.world_size * buffer.numel())
-        work = _all_gather_single(gathered, buffer.view(-1), group=group, async_op=True)
+        work = _all_gather_single(gathered, buffer.detach().view(-1), group=group, async_op=True)
         return _GatheredSum(work, gathered, buffer)
 
     # --- data collectives ------------------------------------------------------------------
@@ -574,22 +575,28 @@ class _Started:
 
 class _GatheredSum:
     """A sum across workers in flight as an all-gather (``Collective._start_sum``): ``wait()`` waits for the
-    gather, then writes the rows' sum into the buffer in worker order (``(w0 + w1) + w2 ...``), once."""
+    gather, then writes the rows' sum into the buffer in worker order (``(w0 + w1) + w2 ...``), once (two
+    threads may wait, as for a torch work: the prefetch thread's input sum and ``_drain``)."""
 
-    __slots__ = ("work", "gathered", "buffer")
+    __slots__ = ("work", "gathered", "buffer", "lock")
 
     def __init__(self, work, gathered: torch.Tensor, buffer: torch.Tensor):
         self.work, self.gathered, self.buffer = work, gathered, buffer
+        self.lock = threading.Lock()
 
     def wait(self) -> bool:
-        if self.gathered is not None:
-            self.work.wait()
-            rows = self.gathered.view(-1, self.buffer.numel())
-            flat = self.buffer.view(-1)
-            torch.add(rows[0], rows[1], out=flat)
-            for row in rows[2:]:
-                flat.add_(row)
-            self.gathered = None
+        with self.lock:
+            if self.gathered is not None:
+                self.work.wait()
+                # Written as a collective writes its output: whatever autograd or inference mode the caller is
+                # in (a buffer that requires grad, or one made under inference mode and finished outside it).
+                with torch.inference_mode():
+                    rows = self.gathered.view(-1, self.buffer.numel())
+                    flat = self.buffer.view(-1)
+                    torch.add(rows[0], rows[1], out=flat)
+                    for row in rows[2:]:
+                        flat.add_(row)
+                self.gathered = None
         return True
 
 

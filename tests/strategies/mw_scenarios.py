@@ -304,6 +304,17 @@ def small_sums(rank, num_workers, port, implementation="AUTO"):
         out["sum_ints"] = collective.sum_ints([rank, 1], "a sum")
         calls.append(("start_sum_ints", []))
         out["start_sum_ints"] = collective.start_sum_ints([rank + 1, 2], "a started sum")()
+        # A sum is written whatever autograd or inference mode the caller is in, as an all-reduce writes it: a
+        # per-replica loss that still requires grad, reduced; an input agreement started under inference mode
+        # and finished outside it.
+        calls.append(("requires grad", []))
+        weights = torch.ones(3, requires_grad=True)
+        out["requires grad"] = strategy.reduce("SUM", weights * (rank + 1), axis=None).detach()
+        calls.append(("inference mode", []))
+        with torch.inference_mode():
+            finish = collective.start_sum_ints([1, rank], "a sum started under inference mode")
+        out["inference mode"] = finish()
+        out["failed"] = collective.failed
     finally:
         module._all_gather_single, dist.all_reduce = gather, reduce
     out["calls"] = dict(calls)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
+import time
 
 import mw_scenarios
 import pytest
@@ -133,6 +134,32 @@ def test_small_sums_gather_and_add_in_worker_order_up_to_the_bound(implementatio
         way = ["gather"] if implementation == "AUTO" else ["all_reduce"]
         assert out["calls"]["sum_ints"] == way and out["calls"]["start_sum_ints"] == way
         assert out["sum_ints"] == [0 + 1 + 2, 3] and out["start_sum_ints"] == [1 + 2 + 3, 6]
+        assert out["calls"]["requires grad"] == way and out["calls"]["inference mode"] == way
+        assert torch.equal(out["requires grad"], torch.full((3,), 6.0)) and out["inference mode"] == [3, 3]
+        assert not out["failed"]
+
+
+def test_a_gathered_sum_waited_by_two_threads_adds_once():
+    """The prefetch thread's input sum and ``_drain`` may wait for one sum at once: the rows are added once."""
+    import threading
+
+    from replicafit.strategies.collective import _GatheredSum
+
+    class SlowWork:
+        def wait(self):
+            time.sleep(0.01)
+            return True
+
+    for _ in range(20):
+        buffer = torch.zeros(4)
+        gathered = torch.cat([torch.full((4,), 1.0), torch.full((4,), 2.0), torch.full((4,), 4.0)])
+        pending = _GatheredSum(SlowWork(), gathered, buffer)
+        threads = [threading.Thread(target=pending.wait) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=10)
+        assert torch.equal(buffer, torch.full((4,), 7.0))
 
 
 def test_objects_carry_tensors_off_the_host_as_host_copies_for_the_receivers_device():
