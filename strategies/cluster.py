@@ -86,11 +86,13 @@ class Cluster:
         return self.worker_index * self.num_local_replicas
 
     def broadcast(self, obj, what: str = "broadcasting the chief's value"):
-        """The chief's ``obj`` on every worker (any picklable object)."""
+        """The chief's ``obj`` on every worker (any picklable object). Across workers on accelerators, the
+        object's tensors there arrive on each worker's own first device; host tensors stay on the host."""
         return obj
 
     def all_gather(self, obj, what: str = "gathering an object from every worker") -> list:
-        """Every worker's ``obj`` (picklable), in worker order."""
+        """Every worker's ``obj`` (picklable), in worker order; tensors on an accelerator arrive on this
+        worker's first device, as in ``broadcast``."""
         return [obj]
 
     def any(self, flag, what: str = "agreeing on a flag") -> bool:

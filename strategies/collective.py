@@ -190,6 +190,7 @@ class Collective:
         # Objects (broadcast_object, all_gather_object) whose tensors may be on an accelerator travel as bytes
         # pickled with those tensors on the host, and arrive on this worker's device (``_HostPickler``).
         self._host_objects = self.device.type != "cpu"
+        self._pickler = _HostPickler
         with self._guard("joining the cluster (init_process_group)"):
             if dist.is_initialized():
                 if dist.get_rank() != rank or dist.get_world_size() != world_size:
@@ -476,28 +477,31 @@ class Collective:
 
     # --- control collectives (host, gloo) ----------------------------------------------------
     def all_gather_object(self, obj, what: str, group: str = "control") -> list:
-        """Every worker's ``obj`` (picklable), in worker order. On workers with accelerator devices its tensors
-        there travel through the host and arrive on this worker's device (not on the sender's device index,
-        which is another worker's GPU, or none, on this one)."""
+        """Every worker's ``obj`` (picklable), in worker order. A worker on an accelerator sends its object's
+        tensors there through the host (``host_bytes``), and every receiver puts them on its own first device
+        (not on the sender's device index, which is another worker's GPU, or none, on the receiver)."""
         if self._alone:
             return [obj]
+        sent = host_bytes(obj, self._pickler) if self._host_objects else obj  # (local work: outside the guard)
         with self._guard(what):
             out = [None] * self.world_size
-            sent = host_bytes(obj) if self._host_objects else obj
             dist.all_gather_object(out, sent, group=getattr(self, f"{group}_group"))
-            return [from_host_bytes(part, self.device) for part in out] if self._host_objects else out
+        return [self._received(part) for part in out]
 
     def broadcast_object(self, obj, what: str, group: str = "control"):
         """Worker 0's ``obj`` on every worker (worker 0 keeps its own object); its tensors on an accelerator
-        arrive on this worker's device, as in ``all_gather_object``."""
+        arrive on each receiver's device, as in ``all_gather_object``."""
         if self._alone:
             return obj
+        box = [host_bytes(obj, self._pickler) if self._host_objects and self.rank == 0 else obj]
         with self._guard(what):
-            box = [host_bytes(obj) if self._host_objects and self.rank == 0 else obj]
             dist.broadcast_object_list(box, src=0, group=getattr(self, f"{group}_group"))
-            if self.rank == 0:
-                return obj
-            return from_host_bytes(box[0], self.device) if self._host_objects else box[0]
+        return obj if self.rank == 0 else self._received(box[0])
+
+    def _received(self, part):
+        """A part of an object collective as its sender meant it: ``host_bytes`` unpickled onto this worker's
+        device (a worker on an accelerator sent it, whatever this worker's device), anything else as it came."""
+        return from_host_bytes(part, self.device) if isinstance(part, _HostBytes) else part
 
     def all_gather_ints(self, values: list, what: str) -> list:
         """Every worker's integer vector (same length on all), in worker order, on the host."""
@@ -603,6 +607,11 @@ class _GatheredSum:
 _DEVICE_TENSOR = "replicafit: a tensor from an accelerator"
 
 
+class _HostBytes(bytes):
+    """An object pickled by ``host_bytes`` (what a worker on an accelerator sends): every receiver unpickles
+    it, a worker on the host too."""
+
+
 class _HostPickler(pickle.Pickler):
     """Pickles an object with each tensor that is not on the host as a host copy, marked: ``from_host_bytes``
     puts it on the receiver's device. (Plain pickling keeps a tensor's device, which the receiver's unpickling
@@ -614,7 +623,7 @@ class _HostPickler(pickle.Pickler):
         self._copy = None  # the host copy being pickled inside its marker (pickled as it is)
 
     def _off_host(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type != "cpu"
+        return tensor.device.type not in ("cpu", "meta")  # (a meta tensor has no data: it pickles as it is)
 
     def persistent_id(self, obj):
         if not isinstance(obj, torch.Tensor) or obj is self._copy:
@@ -625,7 +634,7 @@ class _HostPickler(pickle.Pickler):
         if not self._off_host(obj):
             return None
         self._copy = obj.detach().cpu()
-        marker = (_DEVICE_TENSOR, self._copy, obj.requires_grad)
+        marker = (_DEVICE_TENSOR, self._copy, obj.requires_grad, isinstance(obj, torch.nn.Parameter))
         self._marked[id(obj)] = (obj, marker)
         return marker
 
@@ -637,17 +646,20 @@ class _DeviceUnpickler(pickle.Unpickler):
         self._placed: dict = {}  # id(host copy) -> (host copy, the tensor on the device)
 
     def persistent_load(self, pid):
-        if not (isinstance(pid, tuple) and len(pid) == 3 and pid[0] == _DEVICE_TENSOR):
+        if not (isinstance(pid, tuple) and len(pid) == 4 and pid[0] == _DEVICE_TENSOR):
             raise pickle.UnpicklingError(f"unknown persistent id in an object from another worker: {pid!r}")
-        _, tensor, requires_grad = pid
+        _, tensor, requires_grad, parameter = pid
         placed = self._placed.get(id(tensor))
         if placed is None:
-            placed = self._placed[id(tensor)] = (tensor, tensor.to(self.device).requires_grad_(requires_grad))
+            value = tensor.to(self.device)
+            value = torch.nn.Parameter(value, requires_grad) if parameter else value.requires_grad_(requires_grad)
+            placed = self._placed[id(tensor)] = (tensor, value)
         return placed[1]
 
 
-def host_bytes(obj, pickler=_HostPickler) -> bytes:
-    """``obj`` pickled with its tensors off the host copied to it (marked, for ``from_host_bytes``).
+def host_bytes(obj, pickler=_HostPickler) -> _HostBytes:
+    """``obj`` pickled with its tensors off the host copied to it (marked, for ``from_host_bytes``; a
+    ``Parameter`` stays one; Python attributes set on such a tensor are not kept).
 
     Example::
 
@@ -657,7 +669,7 @@ def host_bytes(obj, pickler=_HostPickler) -> bytes:
     """
     file = io.BytesIO()
     pickler(file).dump(obj)
-    return file.getvalue()
+    return _HostBytes(file.getvalue())
 
 
 def from_host_bytes(data: bytes, device) -> object:

@@ -29,8 +29,12 @@ def gather_replica_states(strategy, variables: dict) -> dict:
 
         gather_replica_states(strategy, {"accuracy/total": variable})  # {"accuracy/total": [t0, t1]}
     """
+    crossing = strategy.cluster.num_workers > 1  # (then host copies: what a file keeps, not every worker's GPU)
     own = {
-        key: [c.value().detach().clone() for c in strategy.experimental_local_results(variable)]
+        key: [
+            c.value().detach().to("cpu", copy=True) if crossing else c.value().detach().clone()
+            for c in strategy.experimental_local_results(variable)
+        ]
         for key, variable in variables.items()
     }
     parts = strategy.cluster.all_gather(own)  # every worker's replicas, in order

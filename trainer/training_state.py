@@ -349,7 +349,10 @@ class TrainingState:
             window = dict(window, denominator=count)
             state = dict(state, accumulation=window)
         if window is not None and cluster.num_workers > 1 and not window["aggregated"] and not _whole(window):
-            parts = cluster.all_gather(window["gradients"])  # every worker's replicas, in order
+            # Every worker's replicas, in order; host copies: they go to a file, and model-sized sums from every
+            # replica on a worker's first GPU could run it out of memory.
+            own = {key: [t.detach().cpu() for t in sums] for key, sums in window["gradients"].items()}
+            parts = cluster.all_gather(own)
             gradients = {key: [t for part in parts for t in part[key]] for key in parts[0]}
             window = dict(window, gradients=gradients, first_replica=0)  # every replica's sums, from replica 0 on
             state = dict(state, accumulation=window)

@@ -156,6 +156,8 @@ def sharded_fit(rank, num_workers, port, scatter=None):
 def gpu_objects(rank, num_workers, port):
     """Objects holding GPU tensors broadcast and gathered by two workers sharing the GPU over gloo: where each
     one lands."""
+    from replicafit.strategies.collective import from_host_bytes, host_bytes
+
     resolver = ds.SimpleClusterResolver(num_workers, rank, "127.0.0.1", port, devices=[GPU])
     options = ds.CommunicationOptions(timeout_seconds=60, implementation="RING")
     strategy = ds.MultiWorkerMirroredStrategy(options, resolver)
@@ -168,6 +170,8 @@ def gpu_objects(rank, num_workers, port):
         "host_objects": collective._host_objects,
         "gathered": [(g["rank"], g["state"].cpu(), str(g["state"].device), str(g["host"].device)) for g in gathered],
         "broadcast": (broadcast["rank"], broadcast["state"].cpu(), str(broadcast["state"].device)),
+        # (the receiver's device, not the sender's: both workers share one GPU above, so this tells them apart)
+        "onto_host": str(from_host_bytes(host_bytes(mine["state"]), "cpu").device),
     }
     strategy.cluster.barrier("end")
     return out

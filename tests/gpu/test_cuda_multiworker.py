@@ -48,6 +48,7 @@ def test_objects_with_gpu_tensors_arrive_on_each_workers_own_device():
             assert device.startswith(GPU_TYPE) and host == "cpu"
         rank, state, device = got["broadcast"]
         assert rank == 0 and torch.equal(state, torch.zeros(3)) and device.startswith(GPU_TYPE)
+        assert got["onto_host"] == "cpu"
 
 
 @cuda_only

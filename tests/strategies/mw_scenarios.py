@@ -322,13 +322,21 @@ def small_sums(rank, num_workers, port, implementation="AUTO"):
     return out
 
 
-def host_objects(rank, num_workers, port):
+def host_objects(rank, num_workers, port, host_workers=()):
     """Object collectives the way workers on accelerators make them (``_host_objects``, forced on the CPU):
-    pickled to bytes with tensors off the host marked, unpickled on this worker's device."""
+    pickled to bytes, float64 tensors standing in for the accelerator's (marked), unpickled on the receiver's
+    device; ``host_workers``: these workers make them as workers on the host do (a cluster of both kinds)."""
+    from replicafit.strategies import collective as module
+
+    class Marked(module._HostPickler):
+        def _off_host(self, tensor):
+            return tensor.dtype == torch.float64
+
     strategy = strategy_for(rank, num_workers, port)
     collective = strategy.extended._collective
-    collective._host_objects = True
-    mine = {"rank": rank, "values": [torch.full((2,), float(rank)), torch.arange(rank + 1)]}
+    collective._host_objects, collective._pickler = rank not in host_workers, Marked
+    marked = torch.full((2,), float(rank), dtype=torch.float64)
+    mine = {"rank": rank, "values": [marked, torch.arange(rank + 1)], "again": marked}
     broadcast = collective.broadcast_object(mine, "an object")
     out = {
         "gathered": collective.all_gather_object(mine, "objects"),

@@ -179,6 +179,11 @@ def test_objects_carry_tensors_off_the_host_as_host_copies_for_the_receivers_dev
     assert marked.device.type == "meta" and doubled.device.type == "meta"  # on the receiver's device
     assert marked.requires_grad and not doubled.requires_grad and marked.dtype == torch.float64
     assert counts.device.type == "cpu" and torch.equal(counts, torch.arange(3))  # host tensors stay as they are
+    parameter = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    (back,) = collective.from_host_bytes(collective.host_bytes([parameter], Marked), "cpu")
+    assert isinstance(back, torch.nn.Parameter) and back.requires_grad and torch.equal(back, parameter)
+    (meta,) = collective.from_host_bytes(collective.host_bytes([torch.empty(2, device="meta")]), "cpu")
+    assert meta.device.type == "meta"  # no data to copy: pickled as it is
     twice = collective.from_host_bytes(collective.host_bytes([weights, {"again": weights}], Marked), "meta")
     assert twice[0] is twice[1]["again"]  # one tensor met twice arrives as one, as plain pickling keeps it
     plain = collective.from_host_bytes(collective.host_bytes(sent, Marked), "cpu")
@@ -193,16 +198,19 @@ def test_objects_carry_tensors_off_the_host_as_host_copies_for_the_receivers_dev
 
 
 @pytest.mark.timeout(120)
-def test_object_collectives_through_host_bytes_give_every_worker_the_objects():
-    """The bytes path that workers on accelerators take, forced on the CPU: the same objects, worker 0's
-    broadcast kept as its own object."""
-    outcomes = results(run_workers(SCENARIOS, "host_objects", 2, timeout=60))
+@pytest.mark.parametrize("host_workers", [(), (0,), (1,)], ids=["accelerators", "chief_on_host", "worker_on_host"])
+def test_object_collectives_through_host_bytes_give_every_worker_the_objects(host_workers):
+    """The bytes path that workers on accelerators take, forced on the CPU (float64 tensors standing in for
+    theirs, marked as they cross): the same objects, worker 0's broadcast kept as its own object; also where
+    one worker is on the host and sends its objects as they are (each receiver unpickles what was sent)."""
+    outcomes = results(run_workers(SCENARIOS, "host_objects", 2, timeout=60, kwargs={"host_workers": host_workers}))
     for rank, out in enumerate(outcomes):
         gathered = out["gathered"]
         assert [g["rank"] for g in gathered] == [0, 1]
         for worker, part in enumerate(gathered):
-            assert torch.equal(part["values"][0], torch.full((2,), float(worker)))
+            assert torch.equal(part["values"][0], torch.full((2,), float(worker), dtype=torch.float64))
             assert torch.equal(part["values"][1], torch.arange(worker + 1))
+            assert part["again"] is part["values"][0]
         assert out["broadcast"]["rank"] == 0 and torch.equal(out["broadcast"]["values"][1], torch.arange(1))
         assert out["kept_own"] == (rank == 0)
 
