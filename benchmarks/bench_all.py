@@ -37,7 +37,7 @@ the same where they are normal and not swollen by a stray round, as the medians 
 n >= (1.96 * sqrt(2) * 1.2533 * s / ln 1.05)^2 (1.2533 s / sqrt(n): the standard error of a median). To *detect* a
 true 5 % change 80 % of the time takes about twice as many rounds. A row that fails is said, and the others run.
 
-Run: python benchmarks/bench_all.py                       (every row; about 17 minutes on 2 cores)
+Run: python benchmarks/bench_all.py                       (every row; about 10 minutes on 2 cores)
      python benchmarks/bench_all.py --rows fit8 fit64 --rounds 15
      python benchmarks/bench_all.py --quick                (3 rounds a row: a smoke run, not figures)
      python benchmarks/bench_all.py --device cuda --rows fit8 fit64 mirrored8 mirrored64
