@@ -11,7 +11,8 @@ their ids), at several sizes: gloo's all-reduce (the reference: what DDP and ``C
 use) and one all-gather with a local sum in worker order (what ``AUTO`` uses up to
 ``Collective.gather_sum_bytes`` gathered). Each round times a block of ``--steps`` sums of every way, the order
 reversed every other round; a block's time is the slower worker's. It prints the medians, the median of the
-per-round ratios gathered / all-reduce, and which way ``AUTO`` takes at that size.
+per-round ratios gathered / all-reduce, and which way ``AUTO`` takes at that size; before timing, each size is
+summed both ways and compared (bit for bit on 2 workers, within rounding on more).
 
 Run: python benchmarks/bench_collectives.py [--repeats 30]
      python benchmarks/bench_collectives.py --workers 2 [--rounds 40] [--steps 10]
@@ -129,8 +130,15 @@ def sum_worker(rank: int, port: int, args, outdir: str) -> None:
             for _ in range(steps):
                 collective.wait_work(collective.start_all_reduce(buffer, "a sum"), "a sum")
 
-        for way in ways:
-            block(way, 3)  # warm-up
+        sums, source = {}, buffer.clone()
+        for way in ways:  # both ways give the same sum (bit for bit on 2 workers), then a warm-up
+            collective.gather_sum_bytes = ways[way]
+            sums[way] = source.clone()
+            collective.wait_work(collective.start_all_reduce(sums[way], "a checked sum"), "a checked sum")
+            block(way, 3)
+        if args.workers == 2 and not torch.equal(sums["all_reduce"], sums["gathered"]):
+            raise AssertionError(f"{kib} KiB: the gathered sum differs from the all-reduce's")
+        torch.testing.assert_close(sums["gathered"], sums["all_reduce"])
         for r in range(args.rounds):
             for way in list(ways) if r % 2 == 0 else list(ways)[::-1]:
                 strategy.cluster.barrier("a round")
